@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_dflash import _ext
-from jax_dflash._shapes import check_update
+from jax_dflash._shapes import check_pages_per_slot, check_update
 
 POOL_OPERAND = 2  # past_key_value; output 0 aliases it
 
@@ -71,7 +71,8 @@ def target_kv_cache_update(
     """
     return target_kv_cache_update_p.bind(
         k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-        pages_per_slot=pages_per_slot,
+        # Checked before binding: primitive caches treat 2.0 and 2 as the same parameter.
+        pages_per_slot=check_pages_per_slot(pages_per_slot),
     )
 
 
@@ -111,9 +112,9 @@ _BASE_RANKS = (4, 4, 5, 3, 1, 1)
 
 
 def _batching_rule(args, dims, *, pages_per_slot):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
-    args = [x if d is batching.not_mapped else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-    mapped = [d is not batching.not_mapped for d in dims]
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    mapped = [d is not None for d in dims]
     already_layered = args[POOL_OPERAND].ndim == 6 if not mapped[POOL_OPERAND] else (
         args[POOL_OPERAND].ndim == 7)
     if already_layered:

@@ -6,6 +6,7 @@
 #include "ffi_params.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
+#include "nanobind/stl/string.h"
 
 namespace nb = nanobind;
 
