@@ -1,6 +1,6 @@
-// The CUDA kernel of the update. One thread owns one vector of VEC channels of one head of one
-// token for both K and V: it loads k, (for rotary channels) the partner vector of the rotate-half
-// pair and the cos/sin entries, and v; it writes the K row and the V row of the pool.
+// The CUDA kernel of the update. One thread owns one work item of one head of one token, for K
+// and V alike: a rotate-half pair of VEC-channel vectors (channels c and c + R/2, so each key
+// element is read once and each cos/sin entry once per head), or one pass-through vector past R.
 #include "dflash/kv_update_cuda.h"
 
 #include <cuda_bf16.h>
@@ -39,81 +39,159 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
-// Launch geometry: blockDim.x threads cover (part of) one token's H * D / VEC vectors,
-// blockDim.y tokens share a block, grid.y splits very wide tokens.
+// The machine word of a Pack, for the cache-hinted load/store intrinsics.
+template <int BYTES> struct Word;
+template <> struct Word<16> { using type = uint4; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<4> { using type = unsigned int; };
+template <> struct Word<2> { using type = unsigned short; };
+
+// Streaming store: the pool rows are not read again by this kernel.
+template <typename P>
+__device__ __forceinline__ void store_streaming(void* ptr, P const& pack) {
+  using W = typename Word<sizeof(P)>::type;
+  __stcs(static_cast<W*>(ptr), *reinterpret_cast<W const*>(&pack));
+}
+
+// Launch geometry. A head row of D channels is cut into work items of VEC channels: the first
+// R / (2 VEC) items each own a rotate-half pair (channels c and c + R/2), the rest own one
+// pass-through vector. blockDim.x threads cover (part of) one token's items, blockDim.y tokens
+// share a block, grid.y splits very wide tokens.
 struct Geometry {
-  int64_t tokens;          // num_layers * B * L
-  int32_t row_vectors;     // H * D / VEC
-  int32_t head_vectors;    // D / VEC
+  uint32_t tokens;          // num_layers * B * L
+  uint32_t head_items;      // R / (2 VEC) + (D - R) / VEC
+  uint32_t pair_items;      // R / (2 VEC)
+  uint32_t token_items;     // H * head_items
+  bool rope_float4;         // cos/sin rows can be read 16 bytes at a time
 };
+
+template <int VEC>
+__device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin, bool float4_ok,
+                                             float (&c)[VEC], float (&s)[VEC]) {
+  if constexpr (VEC % 4 == 0) {
+    if (float4_ok) {
+#pragma unroll
+      for (int i = 0; i < VEC; i += 4) {
+        float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
+        float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
+        c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+        s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
+}
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256) target_kv_cache_update_kernel(KVUpdateParams p, Geometry g) {
-  int64_t const token = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  int32_t const lane = int32_t(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (token >= g.tokens || lane >= g.row_vectors) return;
+  uint32_t const token = blockIdx.x * blockDim.y + threadIdx.y;
+  uint32_t const item = blockIdx.y * blockDim.x + threadIdx.x;
+  if (token >= g.tokens || item >= g.token_items) return;
 
-  int64_t const t = token % p.delta_len;
-  int64_t const layer_b = token / p.delta_len;
-  int64_t const b = layer_b % p.batch;
-  int64_t const layer = layer_b / p.batch;
-
-  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
-  int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));
-  int64_t const pos = written_position(start, length, t, slot_capacity(p));
-  if (pos < 0) return;
-
-  int32_t const h = lane / g.head_vectors;
-  int32_t const channel = (lane - h * g.head_vectors) * VEC;
-  int64_t const src = delta_token_offset(p, layer, b, t) + int64_t(h) * p.head_dim + channel;
-  int64_t const dst = layer * pool_layer_elems(p) + pool_token_offset(p, b, pos) +
-                      int64_t(h) * p.head_dim + channel;
+  // 32-bit index math (the launcher checks the sizes fit): 64-bit divisions cost more than
+  // the whole memory access at decode sizes.
+  uint32_t const delta_len = uint32_t(p.delta_len), batch = uint32_t(p.batch);
+  uint32_t const layer_b = token / delta_len;
+  uint32_t const t = token - layer_b * delta_len;
+  uint32_t const layer = layer_b / batch;
+  uint32_t const b = layer_b - layer * batch;
+  uint32_t const h = item / g.head_items;
+  uint32_t const head_item = item - h * g.head_items;
+  bool const pair = head_item < g.pair_items;
+  int64_t const half = p.rotary_dim / 2;
+  // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
+  int64_t const channel = pair ? int64_t(head_item) * VEC
+                               : p.rotary_dim + int64_t(head_item - g.pair_items) * VEC;
+  int64_t const head_offset = int64_t(h) * p.head_dim + channel;
+  int64_t const src = delta_token_offset(p, layer, b, t) + head_offset;
 
   using P = Pack<T, VEC>;
   T const* k_delta = static_cast<T const*>(p.k_delta);
   T const* v_delta = static_cast<T const*>(p.v_delta);
-  T* pool = static_cast<T*>(p.pool);
 
-  P const v = *reinterpret_cast<P const*>(v_delta + src);
-  P k = *reinterpret_cast<P const*>(k_delta + src);
-  if (channel < p.rotary_dim && pos < p.rope_seq_len) {
-    int64_t const half = p.rotary_dim / 2;
-    bool const first_half = channel < half;
-    int64_t const partner_offset = first_half ? half : -half;
-    int64_t const pair_index = first_half ? channel : channel - half;
-    P const partner = *reinterpret_cast<P const*>(k_delta + src + partner_offset);
-    float const* cos_sin = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + pair_index;
+  // Issue every load that does not depend on the runtime positions before waiting for them:
+  // the delta rows are always in bounds, whatever the positions say.
+  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+  int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));
+  // Plain (cached) loads: at decode the deltas were just written by the projection and are
+  // likely still in L2; evict-first loads measured slower there (BENCHMARKS.md, kernel notes).
+  P k0 = *reinterpret_cast<P const*>(k_delta + src);
+  P const v0 = *reinterpret_cast<P const*>(v_delta + src);
+  P k1, v1;
+  if (pair) {
+    k1 = *reinterpret_cast<P const*>(k_delta + src + half);
+    v1 = *reinterpret_cast<P const*>(v_delta + src + half);
+  }
+
+  int64_t const pos = written_position(start, length, t, slot_capacity(p));
+  if (pos < 0) return;
+
+  if (pair && pos < p.rope_seq_len) {
+    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
+    float c[VEC], s[VEC];
+    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      float const c = __ldg(cos_sin + i);
-      float const s = __ldg(cos_sin + half + i);
-      k.v[i] = from_float<T>(
-          rope_channel(to_float(k.v[i]), to_float(partner.v[i]), c, s, first_half));
+      float const x0 = to_float(k0.v[i]), x1 = to_float(k1.v[i]);
+      k0.v[i] = from_float<T>(rope_channel(x0, x1, c[i], s[i], /*first_half=*/true));
+      k1.v[i] = from_float<T>(rope_channel(x1, x0, c[i], s[i], /*first_half=*/false));
     }
   }
-  *reinterpret_cast<P*>(pool + dst) = k;
-  *reinterpret_cast<P*>(pool + pool_plane_elems(p) + dst) = v;
+  T* k_plane = static_cast<T*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+  T* v_plane = k_plane + pool_plane_elems(p);
+  int64_t const dst = pool_token_offset(p, b, pos) + head_offset;
+  store_streaming(k_plane + dst, k0);
+  store_streaming(v_plane + dst, v0);
+  if (pair) {
+    store_streaming(k_plane + dst + half, k1);
+    store_streaming(v_plane + dst + half, v1);
+  }
 }
 
 bool aligned(void const* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
+int multiprocessor_count() {
+  static int const count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      sms = 132;
+    return sms;
+  }();
+  return count;
+}
+
 template <typename T, int VEC>
 cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
+  int64_t const tokens = p.num_layers * p.batch * p.delta_len;
+  int64_t const head_items = p.rotary_dim / (2 * VEC) + (p.head_dim - p.rotary_dim) / VEC;
+  int64_t const token_items = p.num_kv_heads * head_items;
+  if (tokens >= (int64_t(1) << 31) || token_items >= (int64_t(1) << 31))
+    return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   Geometry g;
-  g.tokens = p.num_layers * p.batch * p.delta_len;
-  g.head_vectors = int32_t(p.head_dim / VEC);
-  g.row_vectors = int32_t(p.num_kv_heads * g.head_vectors);
+  g.tokens = uint32_t(tokens);
+  g.head_items = uint32_t(head_items);
+  g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
+  g.token_items = uint32_t(token_items);
+  g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   constexpr int kBlockThreads = 256;
   dim3 block, grid;
-  if (g.row_vectors >= kBlockThreads) {
+  if (g.token_items >= kBlockThreads) {
     block = dim3(kBlockThreads, 1);
-    grid = dim3(unsigned(g.tokens), unsigned((g.row_vectors + kBlockThreads - 1) / kBlockThreads));
+    grid = dim3(g.tokens, (g.token_items + kBlockThreads - 1) / kBlockThreads);
   } else {
-    int const tokens_per_block = std::max(1, kBlockThreads / g.row_vectors);
-    block = dim3(unsigned(g.row_vectors), unsigned(tokens_per_block));
-    grid = dim3(unsigned((g.tokens + tokens_per_block - 1) / tokens_per_block), 1);
+    // Several tokens per block, but small updates (decode) spread over every multiprocessor:
+    // there, latency, not bandwidth, sets the time.
+    int64_t const max_per_block = std::max<int64_t>(1, kBlockThreads / g.token_items);
+    int64_t const blocks_wanted = 2 * int64_t(multiprocessor_count());
+    int64_t const spread = (tokens + blocks_wanted - 1) / blocks_wanted;
+    int64_t const tokens_per_block = std::max<int64_t>(1, std::min(max_per_block, spread));
+    block = dim3(g.token_items, unsigned(tokens_per_block));
+    grid = dim3(unsigned((tokens + tokens_per_block - 1) / tokens_per_block), 1);
   }
   target_kv_cache_update_kernel<T, VEC><<<grid, block, 0, stream>>>(p, g);
   return cudaGetLastError();
