@@ -251,3 +251,31 @@ def test_cpu_extension_numpy_entry_point_matches_reference():
             as_bits(problem.k_delta), as_bits(problem.v_delta), as_bits(pool), problem.rope_cos_sin,
             problem.delta_start_positions, problem.delta_lengths, problem.pages_per_slot, str(dtype))
         assert_bits_equal(pool, expected(problem))
+
+
+def test_portable_cpu_path_matches_reference():
+    """The CPU kernel's portable conversions (used without AVX2/F16C) give the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    script = r"""
+import functools, numpy as np, jax, jax_dflash
+from conftest import DTYPES, make_problem, assert_bits_equal
+from jax_dflash import reference
+rng = np.random.default_rng(0)
+for dtype in DTYPES:
+    for head_dim, rotary_dim in ((128, 128), (20, 12), (9, 6)):
+        p = make_problem(rng, batch=3, delta_len=5, heads=2, head_dim=head_dim,
+                         rotary_dim=rotary_dim, dtype=dtype)
+        out = jax.jit(functools.partial(jax_dflash.target_kv_cache_update,
+                                        pages_per_slot=p.pages_per_slot))(*p.args())
+        assert_bits_equal(out, reference.target_kv_cache_update(
+            *p.args(), pages_per_slot=p.pages_per_slot))
+print("portable ok")
+"""
+    env = dict(os.environ, JAX_DFLASH_CPU_PORTABLE="1", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, cwd=os.path.dirname(__file__), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "portable ok" in result.stdout
