@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import batching
 
-from jax_dflash import _ext
+from jax_dflash import _ext, sharding
 from jax_dflash._shapes import check_pages_per_slot, check_update
 
 POOL_OPERAND = 2  # past_key_value; output 0 aliases it
@@ -64,6 +64,11 @@ def target_kv_cache_update(
     own buffer and the compiled program holds no copy of it. Without donation XLA must keep the
     caller's pool intact, so it copies the pool first (one pool-sized copy per call).
 
+    Sharded: under ``jax.jit`` with ``NamedSharding`` operands, a pool split on its KV heads,
+    in whole slots (then ``B * pages_per_slot == numPages``) and/or on layers is updated per
+    shard with no communication; the output keeps the pool's sharding. Other splits of the pool
+    are a compile-time error. See ``jax_dflash.sharding``.
+
     Raises:
       TypeError, ValueError: at trace time, naming the argument, what was expected and what was
         given. Runtime data (positions, lengths) is never trusted: values that point outside the
@@ -101,8 +106,8 @@ def _lowering(platform):
     return rule
 
 
-mlir.register_lowering(target_kv_cache_update_p, _lowering("cpu"), platform="cpu")
-mlir.register_lowering(target_kv_cache_update_p, _lowering("cuda"), platform="cuda")
+# Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
+sharding.register_lowerings(target_kv_cache_update_p, _lowering, platforms=("cpu", "cuda"))
 
 
 # ---- batching: vmap over layers becomes the layer-batched form ---------------------------------

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One GPU session on the H200, in one call: build, test, benchmark, sanitizer.
+#
+#   tools/gpu_session.sh                         # all stages: info build extras test flashinfer bench sanitize
+#   tools/gpu_session.sh build bench             # only these stages, in this order
+#
+# Every stage runs even when an earlier one failed (a failed build makes the later ones fail
+# too, loudly); each stage's output is tee'd to $OUT/<stage>.log, and a summary of exit codes
+# and durations ends the run (also in $OUT/summary.txt). Exit status: 0 when every stage passed.
+#
+# Environment: OUT (where logs and results go; default /tmp/gpu_session_out), PYTHON (python3),
+# BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"),
+# <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=120,
+# BENCH_TIMEOUT=300, SANITIZE_TIMEOUT=240).
+# Carry to the GPU machine: .whl/ (the FlashInfer sdist, and the nvidia-cuda-sanitizer-api wheel
+# used when the image has no compute-sanitizer) and .deps/ (TensorRT headers), both ignored by
+# git. Nothing here needs the network.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/gpu_session_out}
+PY=${PYTHON:-python3}
+FI_SDIST=.whl/flashinfer_python-0.2.8.tar.gz
+FI_DIR=/tmp/fi
+mkdir -p "$OUT"
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+if [ -d "$FI_DIR/flashinfer" ]; then export PYTHONPATH="$FI_DIR${PYTHONPATH:+:$PYTHONPATH}"; fi
+if [ -d /tmp/extras ]; then export PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}"; fi
+
+stage_info() {
+  nvidia-smi || true
+  nvcc --version | tail -2 || true
+  "$PY" -c 'import sys, jax, numpy; print(sys.version); print("jax", jax.__version__, jax.devices())'
+  "$PY" -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())' || true
+  if [ -f .deps/tensorrt/include/NvInferRuntime.h ]; then
+    echo "TensorRT headers: .deps/tensorrt/include (the plugin will be built)"
+  else
+    echo "TensorRT headers: missing (.deps not carried?): the TensorRT plugin will be skipped"
+  fi
+  if [ -f "$FI_SDIST" ]; then echo "FlashInfer sdist: $FI_SDIST"; else echo "FlashInfer sdist: missing"; fi
+}
+
+stage_build() {
+  "$PY" -m pip install --no-build-isolation --no-deps -e . &&
+    "$PY" -c 'import jax_dflash._dflash_cuda as m; print("CUDA extension:", m.__file__)'
+}
+
+# The carried wheels the tests use where present: TensorRT 11.4 lean runtime (plugin registry
+# test), jax2onnx + onnx-ir (export tests). Installed --no-deps into /tmp/extras.
+stage_extras() {
+  local wheels
+  wheels=$(ls .whl/tensorrt_lean_cu13_*.whl .whl/jax2onnx-*.whl .whl/onnx_ir-*.whl 2>/dev/null)
+  if [ -z "$wheels" ]; then echo "no extra wheels carried"; return 0; fi
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/extras $wheels &&
+    PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import tensorrt_lean as t; print("tensorrt_lean", t.__version__)'
+}
+
+stage_test() {
+  "$PY" -m pytest -q -ra
+}
+
+stage_flashinfer() {
+  if [ -d "$FI_DIR/flashinfer" ]; then echo "FlashInfer already in $FI_DIR"; return 0; fi
+  if [ ! -f "$FI_SDIST" ]; then
+    echo "no $FI_SDIST: carry .whl/ (pip download --no-deps --no-binary :all: flashinfer-python==0.2.8)"
+    return 1
+  fi
+  "$PY" -m pip install --no-deps --no-build-isolation --target "$FI_DIR" "$FI_SDIST" &&
+    export PYTHONPATH="$FI_DIR${PYTHONPATH:+:$PYTHONPATH}" &&
+    "$PY" -c 'import flashinfer; print("flashinfer", flashinfer.__version__, flashinfer.__file__)'
+}
+
+stage_bench() {
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of words on purpose
+  "$PY" bench/bench_kv_update.py --backend gpu --out "$OUT/bench_results" ${BENCH_ARGS:-}
+}
+
+find_sanitizer() {
+  local c
+  for c in "$(command -v compute-sanitizer || true)" /usr/local/cuda/bin/compute-sanitizer \
+           /usr/local/cuda/compute-sanitizer/compute-sanitizer /tmp/sanitizer/nvidia/cu13/bin/compute-sanitizer; do
+    if [ -n "$c" ] && [ -x "$c" ]; then echo "$c"; return 0; fi
+  done
+  # Not in this CUDA image: the carried PyPI wheel nvidia-cuda-sanitizer-api (it holds the tool).
+  local wheel
+  wheel=$(ls .whl/nvidia_cuda_sanitizer_api-*.whl 2>/dev/null | head -1)
+  if [ -n "$wheel" ]; then
+    rm -rf /tmp/sanitizer && mkdir -p /tmp/sanitizer &&
+      "$PY" -m zipfile -e "$wheel" /tmp/sanitizer &&
+      chmod +x /tmp/sanitizer/nvidia/cu13/bin/compute-sanitizer &&
+      echo /tmp/sanitizer/nvidia/cu13/bin/compute-sanitizer && return 0
+  fi
+  return 1
+}
+
+stage_sanitize() {
+  local sanitizer
+  if ! sanitizer=$(find_sanitizer); then
+    echo "compute-sanitizer not found, and no .whl/nvidia_cuda_sanitizer_api-*.whl to unpack"
+    return 1
+  fi
+  "$sanitizer" --version | tail -1
+  "$sanitizer" --tool memcheck --error-exitcode 9 --print-limit 50 \
+    "$PY" bench/sanitize_hostile.py
+}
+
+declare -A RC SECONDS_TAKEN
+declare -a ORDER
+run_stage() {
+  local name=$1 limit_var start status
+  limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=120 [bench]=300 [sanitize]=240)
+  local limit=${!limit_var:-${defaults[$name]}}
+  echo "=================== $name (limit ${limit} s) ==================="
+  start=$(date +%s)
+  # A subshell per stage, so that `timeout` can run it; exports it makes (PYTHONPATH) are
+  # repeated at the top of this script for later stages.
+  export -f "stage_$name" find_sanitizer
+  export PY FI_SDIST FI_DIR
+  timeout --kill-after=10 "$limit" bash -c "set -o pipefail; stage_$name" 2>&1 | tee "$OUT/$name.log"
+  status=$?
+  if [ "$status" -eq 124 ]; then echo "$name: TIMED OUT after ${limit} s" | tee -a "$OUT/$name.log"; fi
+  if [ "$name" = extras ] && [ -d /tmp/extras ]; then
+    case ":${PYTHONPATH:-}:" in *":/tmp/extras:"*) ;; *) export PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}";; esac
+  fi
+  if [ "$name" = flashinfer ] && [ -d "$FI_DIR/flashinfer" ]; then
+    case ":${PYTHONPATH:-}:" in *":$FI_DIR:"*) ;; *) export PYTHONPATH="$FI_DIR${PYTHONPATH:+:$PYTHONPATH}";; esac
+  fi
+  RC[$name]=$status
+  SECONDS_TAKEN[$name]=$(( $(date +%s) - start ))
+  ORDER+=("$name")
+  echo "=================== $name: exit $status, ${SECONDS_TAKEN[$name]} s ==================="
+}
+
+stages=("$@")
+if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test flashinfer bench sanitize); fi
+for s in "${stages[@]}"; do
+  case "$s" in
+    info|build|extras|test|flashinfer|bench|sanitize) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, flashinfer, bench or sanitize"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+  esac
+done
+
+failed=0
+{
+  echo "summary ($(date -u +%FT%TZ)):"
+  for s in "${ORDER[@]}"; do
+    printf '  %-11s exit %-3s %5s s\n' "$s" "${RC[$s]}" "${SECONDS_TAKEN[$s]}"
+    [ "${RC[$s]}" -eq 0 ] || failed=1
+  done
+  echo "logs and results in $OUT"
+} | tee "$OUT/summary.txt"
+# The pipe above runs in a subshell: recompute the status here.
+for s in "${ORDER[@]}"; do [ "${RC[$s]}" -eq 0 ] || failed=1; done
+exit $failed

@@ -1,0 +1,166 @@
+// The TensorRT IPluginV3 plugin of the DFlash target KV-cache update (../SPEC.md; the seed's
+// documentation is in seed/DFlashTargetKVCacheUpdatePlugin.txt).
+//
+// Inputs:  0 k_delta [B, L, H, D]      1 v_delta [B, L, H, D]      (fp16, bf16 or fp32)
+//          2 past_key_value [2, numPages, 128, H, D] paged pool (K/V split outermost, same dtype)
+//          3 rope_cos_sin [Rb, S, R] fp32 (Rb is 1 or B, S <= cap)
+//          4 delta_start_positions [B] int32     5 delta_lengths [B] int32
+// Output:  0 present_key_value: the pool itself (aliased to input 2, updated in place).
+// maxBatch = numPages / pages_per_slot and cap = pages_per_slot * 128 are recovered at enqueue
+// from the pool's dim 1 and the pages_per_slot field (a build-time fact; see setPagesPerSlot()).
+//
+// enqueue fills dflash::KVUpdateParams and calls dflash::launch_target_kv_cache_update, the same
+// launcher the JAX (XLA FFI) handler calls: there is no second kernel.
+#pragma once
+
+#include <NvInferRuntime.h>
+
+#include <cstdint>
+#include <string>
+
+#define DFLASH_TRT_API __attribute__((visibility("default")))
+
+namespace dflash::trt {
+
+// Plugin identity and the serialized field, as TensorRT, the ONNX parser and engines see them.
+inline constexpr char const* kPLUGIN_NAME = "DFlashTargetKVCacheUpdate";
+inline constexpr char const* kPLUGIN_VERSION = "1";
+inline constexpr char const* kPAGES_PER_SLOT_FIELD = "pages_per_slot";
+// Tokens per page of the pool (dim 2 of past_key_value), fixed by the TensorRT contract.
+inline constexpr int32_t kTOKENS_PER_PAGE = 128;
+
+inline constexpr int32_t kNB_INPUTS = 6;
+inline constexpr int32_t kNB_OUTPUTS = 1;
+
+// Positions in the inOut arrays TensorRT hands to supportsFormatCombination (inputs, then outputs).
+enum TensorPosition : int32_t {
+  kK_DELTA = 0,
+  kV_DELTA = 1,
+  kPAST_KEY_VALUE = 2,
+  kROPE_COS_SIN = 3,
+  kDELTA_START_POSITIONS = 4,
+  kDELTA_LENGTHS = 5,
+  kPRESENT_KEY_VALUE = 6,
+};
+inline constexpr int32_t kNB_TENSORS = kNB_INPUTS + kNB_OUTPUTS;
+
+// The value of an error return (TensorRT only distinguishes 0 from non-zero).
+inline constexpr int32_t kSTATUS_SUCCESS = 0;
+inline constexpr int32_t kSTATUS_FAILURE = -1;
+
+class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV3,
+                                                       public nvinfer1::IPluginV3OneCore,
+                                                       public nvinfer1::IPluginV3OneBuildV2,
+                                                       public nvinfer1::IPluginV3OneRuntime {
+ public:
+  explicit DFlashTargetKVCacheUpdatePlugin(std::string const& name);
+  // Reads the fields (only pages_per_slot is known). Throws std::invalid_argument on a bad field;
+  // the creator catches it and returns nullptr with a logged message.
+  DFlashTargetKVCacheUpdatePlugin(std::string const& name, nvinfer1::PluginFieldCollection const* fc);
+  DFlashTargetKVCacheUpdatePlugin() = delete;
+  DFlashTargetKVCacheUpdatePlugin(DFlashTargetKVCacheUpdatePlugin const&) = delete;
+  ~DFlashTargetKVCacheUpdatePlugin() override = default;
+
+  // IPluginV3
+  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+  nvinfer1::IPluginV3* clone() noexcept override;
+
+  // IPluginV3OneCore
+  char const* getPluginName() const noexcept override;
+  char const* getPluginVersion() const noexcept override;
+  char const* getPluginNamespace() const noexcept override;
+
+  // IPluginV3OneBuildV2
+  int32_t getNbOutputs() const noexcept override;
+  int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+                             nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+  int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+                          nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs,
+                          nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+                          nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+  bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut,
+                                 int32_t nbInputs, int32_t nbOutputs) noexcept override;
+  int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                          nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+  size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                          nvinfer1::DynamicPluginTensorDesc const* outputs,
+                          int32_t nbOutputs) const noexcept override;
+  int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+
+  // IPluginV3OneRuntime
+  int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+                  void const* const* inputs, void* const* outputs, void* workspace,
+                  cudaStream_t stream) noexcept override;
+  int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
+                        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+  nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+  nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+  void setPluginNamespace(char const* pluginNamespace) noexcept;
+  // The pool's pages per slot (cap / kTOKENS_PER_PAGE): not derivable from the pool binding, whose
+  // dim 1 is numPages = maxBatch * pagesPerSlot. Carried by clone() and getFieldsToSerialize().
+  void setPagesPerSlot(int32_t pagesPerSlot) noexcept;
+  int32_t pagesPerSlot() const noexcept { return mPagesPerSlot; }
+
+ private:
+  // Logs `message` as an error of `function` (and reports it to the context's error recorder
+  // when attached); returns kSTATUS_FAILURE.
+  int32_t fail(char const* function, std::string const& message) const noexcept;
+
+  std::string mName;
+  std::string mNamespace;
+  int32_t mPagesPerSlot{0};  // 0: not set yet
+  nvinfer1::IErrorRecorder* mErrorRecorder{nullptr};
+  nvinfer1::PluginField mSerializedField;
+  nvinfer1::PluginFieldCollection mSerializedFields{};
+};
+
+class DFLASH_TRT_API DFlashTargetKVCacheUpdatePluginCreator : public nvinfer1::IPluginCreatorV3One {
+ public:
+  DFlashTargetKVCacheUpdatePluginCreator();
+  ~DFlashTargetKVCacheUpdatePluginCreator() override = default;
+
+  char const* getPluginName() const noexcept override;
+  char const* getPluginVersion() const noexcept override;
+  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+  char const* getPluginNamespace() const noexcept override;
+  void setPluginNamespace(char const* pluginNamespace) noexcept;
+  // kBUILD: pages_per_slot may be missing (set later with setPagesPerSlot()); kRUNTIME: required.
+  nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+                                    nvinfer1::TensorRTPhase phase) noexcept override;
+
+ private:
+  std::string mNamespace;
+  nvinfer1::PluginField mFieldNames[1];
+  nvinfer1::PluginFieldCollection mFieldCollection{};
+};
+
+// Where the plugin's messages go: an explicit logger, else the logger TensorRT's finder gives
+// (setLoggerFinder), else stderr for warnings and errors.
+void setPluginLogger(nvinfer1::ILogger* logger) noexcept;
+void setPluginLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept;
+void logMessage(nvinfer1::ILogger::Severity severity, std::string const& message) noexcept;
+
+}  // namespace dflash::trt
+
+// The shared library's C entry points.
+extern "C" {
+// IPluginRegistry::loadLibrary / trtexec --dynamicPlugins contract.
+DFLASH_TRT_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
+DFLASH_TRT_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
+
+// Registers a creator under `pluginNamespace` (nullptr means "") with `registry` (an
+// nvinfer1::IPluginRegistry* of the TensorRT major version this library was built against: see
+// getDFlashPluginTensorRTVersion()); `logger` (an nvinfer1::ILogger*, may be null) receives the
+// plugin's messages from then on. Returns false, with a logged message, on failure.
+DFLASH_TRT_API bool initDFlashPluginWithRegistry(void* registry, void* logger, char const* pluginNamespace);
+// The same with the process's TensorRT registry, found with dlsym("getPluginRegistry") in an
+// already loaded libnvinfer / libnvinfer_lean, so that this library links no TensorRT library.
+// Mirrors initLibNvInferPlugins(logger, namespace). Refuses (false, logged) a loaded TensorRT of
+// another major version than the headers'.
+DFLASH_TRT_API bool initDFlashPlugin(void* logger, char const* pluginNamespace);
+// NV_TENSORRT_VERSION of the headers this library was compiled with (e.g. 101401 for 10.14.1).
+DFLASH_TRT_API int32_t getDFlashPluginTensorRTVersion();
+// Sets (or, with nullptr, clears) the logger that receives the plugin's messages.
+DFLASH_TRT_API void setDFlashPluginLogger(void* logger);
+}
