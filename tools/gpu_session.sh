@@ -54,7 +54,7 @@ stage_extras() {
   if [ -z "$wheels" ]; then echo "no extra wheels carried"; return 0; fi
   # shellcheck disable=SC2086
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/extras $wheels &&
-    PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import tensorrt_lean as t; print("tensorrt_lean", t.__version__)'
+    PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import tensorrt_lean_bindings as t; print("tensorrt_lean_bindings", t.__version__)'
 }
 
 stage_test() {

@@ -1,0 +1,283 @@
+"""The ``jax-dflash`` command: help, a tiny checked run, --compare, check's parity self-test and
+every bad-flag exit path. Runs in-process (``cli.main``) except for the ``python -m`` entry."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jax_dflash import cli, presets, reference, workload
+from jax_dflash.presets import PRESETS
+
+
+def gpu_available() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def run_cli(capsys, *argv):
+    """(exit status, stdout, stderr); argparse's SystemExit becomes the status."""
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---- help ---------------------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_commands_and_presets(capsys):
+    status, out, _ = run_cli(capsys, "--help")
+    assert status == 0
+    for command in ("run", "check", "bench"):
+        assert command in out
+    for preset in PRESETS.values():
+        assert preset.name in out
+        assert preset.describe() in out
+
+
+def test_run_help_documents_every_flag_and_the_preset_shapes(capsys):
+    status, out, _ = run_cli(capsys, "run", "--help")
+    assert status == 0
+    for flag in ("--preset", "--backend", "--steps", "--batch", "--seed", "--accept", "--dtype",
+                 "--compare", "--no-check", "--json", "--no-progress"):
+        assert flag in out
+    assert "geometric:P" in out and "STOPS" in out  # the distribution and the capacity policy
+    for preset in PRESETS.values():
+        assert preset.describe() in out
+
+
+def test_check_help(capsys):
+    status, out, _ = run_cli(capsys, "check", "--help")
+    assert status == 0
+    assert "parity" in out and "--seed" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_dflash.benchmark") is None,
+                    reason="jax_dflash.benchmark is not in this tree yet")
+def test_bench_help_reaches_the_benchmark(capsys):
+    status, out, _ = run_cli(capsys, "bench", "--help")
+    assert status == 0
+    assert "usage:" in out and "--backend" in out
+
+
+def test_python_dash_m_entry_point():
+    done = subprocess.run([sys.executable, "-m", "jax_dflash", "run", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--preset" in done.stdout
+
+
+# ---- run ----------------------------------------------------------------------------------------
+
+
+def test_tiny_run_json_summary_and_check(capsys):
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "3", "--seed", "7",
+                               "--json", "--no-progress")
+    assert status == 0, err
+    summary = json.loads(out)  # stdout holds only the JSON; the table went to stderr
+    tiny = PRESETS["tiny"]
+    assert "dflash kernel" in err and "bit-exact vs reference" in err
+    assert summary["preset"] == "tiny" and summary["steps"] == 3 and summary["seed"] == 7
+    assert summary["batch"] == tiny.default_batch
+    assert summary["shape"]["pool_shape"] == list(tiny.pool_shape())
+    assert summary["shape"]["block_size"] == tiny.block_size
+    assert summary["capacity_policy"] == "stop"
+    # 1..block accepted per sequence and step.
+    steps_times_batch = 3 * tiny.default_batch
+    assert steps_times_batch <= summary["accepted_tokens"] <= steps_times_batch * tiny.block_size
+    [kernel] = summary["results"]
+    assert kernel["impl"] == "kernel" and kernel["steps"] == 3
+    assert kernel["check"] == "bit-exact" and kernel["mismatched_elements"] == 0
+    assert kernel["checked_elements"] == int(np.prod(tiny.pool_shape()))
+    assert kernel["steps_per_s"] > 0 and kernel["accepted_tokens_per_s"] > 0
+    assert kernel["update_share"] > 0 and kernel["update_gb_per_s"] > 0
+    assert summary["check_passed"] is True
+
+
+def test_run_compare_prints_both_and_writes_json_file(capsys, tmp_path):
+    path = tmp_path / "summary.json"
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "4", "--compare",
+                               "--dtype", "float16", "--json", str(path))
+    assert status == 0, err
+    assert "dflash kernel" in out and "jnp baseline" in out  # the table is on stdout here
+    assert "steps/s" in err  # the progress bar
+    summary = json.loads(path.read_text())
+    assert [r["impl"] for r in summary["results"]] == ["kernel", "baseline"]
+    kernel, base = summary["results"]
+    assert kernel["check"] == "bit-exact" and kernel["bit_exact_required"]
+    # The baseline is checked too, but only reported (XLA may round its RoPE differently).
+    assert base["check"] in ("bit-exact", "differs") and not base["bit_exact_required"]
+    assert summary["shape"]["dtype"] == "float16"
+    assert summary["check_passed"] is True
+
+
+def test_run_until_every_slot_is_full_stops_and_still_checks(capsys):
+    tiny = PRESETS["tiny"]
+    # fixed:8 for 16 steps = 128 tokens > the 64-token slots: every sequence stops.
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "16",
+                               "--accept", f"fixed:{tiny.block_size}", "--json", "--no-progress")
+    assert status == 0, err
+    summary = json.loads(out)
+    assert summary["sequences_stopped"] == tiny.default_batch
+    starts_bound = tiny.slot_capacity // 4  # initial positions are drawn from [0, capacity / 4]
+    assert (tiny.default_batch * (tiny.slot_capacity - starts_bound) <= summary["accepted_tokens"]
+            <= tiny.default_batch * tiny.slot_capacity)
+    assert summary["results"][0]["check"] == "bit-exact"
+
+
+def test_run_no_check(capsys):
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-check",
+                               "--json", "--no-progress")
+    assert status == 0, err
+    summary = json.loads(out)
+    assert summary["results"][0]["check"] == "skipped" and summary["check_passed"] is None
+
+
+def test_run_fails_when_the_pools_differ_from_the_reference(capsys, monkeypatch):
+    real = reference.target_kv_cache_update
+
+    def off_by_one_bit(*args, **kwargs):
+        expected = real(*args, **kwargs)
+        bits = expected.view(np.uint16)
+        bits.flat[0] ^= 1
+        return expected
+
+    monkeypatch.setattr(workload.reference, "target_kv_cache_update", off_by_one_bit)
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-progress")
+    assert status == 1
+    assert "FAILED" in out and "check FAILED" in err
+
+
+@pytest.mark.skipif(not gpu_available(), reason="no GPU in this JAX: runs on the H200")
+def test_run_on_gpu(capsys):
+    status, out, err = run_cli(capsys, "run", "--backend", "gpu", "--preset", "tiny",
+                               "--steps", "5", "--compare", "--json", "--no-progress")
+    assert status == 0, err
+    summary = json.loads(out)
+    assert summary["backend"] in ("gpu", "cuda")
+    assert summary["results"][0]["check"] == "bit-exact"
+
+
+# ---- bad flags ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["run", "--batch", "99"], "--batch 99 is larger than the pool's 16 slots"),
+    (["run", "--preset", "tiny", "--batch", "5"], "--batch 5 is larger than the pool's 4 slots"),
+    (["run", "--accept", "fixed:17"], "--accept fixed:N expects 1 <= N <= block size 16"),
+    (["run", "--accept", "fixed:x"], "--accept fixed:N expects 1 <= N <= block size 16"),
+    (["run", "--accept", "geometric:1.5"], "--accept geometric:P expects 0 <= P <= 1"),
+    (["run", "--accept", "poisson:3"], "--accept expects uniform | geometric:P"),
+])
+def test_impossible_runs_exit_2_with_one_line(capsys, argv, reason):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("jax-dflash: error: ")
+    assert reason in err
+    assert out == ""
+
+
+@pytest.mark.skipif(gpu_available(), reason="this JAX has a GPU, so --backend gpu is valid")
+def test_backend_gpu_without_a_gpu_exits_2(capsys):
+    status, _, err = run_cli(capsys, "run", "--backend", "gpu", "--preset", "tiny")
+    assert status == 2
+    assert err.count("\n") == 1 and "--backend gpu: JAX has no gpu device here" in err
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["run", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+    (["run", "--batch", "-3"], "argument --batch: expected an integer >= 1, got '-3'"),
+    (["run", "--batch", "many"], "argument --batch: expected an integer >= 1, got 'many'"),
+    (["run", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+    (["run", "--preset", "gpt-5"], "argument --preset: invalid choice: 'gpt-5'"),
+    (["run", "--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+    (["run", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["check", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
+    (["frobnicate"], "argument {run,check,bench}: invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required"),
+])
+def test_bad_flags_exit_2_with_a_reason(capsys, argv, reason):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2
+    last = err.strip().splitlines()[-1]  # argparse: the usage, then one line of reason
+    assert "error:" in last and reason in last
+    assert out == ""
+
+
+# ---- check --------------------------------------------------------------------------------------
+
+
+def test_check_reports_and_passes_parity_on_every_backend(capsys):
+    status, out, err = run_cli(capsys, "check")
+    assert status == 0, out + err
+    for line in ("default backend:", "CUDA extension:", "TensorRT plugin library:",
+                 "TensorRT runtime:", "parity: all cases bit-exact"):
+        assert line in out
+    backends = ["cpu", "gpu"] if gpu_available() else ["cpu"]
+    cases = len(cli.parity_cases(np.random.default_rng(0), np.dtype(np.float32)))
+    for backend in backends:
+        for dtype in presets.DTYPE_NAMES:
+            assert f"  {backend:<4} {dtype:<9} {cases}/{cases} cases bit-exact" in out
+
+
+def test_check_exits_1_when_parity_fails(capsys, monkeypatch):
+    real = reference.target_kv_cache_update
+
+    def wrong(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return -out  # flips the sign of every element: never bit-equal
+
+    monkeypatch.setattr(reference, "target_kv_cache_update", wrong)
+    status, out, _ = run_cli(capsys, "check")
+    assert status == 1
+    assert "parity: FAILED" in out and "elements differ" in out
+
+
+# ---- pieces -------------------------------------------------------------------------------------
+
+
+def test_accept_distributions_stay_in_range():
+    rng = np.random.default_rng(0)
+    block = 16
+    uniform = workload.parse_accept("uniform", block).sample(rng, (4000,), block)
+    assert uniform.min() == 1 and uniform.max() == block
+    never = workload.parse_accept("geometric:0", block).sample(rng, (100,), block)
+    always = workload.parse_accept("geometric:1", block).sample(rng, (100,), block)
+    assert (never == 1).all() and (always == block).all()
+    g = workload.parse_accept("geometric:0.8", block).sample(rng, (20000,), block)
+    assert 1 <= g.min() and g.max() <= block
+    assert abs(g.mean() - (1 - 0.8**block) / (1 - 0.8)) < 0.1  # truncated geometric mean
+    fixed = workload.parse_accept("fixed:3", block).sample(rng, (10,), block)
+    assert (fixed == 3).all()
+
+
+def test_schedule_stops_at_the_slot_capacity():
+    rng = np.random.default_rng(1)
+    accept = workload.parse_accept("uniform", 8)
+    s = workload.make_schedule(rng, accept, steps=40, batch=5, block_size=8, capacity=64)
+    ends = s.positions + s.lengths
+    assert (ends <= 64).all() and (s.lengths >= 0).all()
+    assert (s.starts + s.totals == 64).all() and s.stopped == 5
+    # Each step starts where the previous one ended: no position is written twice.
+    assert (s.positions[1:] == ends[:-1]).all()
+
+
+def test_compare_bits_counts_ulps():
+    one = np.float32(1.0)
+    a = np.array([one, np.nextafter(one, np.float32(2)), -0.0], np.float32)
+    e = np.array([one, one, 0.0], np.float32)
+    assert workload.compare_bits(a, e) == (2, 1)
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
+    assert workload.compare_bits(np.array([-tiny]), np.array([tiny])) == (1, 2)
