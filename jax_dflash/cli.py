@@ -399,7 +399,7 @@ def _tensorrt_report() -> tuple[str, str]:
 
     runtime_module = None
     errors = []
-    for name in ("tensorrt", "tensorrt_lean"):
+    for name in ("tensorrt", "tensorrt_lean", "tensorrt_lean_bindings"):
         try:
             runtime_module = importlib.import_module(name)
             break
@@ -408,7 +408,7 @@ def _tensorrt_report() -> tuple[str, str]:
                           else None)
     if runtime_module is None:
         extra = "; ".join(e for e in errors if e)
-        return library, "not installed (neither tensorrt nor tensorrt_lean imports" + (
+        return library, "not installed (none of tensorrt, tensorrt_lean, tensorrt_lean_bindings imports" + (
             f"; {extra})" if extra else ")")
     runtime = f"{runtime_module.__name__} {getattr(runtime_module, '__version__', '?')}"
     if path is None:
