@@ -1,7 +1,7 @@
 // The DFlash target KV-cache update: parameters, layout math, RoPE step and guards.
 //
 // This header is the one place that says where token t of sequence b lands in the paged pool
-// and what is written there (../../SPEC.md, mirrored in jax_dflash/reference.py). The CPU
+// and what is written there (docs/SPEC.md, mirrored in jax_dflash/reference.py). The CPU
 // implementation, the CUDA kernel, the XLA FFI handlers and the TensorRT plugin all include it.
 #pragma once
 
