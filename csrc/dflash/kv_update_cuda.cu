@@ -85,7 +85,7 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
 }
 
 template <typename T, int VEC>
-__global__ void __launch_bounds__(256) target_kv_cache_update_kernel(KVUpdateParams p, Geometry g) {
+__global__ void __launch_bounds__(128) target_kv_cache_update_kernel(KVUpdateParams p, Geometry g) {
   uint32_t const token = blockIdx.x * blockDim.y + threadIdx.y;
   uint32_t const item = blockIdx.y * blockDim.x + threadIdx.x;
   if (token >= g.tokens || item >= g.token_items) return;
@@ -178,7 +178,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.token_items = uint32_t(token_items);
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
-  constexpr int kBlockThreads = 256;
+  constexpr int kBlockThreads = 128;  // 128 measured >= 256 and 512 at every shape (BENCHMARKS.md)
   dim3 block, grid;
   if (g.token_items >= kBlockThreads) {
     block = dim3(kBlockThreads, 1);

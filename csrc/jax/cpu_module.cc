@@ -37,15 +37,7 @@ ffi::Error target_kv_cache_update_cpu_impl(ffi::AnyBuffer k_delta, ffi::AnyBuffe
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, target_kv_cache_update_cpu_impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pages_per_slot"));
+                              bind_update_operands(ffi::Ffi::Bind()));
 
 namespace {
 

@@ -44,16 +44,8 @@ ffi::Error target_kv_cache_update_cuda_impl(cudaStream_t stream, ffi::AnyBuffer 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCuda, target_kv_cache_update_cuda_impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("pages_per_slot"),
+                              bind_update_operands(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The launcher over raw device pointers, for benchmarks and the TensorRT parity harness (callers

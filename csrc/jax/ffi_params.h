@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "dflash/kv_update.h"
 #include "xla/ffi/api/ffi.h"
@@ -90,6 +91,20 @@ inline ffi::Error params_from_buffers(ffi::AnyBuffer k_delta, ffi::AnyBuffer v_d
   p->delta_lengths = delta_lengths.typed_data();
   if (std::string const error = check_params(*p); !error.empty()) return invalid(error);
   return ffi::Error::Success();
+}
+
+// The custom call's operands, result and attribute, in SPEC.md's order; both handlers bind
+// these after their platform context (if any).
+template <typename Binding>
+auto bind_update_operands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // k_delta
+      .template Arg<ffi::AnyBuffer>()              // v_delta
+      .template Arg<ffi::AnyBuffer>()              // past_key_value
+      .template Arg<ffi::Buffer<ffi::F32>>()       // rope_cos_sin
+      .template Arg<ffi::Buffer<ffi::S32>>()       // delta_start_positions
+      .template Arg<ffi::Buffer<ffi::S32>>()       // delta_lengths
+      .template Ret<ffi::AnyBuffer>()              // present_key_value (aliases past_key_value)
+      .template Attr<int64_t>("pages_per_slot");
 }
 
 }  // namespace dflash::jax
