@@ -178,7 +178,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.token_items = uint32_t(token_items);
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
-  constexpr int kBlockThreads = 128;  // 128 measured >= 256 and 512 at every shape (BENCHMARKS.md)
+  constexpr int kBlockThreads = 128;  // ties 256 at decode sizes, best at the bandwidth-bound ones (BENCHMARKS.md)
   dim3 block, grid;
   if (g.token_items >= kBlockThreads) {
     block = dim3(kBlockThreads, 1);
