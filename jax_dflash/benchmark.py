@@ -936,8 +936,9 @@ def _detect_backend() -> str:
 # ---- command line -------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog=prog,
         description="Times the DFlash target KV-cache update against the straightforward JAX "
         "version, FlashInfer and a device copy; prints a table, writes JSON and a PNG plot.")
     p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
@@ -973,10 +974,10 @@ def _settings(args, backend: str) -> Settings:
     return Settings(backend, chain, baseline_chain, repeats, min_time)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # JAX must not grab most of the GPU: torch (raw launcher, FlashInfer, copy) shares it.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     backend = _detect_backend() if args.backend == "auto" else args.backend
     if backend == "gpu" and _detect_backend() != "gpu":
         print("--backend gpu: JAX sees no GPU here", file=sys.stderr)

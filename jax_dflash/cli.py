@@ -188,7 +188,7 @@ def cmd_bench(argv: list[str]) -> int:
         print(f"{PROG}: error: bench: jax_dflash.benchmark is not part of this installation",
               file=sys.stderr)
         return EXIT_USAGE
-    return int(benchmark.main(argv) or 0)
+    return int(benchmark.main(argv, prog="jax-dflash bench") or 0)
 
 
 # ---- run ----------------------------------------------------------------------------------------
