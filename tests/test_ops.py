@@ -279,3 +279,36 @@ print("portable ok")
                             text=True, cwd=os.path.dirname(__file__), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "portable ok" in result.stdout
+
+
+def test_decode_loop_in_scan_is_in_place(backend):
+    """A jitted decode loop (lax.scan over steps, pool carried and donated) matches the reference
+    step by step and holds no copy of the pool."""
+    rng = np.random.default_rng(12)
+    problem = make_problem(rng, batch=2, delta_len=3, heads=2, head_dim=8, page_size=4,
+                           pages_per_slot=4, hostile=False)
+    steps = 5
+    ks = np.stack([problem.k_delta + i for i in range(steps)]).astype(problem.k_delta.dtype)
+    vs = (ks + 1).astype(ks.dtype)
+    op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=4)
+
+    def body(pool, xs):
+        k, v, step = xs
+        starts = problem.delta_start_positions + 3 * step
+        return op(k, v, pool, problem.rope_cos_sin, starts, problem.delta_lengths), None
+
+    def loop(pool, ks, vs):
+        return jax.lax.scan(body, pool, (ks, vs, jnp.arange(steps, dtype=jnp.int32)))[0]
+
+    fn = jax.jit(loop, donate_argnums=0)
+    device = device_of(backend)
+    args = [jax.device_put(a, device) for a in (problem.past_key_value, ks, vs)]
+    hlo = fn.lower(*args).compile().as_text()
+    assert _pool_copies(hlo, problem.past_key_value.shape, "f16") == []
+    out = fn(*args)
+    want = problem.past_key_value
+    for i in range(steps):
+        want = reference.target_kv_cache_update(
+            ks[i], vs[i], want, problem.rope_cos_sin, problem.delta_start_positions + 3 * i,
+            problem.delta_lengths, pages_per_slot=4)
+    assert_bits_equal(out, want)
