@@ -51,6 +51,11 @@ def expected(problem: Problem):
         # A wide token (H * D / vector > 256 threads): the kernel splits it across blocks.
         dict(batch=2, delta_len=3, heads=40, head_dim=64, rotary_dim=32, page_size=8,
              pages_per_slot=1, rope_batch=2),
+        # A head of 256 one-channel vectors: its items split across two blocks.
+        dict(batch=2, delta_len=2, heads=2, head_dim=257, rotary_dim=2, page_size=2,
+             pages_per_slot=2),
+        # More slots than one CUDA grid dimension holds (65535): the launcher splits the batch.
+        dict(batch=65537, delta_len=1, heads=1, head_dim=2, page_size=1, pages_per_slot=1),
     ],
     ids=lambda s: "B{batch}L{delta_len}H{heads}D{head_dim}".format(**s),
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the H200, in one call: build, test, benchmark, sanitizer.
 #
-#   tools/gpu_session.sh                         # all stages: info build extras test flashinfer bench sanitize
+#   tools/gpu_session.sh                         # all stages: info build extras test flashinfer bench sanitize probe
 #   tools/gpu_session.sh build bench             # only these stages, in this order
 #
 # Every stage runs even when an earlier one failed (a failed build makes the later ones fail
@@ -72,6 +72,13 @@ stage_flashinfer() {
     "$PY" -c 'import flashinfer; print("flashinfer", flashinfer.__version__, flashinfer.__file__)'
 }
 
+# The decode-size probe (bench/kernel_variants/decode_probe.cu): cold inputs, then positions in L2.
+stage_probe() {
+  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/decode_probe bench/kernel_variants/decode_probe.cu &&
+    echo "== cold: every input rotated beyond 2x L2" && /tmp/decode_probe &&
+    echo "== positions L2-resident (2 sets), K/V rotated" && /tmp/decode_probe 2 0
+}
+
 stage_bench() {
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of words on purpose
   "$PY" bench/bench_kv_update.py --backend gpu --out "$OUT/bench_results" ${BENCH_ARGS:-}
@@ -111,7 +118,7 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=120 [bench]=300 [sanitize]=240)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=120 [bench]=300 [sanitize]=240 [probe]=120)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
@@ -135,11 +142,11 @@ run_stage() {
 }
 
 stages=("$@")
-if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test flashinfer bench sanitize); fi
+if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test flashinfer bench sanitize probe); fi
 for s in "${stages[@]}"; do
   case "$s" in
-    info|build|extras|test|flashinfer|bench|sanitize) run_stage "$s" ;;
-    *) echo "unknown stage '$s': expected info, build, extras, test, flashinfer, bench or sanitize"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+    info|build|extras|test|flashinfer|bench|sanitize|probe) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, flashinfer, bench, sanitize or probe"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
   esac
 done
 

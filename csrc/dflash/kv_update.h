@@ -86,12 +86,12 @@ DFLASH_HOST_DEVICE int64_t delta_layer_elems(KVUpdateParams const& p) {
 }
 
 // Offset (elements) of pool[0, page, row, 0, 0] within one layer's pool, for the token at
-// position `pos` of slot `slot`. Slot b owns pages [b * pages_per_slot, (b + 1) * pages_per_slot).
+// position `pos` of slot `slot`: page = slot * pages_per_slot + pos / P, row = pos % P. Slot b
+// owns pages [b * pages_per_slot, (b + 1) * pages_per_slot), so page * P + row is simply
+// slot * cap + pos (the pool is [2, maxBatch, cap, H, D] in memory): no division on the hot path.
 // Only valid when written_position() said yes.
 DFLASH_HOST_DEVICE int64_t pool_token_offset(KVUpdateParams const& p, int64_t slot, int64_t pos) {
-  int64_t const page = slot * p.pages_per_slot + pos / p.page_size;
-  int64_t const row = pos % p.page_size;
-  return (page * p.page_size + row) * token_stride(p);
+  return (slot * slot_capacity(p) + pos) * token_stride(p);
 }
 
 // Offset (elements) of k_delta[layer, b, t, 0, 0].

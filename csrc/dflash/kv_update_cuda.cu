@@ -55,13 +55,17 @@ __device__ __forceinline__ void store_streaming(void* ptr, P const& pack) {
 
 // Launch geometry. A head row of D channels is cut into work items of VEC channels: the first
 // R / (2 VEC) items each own a rotate-half pair (channels c and c + R/2), the rest own one
-// pass-through vector. blockDim.x threads cover (part of) one token's items, blockDim.y tokens
-// share a block, grid.y splits very wide tokens.
+// pass-through vector. A block is (items of one head, heads, tokens of one sequence):
+// threadIdx.x walks a head's items, threadIdx.y heads, threadIdx.z tokens. grid.y is the slot and
+// grid.z the layer, so no thread divides to find its token: at decode sizes the index math before
+// the first load is a visible part of the kernel's time (BENCHMARKS.md, kernel notes).
 struct Geometry {
-  uint32_t tokens;          // num_layers * B * L
   uint32_t head_items;      // R / (2 VEC) + (D - R) / VEC
   uint32_t pair_items;      // R / (2 VEC)
-  uint32_t token_items;     // H * head_items
+  uint32_t item_chunks;     // blocks along one head's items (1 unless a head is very wide)
+  uint32_t head_groups;     // blocks along (heads x item chunks) per token chunk
+  uint32_t slot_base;       // first slot of this launch (grids are at most 65535 slots tall)
+  uint32_t layer_base;      // first layer of this launch (and 65535 layers deep)
   bool rope_float4;         // cos/sin rows can be read 16 bytes at a time
 };
 
@@ -86,19 +90,25 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(128) target_kv_cache_update_kernel(KVUpdateParams p, Geometry g) {
-  uint32_t const token = blockIdx.x * blockDim.y + threadIdx.y;
-  uint32_t const item = blockIdx.y * blockDim.x + threadIdx.x;
-  if (token >= g.tokens || item >= g.token_items) return;
+  uint32_t const b = g.slot_base + blockIdx.y;
+  uint32_t const layer = g.layer_base + blockIdx.z;
+  // The positions first: every store waits for them, so their load leaves before anything else.
+  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+  int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));
 
-  // 32-bit index math (the launcher checks the sizes fit): 64-bit divisions cost more than
-  // the whole memory access at decode sizes.
-  uint32_t const delta_len = uint32_t(p.delta_len), batch = uint32_t(p.batch);
-  uint32_t const layer_b = token / delta_len;
-  uint32_t const t = token - layer_b * delta_len;
-  uint32_t const layer = layer_b / batch;
-  uint32_t const b = layer_b - layer * batch;
-  uint32_t const h = item / g.head_items;
-  uint32_t const head_item = item - h * g.head_items;
+  uint32_t token_chunk = blockIdx.x, group = 0;
+  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
+    token_chunk = blockIdx.x / g.head_groups;
+    group = blockIdx.x - token_chunk * g.head_groups;
+  }
+  uint32_t const t = token_chunk * blockDim.z + threadIdx.z;
+  uint32_t h = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
+  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
+    h = group / g.item_chunks;
+    head_item += (group - h * g.item_chunks) * blockDim.x;
+  }
+  if (t >= uint32_t(p.delta_len) || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items)
+    return;
   bool const pair = head_item < g.pair_items;
   int64_t const half = p.rotary_dim / 2;
   // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
@@ -111,12 +121,10 @@ __global__ void __launch_bounds__(128) target_kv_cache_update_kernel(KVUpdatePar
   T const* k_delta = static_cast<T const*>(p.k_delta);
   T const* v_delta = static_cast<T const*>(p.v_delta);
 
-  // Issue every load that does not depend on the runtime positions before waiting for them:
-  // the delta rows are always in bounds, whatever the positions say.
-  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
-  int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));
-  // Plain (cached) loads: at decode the deltas were just written by the projection and are
-  // likely still in L2; evict-first loads measured slower there (BENCHMARKS.md, kernel notes).
+  // Every load that does not depend on the positions is issued before waiting for them: the
+  // delta rows are always in bounds, whatever the positions say. Plain (cached) loads: at decode
+  // the deltas were just written by the projection and are likely still in L2; evict-first loads
+  // measured slower there (BENCHMARKS.md, kernel notes).
   P k0 = *reinterpret_cast<P const*>(k_delta + src);
   P const v0 = *reinterpret_cast<P const*>(v_delta + src);
   P k1, v1;
@@ -167,34 +175,43 @@ int multiprocessor_count() {
 
 template <typename T, int VEC>
 cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
-  int64_t const tokens = p.num_layers * p.batch * p.delta_len;
+  constexpr int64_t kBlockThreads = 128;  // ties 256 at decode sizes, best at the bandwidth-bound ones (BENCHMARKS.md)
+  constexpr int64_t kMaxGridYZ = 65535;
   int64_t const head_items = p.rotary_dim / (2 * VEC) + (p.head_dim - p.rotary_dim) / VEC;
-  int64_t const token_items = p.num_kv_heads * head_items;
-  if (tokens >= (int64_t(1) << 31) || token_items >= (int64_t(1) << 31))
-    return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   Geometry g;
-  g.tokens = uint32_t(tokens);
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
-  g.token_items = uint32_t(token_items);
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
-  constexpr int kBlockThreads = 128;  // ties 256 at decode sizes, best at the bandwidth-bound ones (BENCHMARKS.md)
-  dim3 block, grid;
-  if (g.token_items >= kBlockThreads) {
-    block = dim3(kBlockThreads, 1);
-    grid = dim3(g.tokens, (g.token_items + kBlockThreads - 1) / kBlockThreads);
-  } else {
-    // Several tokens per block, but small updates (decode) spread over every multiprocessor:
-    // there, latency, not bandwidth, sets the time.
-    int64_t const max_per_block = std::max<int64_t>(1, kBlockThreads / g.token_items);
-    int64_t const blocks_wanted = 2 * int64_t(multiprocessor_count());
-    int64_t const spread = (tokens + blocks_wanted - 1) / blocks_wanted;
-    int64_t const tokens_per_block = std::max<int64_t>(1, std::min(max_per_block, spread));
-    block = dim3(g.token_items, unsigned(tokens_per_block));
-    grid = dim3(unsigned((tokens + tokens_per_block - 1) / tokens_per_block), 1);
+  int64_t const items_x = std::min(head_items, kBlockThreads);
+  int64_t const item_chunks = (head_items + items_x - 1) / items_x;
+  int64_t const heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;
+  int64_t const head_groups = (p.num_kv_heads + heads_y - 1) / heads_y * item_chunks;
+  // Several tokens per block when a token has few items, but small updates (decode) spread over
+  // every multiprocessor: there, latency, not bandwidth, sets the time.
+  int64_t const max_tokens = std::max<int64_t>(1, kBlockThreads / (items_x * heads_y));
+  int64_t const blocks_wanted = 2 * int64_t(multiprocessor_count());
+  int64_t const token_blocks = p.num_layers * p.batch * p.delta_len * head_groups;
+  int64_t const spread = (token_blocks + blocks_wanted - 1) / blocks_wanted;
+  int64_t const tokens_z = std::max<int64_t>(1, std::min({max_tokens, spread, p.delta_len}));
+  int64_t const grid_x = (p.delta_len + tokens_z - 1) / tokens_z * head_groups;
+  if (grid_x >= (int64_t(1) << 31) || p.batch >= (int64_t(1) << 31) ||
+      p.num_layers >= (int64_t(1) << 31))
+    return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
+  g.item_chunks = uint32_t(item_chunks);
+  g.head_groups = uint32_t(head_groups);
+  dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
+  // Slots and layers beyond a grid's 65535 go to further launches.
+  for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {
+    for (int64_t slot = 0; slot < p.batch; slot += kMaxGridYZ) {
+      g.slot_base = uint32_t(slot);
+      g.layer_base = uint32_t(layer);
+      dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, p.batch - slot)),
+                      unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
+      target_kv_cache_update_kernel<T, VEC><<<grid, block, 0, stream>>>(p, g);
+      if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
+    }
   }
-  target_kv_cache_update_kernel<T, VEC><<<grid, block, 0, stream>>>(p, g);
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 // The widest vector (up to 16 bytes) that divides the head and the rotary half and that every

@@ -1,0 +1,266 @@
+// Decode-size probe (issue 4): where the time of a small update goes, fp16 H=8 D=128 R=128 P=128,
+// L=16, B in {1, 8, 64}, slot capacity 2048 (and 256). Times, per update, CUDA events over CUDA-graph
+// replays of 64-launch chains (median of 25 x 10 replays):
+//   - the shipped kernel (this file includes csrc/dflash/kv_update_cuda.cu), as direct graph nodes and
+//     as child-graph nodes (how XLA's command buffers record an FFI call);
+//   - an empty kernel (the launch floor of a dependent chain) and cudaMemcpyAsync of the K/V bytes;
+//   - stripped variants of the kernel: start positions loaded or computed, cos/sin loaded or not,
+//     with and without programmatic dependent launch (PDL);
+//   - knob copies of the shipped kernel: positions through shared memory, PDL.
+// Inputs rotate over enough sets to exceed 2x L2 unless told otherwise:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/decode_probe bench/kernel_variants/decode_probe.cu
+//   /tmp/decode_probe                 # everything, cold inputs
+//   /tmp/decode_probe POS_SETS KV_SETS  # shipped + knobs only; e.g. "2 0": positions L2-resident
+//                                       # (2 sets), K/V rotated (0 = beyond 2x L2)
+// tools/gpu_session.sh probe runs both. Results: BENCHMARKS.md, "Decode-size probe".
+#include "../../csrc/dflash/kv_update_cuda.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <random>
+#include <functional>
+#include <string>
+using namespace dflash;
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s line %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
+
+__global__ void fill(__half* p, size_t n, unsigned seed) { size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; if (i < n) p[i] = __float2half((float)((i * 2654435761u + seed) % 2001) / 1000.f - 1.f); }
+__global__ void empty_kernel(int* p) { if (p && threadIdx.x == 1234567) p[0] = 1; }
+
+// Variant: POS 1 = positions loaded (as shipped), 0 = start computed from b (no dependent load).
+// ROPE 1 = cos/sin loaded, 0 = not loaded (c=1, s=0 from registers). PDL 1 = griddepcontrol.
+// EARLY 1 = launch_dependents at the top (else at the end / implicit).
+struct VP { __half const* k; __half const* v; __half* pool; float const* rope; int const* starts; int const* lens; int B, L, cap, S; };
+template <int POS, int ROPE, int PDL>
+__global__ void __launch_bounds__(128) variant(VP p) {
+  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (PDL) asm volatile("griddepcontrol.launch_dependents;");
+  constexpr int H = 8, D = 128, HALF = 64, VEC = 8, HEAD_ITEMS = 8;
+  unsigned token = blockIdx.x * blockDim.y + threadIdx.y;
+  unsigned item = threadIdx.x;
+  if (token >= unsigned(p.B * p.L) || item >= H * HEAD_ITEMS) return;
+  unsigned b = token / p.L, t = token - b * p.L;
+  unsigned h = item / HEAD_ITEMS, hi = item - h * HEAD_ITEMS;
+  int channel = hi * VEC;
+  size_t src = size_t(token) * H * D + h * D + channel;
+  using P = Pack<__half, VEC>;
+  int start, length;
+  if (POS) { start = __ldg(p.starts + b); length = __ldg(p.lens + b); } else { start = (b * 37) % (p.cap - p.L); length = p.L; }
+  P k0 = *reinterpret_cast<P const*>(p.k + src), v0 = *reinterpret_cast<P const*>(p.v + src);
+  P k1 = *reinterpret_cast<P const*>(p.k + src + HALF), v1 = *reinterpret_cast<P const*>(p.v + src + HALF);
+  int pos = start + int(t);
+  if (int(t) >= length || pos < 0 || pos >= p.cap) return;
+  float c[VEC], s[VEC];
+  if (ROPE) { load_cos_sin<VEC>(p.rope + size_t(pos) * 128 + channel, p.rope + size_t(pos) * 128 + channel + HALF, true, c, s); }
+  else { for (int i = 0; i < VEC; ++i) c[i] = 1.f, s[i] = 0.f; }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    float x0 = __half2float(k0.v[i]), x1 = __half2float(k1.v[i]);
+    k0.v[i] = __float2half_rn(rope_channel(x0, x1, c[i], s[i], true));
+    k1.v[i] = __float2half_rn(rope_channel(x1, x0, c[i], s[i], false));
+  }
+  size_t plane = size_t(p.B) * p.cap * H * D;
+  size_t dst = (size_t(b) * p.cap + pos) * H * D + h * D + channel;
+  store_streaming(p.pool + dst, k0); store_streaming(p.pool + plane + dst, v0);
+  store_streaming(p.pool + dst + HALF, k1); store_streaming(p.pool + plane + dst + HALF, v1);
+}
+
+namespace dflash { namespace {
+template <typename T, int VEC, int SMEM_POS, int PDL>
+__global__ void __launch_bounds__(128) knob_kernel(KVUpdateParams p, Geometry g) {
+  uint32_t const b = g.slot_base + blockIdx.y;
+  uint32_t const layer = g.layer_base + blockIdx.z;
+  // The positions first: every store waits for them, so their load leaves before anything else.
+  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (PDL) asm volatile("griddepcontrol.launch_dependents;");
+  __shared__ int sp[2];
+  int64_t start, length;
+  if (SMEM_POS) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) { sp[0] = __ldg(p.delta_start_positions + position_index(p, layer, b)); sp[1] = __ldg(p.delta_lengths + position_index(p, layer, b)); }
+  } else {
+    start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+    length = __ldg(p.delta_lengths + position_index(p, layer, b));
+  }
+
+  uint32_t token_chunk = blockIdx.x, group = 0;
+  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
+    token_chunk = blockIdx.x / g.head_groups;
+    group = blockIdx.x - token_chunk * g.head_groups;
+  }
+  uint32_t const t = token_chunk * blockDim.z + threadIdx.z;
+  uint32_t h = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
+  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
+    h = group / g.item_chunks;
+    head_item += (group - h * g.item_chunks) * blockDim.x;
+  }
+  bool const live = !(t >= uint32_t(p.delta_len) || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items);
+  if (!SMEM_POS && !live) return;
+  bool const pair = head_item < g.pair_items;
+  int64_t const half = p.rotary_dim / 2;
+  // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
+  int64_t const channel = pair ? int64_t(head_item) * VEC
+                               : p.rotary_dim + int64_t(head_item - g.pair_items) * VEC;
+  int64_t const head_offset = int64_t(h) * p.head_dim + channel;
+  int64_t const src = delta_token_offset(p, layer, b, t) + head_offset;
+
+  using P = Pack<T, VEC>;
+  T const* k_delta = static_cast<T const*>(p.k_delta);
+  T const* v_delta = static_cast<T const*>(p.v_delta);
+
+  // Every load that does not depend on the positions is issued before waiting for them: the
+  // delta rows are always in bounds, whatever the positions say. Plain (cached) loads: at decode
+  // the deltas were just written by the projection and are likely still in L2; evict-first loads
+  // measured slower there (BENCHMARKS.md, kernel notes).
+  P k0 = *reinterpret_cast<P const*>(k_delta + src);
+  P const v0 = *reinterpret_cast<P const*>(v_delta + src);
+  P k1, v1;
+  if (pair) {
+    k1 = *reinterpret_cast<P const*>(k_delta + src + half);
+    v1 = *reinterpret_cast<P const*>(v_delta + src + half);
+  }
+
+  if (SMEM_POS) { __syncthreads(); if (!live) return; start = sp[0]; length = sp[1]; }
+  int64_t const pos = written_position(start, length, t, slot_capacity(p));
+  if (pos < 0) return;
+
+  if (pair && pos < p.rope_seq_len) {
+    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
+    float c[VEC], s[VEC];
+    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float const x0 = to_float(k0.v[i]), x1 = to_float(k1.v[i]);
+      k0.v[i] = from_float<T>(rope_channel(x0, x1, c[i], s[i], /*first_half=*/true));
+      k1.v[i] = from_float<T>(rope_channel(x1, x0, c[i], s[i], /*first_half=*/false));
+    }
+  }
+  T* k_plane = static_cast<T*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+  T* v_plane = k_plane + pool_plane_elems(p);
+  int64_t const dst = pool_token_offset(p, b, pos) + head_offset;
+  store_streaming(k_plane + dst, k0);
+  store_streaming(v_plane + dst, v0);
+  if (pair) {
+    store_streaming(k_plane + dst + half, k1);
+    store_streaming(v_plane + dst + half, v1);
+  }
+}
+
+}}
+static cudaStream_t st;
+static float time_graph(std::function<void(int)> enqueue, int chain, bool child_nodes) {
+  cudaGraph_t g; cudaGraphExec_t ge;
+  if (!child_nodes) {
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < chain; ++i) enqueue(i);
+    CK(cudaStreamEndCapture(st, &g));
+  } else {  // XLA's way: each call traced into its own graph, added as a child-graph node
+    CK(cudaGraphCreate(&g, 0));
+    cudaGraphNode_t prev = nullptr;
+    for (int i = 0; i < chain; ++i) {
+      cudaGraph_t sub;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      enqueue(i);
+      CK(cudaStreamEndCapture(st, &sub));
+      cudaGraphNode_t node;
+      CK(cudaGraphAddChildGraphNode(&node, g, prev ? &prev : nullptr, prev ? 1 : 0, sub));
+      prev = node;
+      cudaGraphDestroy(sub);
+    }
+  }
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
+  CK(cudaStreamSynchronize(st));
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  std::vector<float> ts;
+  for (int it = 0; it < 25; ++it) {
+    cudaEventRecord(a, st);
+    for (int r = 0; r < 10; ++r) CK(cudaGraphLaunch(ge, st));
+    cudaEventRecord(b, st); cudaEventSynchronize(b);
+    float ms; cudaEventElapsedTime(&ms, a, b); ts.push_back(ms * 1000 / (10 * chain));
+  }
+  std::sort(ts.begin(), ts.end());
+  cudaGraphExecDestroy(ge); cudaGraphDestroy(g); cudaEventDestroy(a); cudaEventDestroy(b);
+  return ts[ts.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  int H = 8, D = 128, R = 128, P = 128, chain = 64;
+  bool ncu = argc > 1 && std::string(argv[1]) == "ncu";
+  int pos_sets_arg = argc > 2 ? atoi(argv[1]) : 0, kv_sets_arg = argc > 2 ? atoi(argv[2]) : 0;  // 0 = rotate beyond 2x L2
+  bool only_shipped = argc > 2;
+  std::vector<int> Bs = ncu ? std::vector<int>{64} : std::vector<int>{1, 8, 64};
+  for (int capi = 0; capi < (ncu ? 1 : 2); ++capi)
+  for (int B : Bs) {
+    int L = 16, cap = capi == 0 ? 2048 : 256, pps = cap / P;
+    size_t delta = size_t(B) * L * H * D, pool_elems = size_t(2) * B * cap * H * D;
+    double kv_bytes = double(delta) * 2 * 2;
+    int sets = kv_sets_arg ? kv_sets_arg : std::min(32, std::max(2, int(120e6 / kv_bytes + 1)));
+    int pos_sets = pos_sets_arg ? pos_sets_arg : sets;
+    if (only_shipped && capi == 1) continue;
+    std::vector<__half*> ks(sets), vs(sets); std::vector<int*> ss(sets);
+    std::mt19937 rng(1);
+    for (int i = 0; i < sets; ++i) {
+      CK(cudaMalloc(&ks[i], delta * 2)); CK(cudaMalloc(&vs[i], delta * 2));
+      fill<<<(delta + 255) / 256, 256>>>(ks[i], delta, i); fill<<<(delta + 255) / 256, 256>>>(vs[i], delta, i + 99);
+      std::vector<int> hs(B); for (int b = 0; b < B; ++b) hs[b] = rng() % (cap - L + 1);
+      CK(cudaMalloc(&ss[i], B * 4)); CK(cudaMemcpy(ss[i], hs.data(), B * 4, cudaMemcpyHostToDevice));
+    }
+    __half* pool; CK(cudaMalloc(&pool, pool_elems * 2)); CK(cudaMemset(pool, 0, pool_elems * 2));
+    float* rope; CK(cudaMalloc(&rope, size_t(cap) * R * 4)); CK(cudaMemset(rope, 0, size_t(cap) * R * 4));
+    std::vector<int> hl(B, L); int* lens; CK(cudaMalloc(&lens, B * 4)); CK(cudaMemcpy(lens, hl.data(), B * 4, cudaMemcpyHostToDevice));
+    void* cdst; CK(cudaMalloc(&cdst, size_t(kv_bytes)));
+    int* dummy; CK(cudaMalloc(&dummy, 4));
+    CK(cudaDeviceSynchronize());
+    KVUpdateParams p; p.dtype = DType::kFloat16; p.num_layers = 1; p.batch = B; p.delta_len = L; p.num_kv_heads = H; p.head_dim = D;
+    p.num_pages = int64_t(B) * pps; p.page_size = P; p.pages_per_slot = pps; p.rotary_dim = R; p.rope_batch = 1; p.rope_seq_len = cap;
+    p.rope_cos_sin = rope; p.delta_lengths = lens; p.pool = pool;
+    auto shipped = [&](int i) { int j = i % sets; KVUpdateParams q = p; q.k_delta = ks[j]; q.v_delta = vs[j]; q.delta_start_positions = ss[i % pos_sets]; CK(launch_widest<__half>(q, st)); };
+    if (ncu) { for (int i = 0; i < 40; ++i) shipped(i); CK(cudaStreamSynchronize(st)); printf("ncu mode done\n"); return 0; }
+    printf("\n== B=%d L=%d cap=%d sets=%d (kv %.2f MB, total bytes %.2f MB)\n", B, L, cap, sets, kv_bytes / 1e6, (2 * kv_bytes + B * L * 512.0) / 1e6);
+    printf("shipped kernel, direct nodes      %7.3f us\n", time_graph(shipped, chain, false));
+    {
+      auto knob = [&](auto kern, bool pdl) {
+        return time_graph([&](int i) {
+          int j = i % sets; KVUpdateParams q = p; q.k_delta = ks[j]; q.v_delta = vs[j]; q.delta_start_positions = ss[i % pos_sets];
+          Geometry g{}; g.head_items = 8; g.pair_items = 8; g.item_chunks = 1; g.head_groups = 1; g.rope_float4 = true;
+          int tz = B * L * 1 >= 264 * 2 ? 2 : 1;
+          cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3((L + tz - 1) / tz, B, 1); cfg.blockDim = dim3(8, 8, tz); cfg.stream = st;
+          cudaLaunchAttribute attr[1]; attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cfg.attrs = attr; cfg.numAttrs = pdl ? 1 : 0;
+          CK(cudaLaunchKernelEx(&cfg, kern, q, g));
+        }, chain, false);
+      };
+      printf("knob copy of shipped                %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0>, false));
+      printf("knob positions via smem             %7.3f us\n", knob(knob_kernel<__half, 8, 1, 0>, false));
+      printf("knob PDL                            %7.3f us\n", knob(knob_kernel<__half, 8, 0, 1>, true));
+      printf("knob smem + PDL                     %7.3f us\n", knob(knob_kernel<__half, 8, 1, 1>, true));
+    }
+    if (only_shipped) { printf("kv sets %d, position sets %d\n", sets, pos_sets); goto cleanup; }
+    printf("shipped kernel, child-graph nodes %7.3f us\n", time_graph(shipped, chain, true));
+    printf("empty kernel, direct              %7.3f us\n", time_graph([&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain, false));
+    printf("empty kernel, child-graph         %7.3f us\n", time_graph([&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain, true));
+    printf("memcpy kv bytes, fixed dst        %7.3f us\n", time_graph([&](int i) { int j = i % sets; CK(cudaMemcpyAsync(cdst, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); CK(cudaMemcpyAsync((char*)cdst + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); }, chain, false));
+    for (int tpb : {1, 2}) {
+      auto run_variant = [&](auto kern, bool pdl) {
+        return time_graph([&](int i) {
+          int j = i % sets; VP v{ks[j], vs[j], pool, rope, ss[j], lens, B, L, cap, cap};
+          cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3((B * L + tpb - 1) / tpb); cfg.blockDim = dim3(64, tpb); cfg.stream = st;
+          cudaLaunchAttribute attr[1]; attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cfg.attrs = attr; cfg.numAttrs = pdl ? 1 : 0;
+          CK(cudaLaunchKernelEx(&cfg, kern, v));
+        }, chain, false);
+      };
+      printf("tpb=%d variant pos+rope            %7.3f us\n", tpb, run_variant(variant<1, 1, 0>, false));
+      printf("tpb=%d variant pos, no rope        %7.3f us\n", tpb, run_variant(variant<1, 0, 0>, false));
+      printf("tpb=%d variant no pos, rope        %7.3f us\n", tpb, run_variant(variant<0, 1, 0>, false));
+      printf("tpb=%d variant no pos, no rope     %7.3f us\n", tpb, run_variant(variant<0, 0, 0>, false));
+      printf("tpb=%d variant pos+rope, PDL       %7.3f us\n", tpb, run_variant(variant<1, 1, 1>, true));
+      printf("tpb=%d variant no pos no rope, PDL %7.3f us\n", tpb, run_variant(variant<0, 0, 1>, true));
+    }
+    cleanup:
+    for (int i = 0; i < sets; ++i) { cudaFree(ks[i]); cudaFree(vs[i]); cudaFree(ss[i]); }
+    cudaFree(pool); cudaFree(rope); cudaFree(lens); cudaFree(cdst); cudaFree(dummy);
+  }
+  return 0;
+}
