@@ -273,6 +273,7 @@ class Settings:
     baseline_chain: int  # the same for the (much slower to compile) straightforward JAX version
     repeats: int
     min_time: float  # seconds per measurement at least
+    rounds: int = 1  # passes over the contenders per shape; the best pass counts
 
 
 def _measure(run: Callable[[int], float], updates_per_call: int, settings: Settings) -> dict:
@@ -375,11 +376,12 @@ def _run_jax(name: str, problem: Problem, settings: Settings, device) -> dict:
     result = _measure(run, chain, settings)
     result["check"] = check
     result["chain"] = chain
-    # Wall time is device time only while the host dispatches faster than the GPU runs: when
-    # dispatching a call takes most of its time, the number is host-bound (an upper bound).
-    host_us = statistics.median(dispatch[2:] or dispatch) / chain * 1e6  # past the 2 warm-ups
-    result["host_dispatch_us"] = host_us
-    result["host_bound"] = host_us >= 0.8 * result["us"]
+    if settings.backend == "gpu":
+        # Wall time is device time only while the host dispatches faster than the GPU runs: when
+        # dispatching a call takes most of its time, the number is host-bound (an upper bound).
+        host_us = statistics.median(dispatch[2:] or dispatch) / chain * 1e6  # past 2 warm-ups
+        result["host_dispatch_us"] = host_us
+        result["host_bound"] = host_us >= 0.8 * result["us"]
     return result
 
 
@@ -731,13 +733,24 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
         "pages_per_slot": shape.pages_per_slot, "slot_capacity": shape.slot_capacity,
         "num_input_sets": problem.num_sets, "bytes": problem.bytes, "contenders": {},
     }
-    for name in contenders:
-        t0 = time.perf_counter()
-        result = run_contender(name, problem, settings)
-        result["wall_s"] = round(time.perf_counter() - t0, 2)
-        entry["contenders"][name] = result
-        shown = f"{result['us']:.2f} us" if "us" in result else result.get("reason", "")
-        print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}", flush=True)
+    # Several passes: on the H200 the first contender timed after a shape's setup measured up to
+    # 25% slow, whichever it was (BENCHMARKS.md, "Method"); every contender gets its best pass.
+    for round_index in range(settings.rounds):
+        for name in contenders:
+            previous = entry["contenders"].get(name)
+            if previous is not None and "us" not in previous:
+                continue  # skipped or failed: no second try
+            t0 = time.perf_counter()
+            result = run_contender(name, problem, settings)
+            result["wall_s"] = round(time.perf_counter() - t0, 2)
+            history = (previous or {}).get("rounds_us", []) + [result.get("us")]
+            if previous is not None and previous["us"] <= result.get("us", math.inf):
+                result = previous
+            result["rounds_us"] = history
+            entry["contenders"][name] = result
+            shown = f"{history[-1]:.2f} us" if history[-1] is not None else result.get("reason", "")
+            print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}"
+                  f"  (pass {round_index + 1}/{settings.rounds})", flush=True)
     entry["derived"] = _derived(entry, peak_bw)
     return entry
 
@@ -961,6 +974,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "per-call dispatch stays hidden behind the GPU at decode sizes; 16 CPU); the "
                    "straightforward JAX version uses at most 32 on GPU (compile time)")
     p.add_argument("--repeats", type=int, default=None, help="measurements per contender (median)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="passes over the contenders per shape, the best pass counting for each "
+                   "(default 2 GPU, 1 CPU; 1 with --quick)")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds per measurement at least (default 0.05 GPU, 0.1 CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where JSON and PNG go")
@@ -981,7 +997,10 @@ def _settings(args, backend: str) -> Settings:
     if args.quick and not args.iters:
         chain = 64 if gpu else 4
     baseline_chain = min(chain, 32) if gpu else chain
-    return Settings(backend, chain, baseline_chain, repeats, min_time)
+    rounds = args.rounds or (1 if args.quick or not gpu else 2)
+    if rounds < 1:
+        raise SystemExit(f"--rounds: expected an int >= 1, got {rounds}")
+    return Settings(backend, chain, baseline_chain, repeats, min_time, rounds)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -1013,7 +1032,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     device = _device_name(backend)
     print(f"DFlash KV-update benchmark: backend {backend}, device {device}; "
           f"{settings.chain} updates per call (baseline {settings.baseline_chain}), "
-          f"{settings.repeats} repeats of >= {settings.min_time} s", flush=True)
+          f"{settings.repeats} repeats of >= {settings.min_time} s, best of {settings.rounds} "
+          "pass(es) per contender", flush=True)
     try:
         peak = peak_copy_bandwidth_gpu() if backend == "gpu" else peak_copy_bandwidth_cpu()
     except Skip as e:
