@@ -746,7 +746,8 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
             history = (previous or {}).get("rounds_us", []) + [result.get("us")]
             if previous is not None and previous["us"] <= result.get("us", math.inf):
                 result = previous
-            result["rounds_us"] = history
+            if any(us is not None for us in history):
+                result["rounds_us"] = history
             entry["contenders"][name] = result
             shown = f"{history[-1]:.2f} us" if history[-1] is not None else result.get("reason", "")
             print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}"

@@ -74,9 +74,9 @@ stage_flashinfer() {
 
 # The decode-size probe (bench/kernel_variants/decode_probe.cu): cold inputs, then positions in L2.
 stage_probe() {
-  nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/decode_probe bench/kernel_variants/decode_probe.cu &&
-    echo "== cold: every input rotated beyond 2x L2" && /tmp/decode_probe &&
-    echo "== positions L2-resident (2 sets), K/V rotated" && /tmp/decode_probe 2 0
+  "$PY" bench/kernel_variants/make_probe.py /tmp/probe &&
+    echo "== cold: every input rotated beyond 2x L2" && /tmp/probe/decode_probe &&
+    echo "== positions L2-resident (2 sets), K/V rotated" && /tmp/probe/decode_probe 2 0
 }
 
 stage_bench() {

@@ -8,9 +8,9 @@
 //     with and without programmatic dependent launch (PDL);
 //   - knob copies of the shipped kernel: positions through shared memory, PDL.
 // Inputs rotate over enough sets to exceed 2x L2 unless told otherwise:
-//   nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc -o /tmp/decode_probe bench/kernel_variants/decode_probe.cu
-//   /tmp/decode_probe                 # everything, cold inputs
-//   /tmp/decode_probe POS_SETS KV_SETS  # shipped + knobs only; e.g. "2 0": positions L2-resident
+//   python3 bench/kernel_variants/make_probe.py /tmp/probe   # writes knob_kernel.inc, runs nvcc
+//   /tmp/probe/decode_probe                 # everything, cold inputs
+//   /tmp/probe/decode_probe POS_SETS KV_SETS  # shipped + knobs only; e.g. "2 0": positions L2-resident
 //                                       # (2 sets), K/V rotated (0 = beyond 2x L2)
 // tools/gpu_session.sh probe runs both. Results: BENCHMARKS.md, "Decode-size probe".
 #include "../../csrc/dflash/kv_update_cuda.cu"
@@ -65,87 +65,9 @@ __global__ void __launch_bounds__(128) variant(VP p) {
   store_streaming(p.pool + dst + HALF, k1); store_streaming(p.pool + plane + dst + HALF, v1);
 }
 
-namespace dflash { namespace {
-template <typename T, int VEC, int SMEM_POS, int PDL>
-__global__ void __launch_bounds__(128) knob_kernel(KVUpdateParams p, Geometry g) {
-  uint32_t const b = g.slot_base + blockIdx.y;
-  uint32_t const layer = g.layer_base + blockIdx.z;
-  // The positions first: every store waits for them, so their load leaves before anything else.
-  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (PDL) asm volatile("griddepcontrol.launch_dependents;");
-  __shared__ int sp[2];
-  int64_t start, length;
-  if (SMEM_POS) {
-    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) { sp[0] = __ldg(p.delta_start_positions + position_index(p, layer, b)); sp[1] = __ldg(p.delta_lengths + position_index(p, layer, b)); }
-  } else {
-    start = __ldg(p.delta_start_positions + position_index(p, layer, b));
-    length = __ldg(p.delta_lengths + position_index(p, layer, b));
-  }
-
-  uint32_t token_chunk = blockIdx.x, group = 0;
-  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
-    token_chunk = blockIdx.x / g.head_groups;
-    group = blockIdx.x - token_chunk * g.head_groups;
-  }
-  uint32_t const t = token_chunk * blockDim.z + threadIdx.z;
-  uint32_t h = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
-  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
-    h = group / g.item_chunks;
-    head_item += (group - h * g.item_chunks) * blockDim.x;
-  }
-  bool const live = !(t >= uint32_t(p.delta_len) || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items);
-  if (!SMEM_POS && !live) return;
-  bool const pair = head_item < g.pair_items;
-  int64_t const half = p.rotary_dim / 2;
-  // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
-  int64_t const channel = pair ? int64_t(head_item) * VEC
-                               : p.rotary_dim + int64_t(head_item - g.pair_items) * VEC;
-  int64_t const head_offset = int64_t(h) * p.head_dim + channel;
-  int64_t const src = delta_token_offset(p, layer, b, t) + head_offset;
-
-  using P = Pack<T, VEC>;
-  T const* k_delta = static_cast<T const*>(p.k_delta);
-  T const* v_delta = static_cast<T const*>(p.v_delta);
-
-  // Every load that does not depend on the positions is issued before waiting for them: the
-  // delta rows are always in bounds, whatever the positions say. Plain (cached) loads: at decode
-  // the deltas were just written by the projection and are likely still in L2; evict-first loads
-  // measured slower there (BENCHMARKS.md, kernel notes).
-  P k0 = *reinterpret_cast<P const*>(k_delta + src);
-  P const v0 = *reinterpret_cast<P const*>(v_delta + src);
-  P k1, v1;
-  if (pair) {
-    k1 = *reinterpret_cast<P const*>(k_delta + src + half);
-    v1 = *reinterpret_cast<P const*>(v_delta + src + half);
-  }
-
-  if (SMEM_POS) { __syncthreads(); if (!live) return; start = sp[0]; length = sp[1]; }
-  int64_t const pos = written_position(start, length, t, slot_capacity(p));
-  if (pos < 0) return;
-
-  if (pair && pos < p.rope_seq_len) {
-    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
-    float c[VEC], s[VEC];
-    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      float const x0 = to_float(k0.v[i]), x1 = to_float(k1.v[i]);
-      k0.v[i] = from_float<T>(rope_channel(x0, x1, c[i], s[i], /*first_half=*/true));
-      k1.v[i] = from_float<T>(rope_channel(x1, x0, c[i], s[i], /*first_half=*/false));
-    }
-  }
-  T* k_plane = static_cast<T*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
-  T* v_plane = k_plane + pool_plane_elems(p);
-  int64_t const dst = pool_token_offset(p, b, pos) + head_offset;
-  store_streaming(k_plane + dst, k0);
-  store_streaming(v_plane + dst, v0);
-  if (pair) {
-    store_streaming(k_plane + dst + half, k1);
-    store_streaming(v_plane + dst + half, v1);
-  }
-}
-
-}}
+// knob_kernel<T, VEC, SMEM_POS, PDL>: the shipped kernel with two knobs, generated from
+// csrc/dflash/kv_update_cuda.cu by make_probe.py (no second copy of the kernel in the tree).
+#include "knob_kernel.inc"
 static cudaStream_t st;
 static float time_graph(std::function<void(int)> enqueue, int chain, bool child_nodes) {
   cudaGraph_t g; cudaGraphExec_t ge;

@@ -1,0 +1,74 @@
+"""Builds the decode-size probe (decode_probe.cu) into OUTDIR.
+
+The probe's knob kernel is the shipped kernel of csrc/dflash/kv_update_cuda.cu, copied at build
+time with two compile-time knobs added: SMEM_POS (one thread loads the slot's start and length
+into shared memory) and PDL (griddepcontrol.wait before the first load, then launch_dependents).
+
+    python3 bench/kernel_variants/make_probe.py /tmp/probe && /tmp/probe/decode_probe
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL = ROOT / "csrc" / "dflash" / "kv_update_cuda.cu"
+
+
+def edit(text: str, old: str, new: str) -> str:
+    if old not in text:
+        raise SystemExit(f"make_probe: the shipped kernel changed; cannot find:\n{old}")
+    return text.replace(old, new)
+
+
+def knob_kernel(source: str) -> str:
+    head = "template <typename T, int VEC>\n__global__ void __launch_bounds__(128) target_kv_cache_update_kernel"
+    start, end = source.index(head), source.index("bool aligned(void const* ptr")
+    k = source[start:end]
+    k = edit(k, "template <typename T, int VEC>\n__global__",
+             "template <typename T, int VEC, int SMEM_POS, int PDL>\n__global__")
+    k = edit(k, "target_kv_cache_update_kernel(", "knob_kernel(")
+    k = edit(k, """  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+  int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));""", """  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (PDL) asm volatile("griddepcontrol.launch_dependents;");
+  __shared__ int slot_positions[2];
+  int64_t start = 0, length = 0;
+  if (SMEM_POS) {
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+      slot_positions[0] = __ldg(p.delta_start_positions + position_index(p, layer, b));
+      slot_positions[1] = __ldg(p.delta_lengths + position_index(p, layer, b));
+    }
+  } else {
+    start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+    length = __ldg(p.delta_lengths + position_index(p, layer, b));
+  }""")
+    k = edit(k, """  if (t >= uint32_t(p.delta_len) || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items)
+    return;""", """  bool const live = t < uint32_t(p.delta_len) && h < uint32_t(p.num_kv_heads) &&
+                    head_item < g.head_items;
+  if (!SMEM_POS && !live) return;""")
+    k = edit(k, "  int64_t const pos = written_position(", """  if (SMEM_POS) {
+    __syncthreads();
+    if (!live) return;
+    start = slot_positions[0], length = slot_positions[1];
+  }
+  int64_t const pos = written_position(""")
+    return "namespace dflash {\nnamespace {\n" + k + "}  // namespace\n}  // namespace dflash\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = Path(argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "knob_kernel.inc").write_text(knob_kernel(KERNEL.read_text()))
+    cmd = ["nvcc", "-O3", "-std=c++17", "-arch=sm_90", f"-I{ROOT / 'csrc'}", f"-I{out}",
+           "-o", str(out / "decode_probe"), str(Path(__file__).with_name("decode_probe.cu"))]
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
