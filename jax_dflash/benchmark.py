@@ -733,8 +733,9 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
         "pages_per_slot": shape.pages_per_slot, "slot_capacity": shape.slot_capacity,
         "num_input_sets": problem.num_sets, "bytes": problem.bytes, "contenders": {},
     }
-    # Several passes: on the H200 the first contender timed after a shape's setup measured up to
-    # 25% slow, whichever it was (BENCHMARKS.md, "Method"); every contender gets its best pass.
+    # Several passes, each contender keeping its best: in one H200 run the contender timed first
+    # after a shape's setup measured up to 25% slow, whichever it was (BENCHMARKS.md, "Why three
+    # targets are missed").
     for round_index in range(settings.rounds):
         for name in contenders:
             previous = entry["contenders"].get(name)

@@ -48,7 +48,7 @@ def expected(problem: Problem):
         # The TensorRT shape family: P = 128, D = R = 128.
         dict(batch=4, delta_len=16, heads=8, head_dim=128, page_size=128, pages_per_slot=2,
              max_batch=6, rope_seq_len=200),
-        # A wide token (H * D / vector > 256 threads): the kernel splits it across blocks.
+        # Many heads (40 x 6 work items, more than one 128-thread block): heads split across blocks.
         dict(batch=2, delta_len=3, heads=40, head_dim=64, rotary_dim=32, page_size=8,
              pages_per_slot=1, rope_batch=2),
         # A head of 256 one-channel vectors: its items split across two blocks.

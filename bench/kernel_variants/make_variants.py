@@ -23,7 +23,7 @@ def variant_source() -> str:
     replacements = [
         ('#include "dflash/kv_update_cuda.h"', '#include "dflash/kv_update_cuda.h"\n' + knobs),
         ("__launch_bounds__(128)", "__launch_bounds__(KV_BLOCK)"),
-        ("constexpr int kBlockThreads = 128;", "constexpr int kBlockThreads = KV_BLOCK;"),
+        ("constexpr int64_t kBlockThreads = 128;", "constexpr int64_t kBlockThreads = KV_BLOCK;"),
         ("constexpr int kMaxVec = int(16 / sizeof(T));", "constexpr int kMaxVec = int(KV_VEC_BYTES / sizeof(T));"),
         ("  using W = typename Word<sizeof(P)>::type;\n  __stcs(",
          "  using W = typename Word<sizeof(P)>::type;\n"
