@@ -17,9 +17,10 @@ How time is measured. JAX contenders: one jitted function applies ``chain`` upda
 buffer); it is called repeatedly without waiting (async dispatch keeps the device busy) and
 timed with ``time.perf_counter`` up to ``block_until_ready``. Raw launcher, FlashInfer and the
 copy on GPU: ``chain`` calls captured in one CUDA graph, replays timed with CUDA events. On CPU
-every contender is timed with ``time.perf_counter``. A measurement lasts at least ``min_time``;
-the reported time per update is the median over ``repeats`` measurements of time / updates.
-Nothing is subtracted.
+every contender is timed with ``time.perf_counter``. A measurement lasts at least ``min_time``.
+All contenders of a shape are set up first, then measured in turns (the order rotated every
+round), so none is timed under conditions the others do not share; the reported time per update
+is the median over ``repeats`` measurements of time / updates. Nothing is subtracted.
 
 Inputs are rotated: ``num_sets`` sets of k/v deltas and start positions, enough that for large
 shapes their bytes exceed the L2 cache (60 MB on the H200), so the benchmark does not measure the
@@ -273,17 +274,65 @@ class Settings:
     baseline_chain: int  # the same for the (much slower to compile) straightforward JAX version
     repeats: int
     min_time: float  # seconds per measurement at least
-    rounds: int = 1  # passes over the contenders per shape; the best pass counts
 
 
-def _measure(run: Callable[[int], float], updates_per_call: int, settings: Settings) -> dict:
-    """``run(calls)`` -> seconds for ``calls`` back-to-back calls. Median seconds per update."""
-    run(1)  # warm-up (compiles, JITs, first-touch)
-    once = max(run(1), 1e-7)
-    calls = max(1, math.ceil(settings.min_time / once))
-    samples = [run(calls) / (calls * updates_per_call) for _ in range(settings.repeats)]
-    return {"us": statistics.median(samples) * 1e6, "us_min": min(samples) * 1e6,
-            "us_max": max(samples) * 1e6, "updates_per_measurement": calls * updates_per_call}
+@dataclasses.dataclass
+class Prepared:
+    """A contender set up for one shape and checked, ready to be timed.
+
+    ``run(calls)`` -> seconds for ``calls`` back-to-back calls of ``updates_per_call`` updates
+    each; ``info`` goes into the result as is; ``finish(result)``, when given, adds what only
+    the timing runs reveal (host dispatch time of the JAX contenders)."""
+
+    run: Callable[[int], float]
+    updates_per_call: int
+    info: dict
+    finish: Callable[[dict], None] | None = None
+
+
+def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[str, dict]:
+    """Times every prepared contender ``settings.repeats`` times, interleaved.
+
+    Each contender is warmed up and calibrated (calls per measurement, so that one lasts at
+    least ``min_time``); then the measurements go round the contenders, the order rotated by
+    one each round, so that every contender is timed in every position. A contender timed on
+    its own right after its setup can measure slow for reasons that have nothing to do with it
+    (BENCHMARKS.md, "How the benchmark times"). Median seconds per update over the repeats."""
+    calls, out = {}, {}
+    for name, p in prepared.items():
+        try:
+            p.run(1)  # warm-up (compiles, JITs, first-touch)
+            once = max(p.run(1), 1e-7)
+        except Exception as e:  # noqa: BLE001 - one failing contender must not end the run
+            out[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+            continue
+        calls[name] = max(1, math.ceil(settings.min_time / once))
+    names = [n for n in prepared if n in calls]
+    samples = {n: [] for n in names}
+    for r in range(settings.repeats if names else 0):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            p = prepared[name]
+            if name in out:
+                continue  # failed in an earlier round
+            try:
+                seconds = p.run(calls[name])
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+                continue
+            samples[name].append(seconds / (calls[name] * p.updates_per_call))
+    for name in names:
+        if name in out:
+            continue
+        us = [x * 1e6 for x in samples[name]]
+        result = dict(prepared[name].info)
+        result.update({"us": statistics.median(us), "us_min": min(us), "us_max": max(us),
+                       "samples_us": [round(x, 4) for x in us],
+                       "updates_per_measurement": calls[name] * prepared[name].updates_per_call})
+        if prepared[name].finish is not None:
+            prepared[name].finish(result)
+        out[name] = result
+    return out
 
 
 # ---- JAX contenders (ours and the baseline) -------------------------------------------------------
@@ -319,7 +368,7 @@ def _jax_update_fn(name: str, shape: BenchShape):
     return one
 
 
-def _run_jax(name: str, problem: Problem, settings: Settings, device) -> dict:
+def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Prepared:
     import jax
     import jax.numpy as jnp
 
@@ -373,16 +422,15 @@ def _run_jax(name: str, problem: Problem, settings: Settings, device) -> dict:
         dispatch.append(dispatched / calls)
         return elapsed
 
-    result = _measure(run, chain, settings)
-    result["check"] = check
-    result["chain"] = chain
-    if settings.backend == "gpu":
+    def finish(result: dict) -> None:
         # Wall time is device time only while the host dispatches faster than the GPU runs: when
         # dispatching a call takes most of its time, the number is host-bound (an upper bound).
         host_us = statistics.median(dispatch[2:] or dispatch) / chain * 1e6  # past 2 warm-ups
         result["host_dispatch_us"] = host_us
         result["host_bound"] = host_us >= 0.8 * result["us"]
-    return result
+
+    return Prepared(run, chain, {"check": check, "chain": chain},
+                    finish if settings.backend == "gpu" else None)
 
 
 # ---- torch-side GPU contenders (raw launcher, FlashInfer, copy) -----------------------------------
@@ -427,8 +475,8 @@ def _torch_pool(torch, problem: Problem):
     return pool
 
 
-def _graph_measure(torch, enqueue: Callable[[int], None], chain: int, settings: Settings) -> dict:
-    """Captures ``enqueue(i)`` for i < chain into one CUDA graph; times replays with events."""
+def _graph(torch, enqueue: Callable[[int], None], chain: int, info: dict) -> Prepared:
+    """Captures ``enqueue(i)`` for i < chain into one CUDA graph, replays timed with events."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -450,15 +498,13 @@ def _graph_measure(torch, enqueue: Callable[[int], None], chain: int, settings: 
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    result = _measure(run, chain, settings)
-    result["chain"] = chain
-    return result
+    return Prepared(run, chain, {**info, "chain": chain})
 
 
 _DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2}
 
 
-def _run_raw_gpu(problem: Problem, settings: Settings) -> dict:
+def _prepare_raw_gpu(problem: Problem, settings: Settings) -> Prepared:
     torch = _torch()
     from jax_dflash import _ext
 
@@ -489,9 +535,7 @@ def _run_raw_gpu(problem: Problem, settings: Settings) -> dict:
     torch.cuda.synchronize()
     check = compare_sample(_from_torch(pool[problem.sample_index()], s.np_dtype), problem,
                            exact_required=True)
-    result = _graph_measure(torch, lambda i: launch(pool, i % len(ks)), settings.chain, settings)
-    result["check"] = check
-    return result
+    return _graph(torch, lambda i: launch(pool, i % len(ks)), settings.chain, {"check": check})
 
 
 def _flashinfer():
@@ -503,7 +547,7 @@ def _flashinfer():
     return flashinfer
 
 
-def _run_flashinfer(problem: Problem, settings: Settings) -> dict:
+def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
     torch = _torch()
     flashinfer = _flashinfer()
     s = problem.shape
@@ -579,14 +623,11 @@ def _run_flashinfer(problem: Problem, settings: Settings) -> dict:
         raise Skip("flashinfer calls failed: " + " | ".join(errors))
     for layer, k in enumerate(original):
         ks[0][layer].copy_(k)
-    result = _graph_measure(torch, lambda i: update(pool, i % len(ks), variant[1]),
-                            settings.chain, settings)
-    result["check"] = check
-    result["variant"] = variant[0]
+    info = {"check": check, "variant": variant[0],
+            "version": getattr(flashinfer, "__version__", "unknown")}
     if errors:
-        result["variant_notes"] = errors
-    result["version"] = getattr(flashinfer, "__version__", "unknown")
-    return result
+        info["variant_notes"] = errors
+    return _graph(torch, lambda i: update(pool, i % len(ks), variant[1]), settings.chain, info)
 
 
 def _copy_sets(problem: Problem, backend: str) -> tuple[int, int]:
@@ -595,16 +636,13 @@ def _copy_sets(problem: Problem, backend: str) -> tuple[int, int]:
     return size, int(min(MAX_SETS[backend], max(2, math.ceil(2 * L2_BYTES[backend] / size))))
 
 
-def _run_copy_gpu(problem: Problem, settings: Settings) -> dict:
+def _prepare_copy_gpu(problem: Problem, settings: Settings) -> Prepared:
     torch = _torch()
     size, num_sets = _copy_sets(problem, "gpu")
     sources = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(num_sets)]
     dest = torch.empty(size, dtype=torch.uint8, device="cuda")
-    result = _graph_measure(torch, lambda i: dest.copy_(sources[i % num_sets]), settings.chain,
-                            settings)
-    result["check"] = {"ok": True, "criterion": "none (the floor)"}
-    result["bytes_copied"] = size
-    return result
+    return _graph(torch, lambda i: dest.copy_(sources[i % num_sets]), settings.chain,
+                  {"check": {"ok": True, "criterion": "none (the floor)"}, "bytes_copied": size})
 
 
 def peak_copy_bandwidth_gpu() -> dict:
@@ -631,7 +669,7 @@ def peak_copy_bandwidth_gpu() -> dict:
 # ---- CPU-only contenders ----------------------------------------------------------------------------
 
 
-def _host_loop(fn: Callable[[int], None], chain: int, settings: Settings) -> dict:
+def _host_loop(fn: Callable[[int], None], chain: int, info: dict) -> Prepared:
     def run(calls: int) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -639,12 +677,10 @@ def _host_loop(fn: Callable[[int], None], chain: int, settings: Settings) -> dic
                 fn(i)
         return time.perf_counter() - t0
 
-    result = _measure(run, chain, settings)
-    result["chain"] = chain
-    return result
+    return Prepared(run, chain, {**info, "chain": chain})
 
 
-def _run_raw_cpu(problem: Problem, settings: Settings) -> dict:
+def _prepare_raw_cpu(problem: Problem, settings: Settings) -> Prepared:
     from jax_dflash import _ext
 
     cpu = _ext.extension("cpu")
@@ -666,19 +702,15 @@ def _run_raw_cpu(problem: Problem, settings: Settings) -> dict:
 
     update(0)
     check = compare_sample(pool[problem.sample_index()], problem, exact_required=True)
-    result = _host_loop(lambda i: update(i % len(ks)), settings.chain, settings)
-    result["check"] = check
-    return result
+    return _host_loop(lambda i: update(i % len(ks)), settings.chain, {"check": check})
 
 
-def _run_copy_cpu(problem: Problem, settings: Settings) -> dict:
+def _prepare_copy_cpu(problem: Problem, settings: Settings) -> Prepared:
     size, num_sets = _copy_sets(problem, "cpu")
     sources = [np.ones(size, np.uint8) for _ in range(num_sets)]
     dest = np.zeros(size, np.uint8)
-    result = _host_loop(lambda i: np.copyto(dest, sources[i % num_sets]), settings.chain, settings)
-    result["check"] = {"ok": True, "criterion": "none (the floor)"}
-    result["bytes_copied"] = size
-    return result
+    return _host_loop(lambda i: np.copyto(dest, sources[i % num_sets]), settings.chain,
+                      {"check": {"ok": True, "criterion": "none (the floor)"}, "bytes_copied": size})
 
 
 def peak_copy_bandwidth_cpu() -> dict:
@@ -696,31 +728,28 @@ def peak_copy_bandwidth_cpu() -> dict:
 # ---- one shape ----------------------------------------------------------------------------------
 
 
-def run_contender(name: str, problem: Problem, settings: Settings) -> dict:
+def prepare_contender(name: str, problem: Problem, settings: Settings) -> Prepared | dict:
+    """The contender set up and checked, or its result when it cannot run (skipped / error)."""
     backend = settings.backend
     try:
         if name in ("ours_jax", "jax_baseline"):
-            result = _run_jax(name, problem, settings, _jax_device(backend))
-        elif name == "ours_raw":
-            result = _run_raw_gpu(problem, settings) if backend == "gpu" else _run_raw_cpu(
-                problem, settings)
-        elif name == "flashinfer":
+            return _prepare_jax(name, problem, settings, _jax_device(backend))
+        if name == "ours_raw":
+            return (_prepare_raw_gpu if backend == "gpu" else _prepare_raw_cpu)(problem, settings)
+        if name == "flashinfer":
             if backend != "gpu":
                 raise Skip("GPU only")
-            result = _run_flashinfer(problem, settings)
-        elif name == "copy":
-            result = _run_copy_gpu(problem, settings) if backend == "gpu" else _run_copy_cpu(
-                problem, settings)
-        else:
-            raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
+            return _prepare_flashinfer(problem, settings)
+        if name == "copy":
+            return (_prepare_copy_gpu if backend == "gpu" else _prepare_copy_cpu)(problem,
+                                                                                  settings)
+        raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
     except Skip as e:
         return {"status": "skipped", "reason": str(e)}
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - one failing contender must not end the run
         return {"status": "error", "reason": f"{type(e).__name__}: {e}"}
-    result["status"] = "ok" if result["check"]["ok"] else "wrong"
-    return result
 
 
 def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float) -> dict:
@@ -733,26 +762,27 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
         "pages_per_slot": shape.pages_per_slot, "slot_capacity": shape.slot_capacity,
         "num_input_sets": problem.num_sets, "bytes": problem.bytes, "contenders": {},
     }
-    # Several passes, each contender keeping its best: in one H200 run the contender timed first
-    # after a shape's setup measured up to 25% slow, whichever it was (BENCHMARKS.md, "Why three
-    # targets are missed").
-    for round_index in range(settings.rounds):
-        for name in contenders:
-            previous = entry["contenders"].get(name)
-            if previous is not None and "us" not in previous:
-                continue  # skipped or failed: no second try
-            t0 = time.perf_counter()
-            result = run_contender(name, problem, settings)
-            result["wall_s"] = round(time.perf_counter() - t0, 2)
-            history = (previous or {}).get("rounds_us", []) + [result.get("us")]
-            if previous is not None and previous["us"] <= result.get("us", math.inf):
-                result = previous
-            if any(us is not None for us in history):
-                result["rounds_us"] = history
-            entry["contenders"][name] = result
-            shown = f"{history[-1]:.2f} us" if history[-1] is not None else result.get("reason", "")
-            print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}"
-                  f"  (pass {round_index + 1}/{settings.rounds})", flush=True)
+    # Every contender is set up first and they are timed together, interleaved (time_interleaved).
+    prepared, results = {}, {}
+    for name in contenders:
+        t0 = time.perf_counter()
+        ready = prepare_contender(name, problem, settings)
+        setup_s = round(time.perf_counter() - t0, 2)
+        if isinstance(ready, Prepared):
+            ready.info["setup_s"] = setup_s
+            prepared[name] = ready
+        else:
+            results[name] = {**ready, "setup_s": setup_s}
+    results.update(time_interleaved(prepared, settings))
+    del prepared  # frees this shape's buffers before the next shape's
+    for name in contenders:
+        result = results[name]
+        if "check" in result:
+            result["status"] = "ok" if result["check"]["ok"] else "wrong"
+        entry["contenders"][name] = result
+        shown = (f"{result['us']:.2f} us (min {result['us_min']:.2f}, max {result['us_max']:.2f})"
+                 if "us" in result else result.get("reason", ""))
+        print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}", flush=True)
     entry["derived"] = _derived(entry, peak_bw)
     return entry
 
@@ -975,10 +1005,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="updates per jitted call / CUDA graph (default 512 GPU, so that JAX's "
                    "per-call dispatch stays hidden behind the GPU at decode sizes; 16 CPU); the "
                    "straightforward JAX version uses at most 32 on GPU (compile time)")
-    p.add_argument("--repeats", type=int, default=None, help="measurements per contender (median)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="passes over the contenders per shape, the best pass counting for each "
-                   "(default 2 GPU, 1 CPU; 1 with --quick)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="measurements per contender, interleaved with the other contenders' "
+                   "(median; default 10 GPU, 5 CPU, 3 with --quick)")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds per measurement at least (default 0.05 GPU, 0.1 CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where JSON and PNG go")
@@ -993,16 +1022,15 @@ def _settings(args, backend: str) -> Settings:
     chain = args.iters or (512 if gpu else 16)
     if chain < 1:
         raise SystemExit(f"--iters: expected an int >= 1, got {chain}")
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 10 if gpu else 5)
+    if repeats < 1:
+        raise SystemExit(f"--repeats: expected an int >= 1, got {repeats}")
     min_time = args.min_time if args.min_time is not None else (
         (0.01 if args.quick else 0.05) if gpu else (0.01 if args.quick else 0.1))
     if args.quick and not args.iters:
         chain = 64 if gpu else 4
     baseline_chain = min(chain, 32) if gpu else chain
-    rounds = args.rounds or (1 if args.quick or not gpu else 2)
-    if rounds < 1:
-        raise SystemExit(f"--rounds: expected an int >= 1, got {rounds}")
-    return Settings(backend, chain, baseline_chain, repeats, min_time, rounds)
+    return Settings(backend, chain, baseline_chain, repeats, min_time)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -1034,8 +1062,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     device = _device_name(backend)
     print(f"DFlash KV-update benchmark: backend {backend}, device {device}; "
           f"{settings.chain} updates per call (baseline {settings.baseline_chain}), "
-          f"{settings.repeats} repeats of >= {settings.min_time} s, best of {settings.rounds} "
-          "pass(es) per contender", flush=True)
+          f"{settings.repeats} interleaved measurements of >= {settings.min_time} s per contender", flush=True)
     try:
         peak = peak_copy_bandwidth_gpu() if backend == "gpu" else peak_copy_bandwidth_cpu()
     except Skip as e:

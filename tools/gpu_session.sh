@@ -80,8 +80,15 @@ stage_probe() {
 }
 
 stage_bench() {
+  # GPU clocks and power every 200 ms while the benchmark runs (read-only queries).
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
+    --format=csv -lms 200 > "$OUT/bench_clocks.csv" 2>&1 &
+  local logger=$! status
   # shellcheck disable=SC2086 # BENCH_ARGS is a list of words on purpose
   "$PY" bench/bench_kv_update.py --backend gpu --out "$OUT/bench_results" ${BENCH_ARGS:-}
+  status=$?
+  kill "$logger" 2>/dev/null
+  return $status
 }
 
 find_sanitizer() {
