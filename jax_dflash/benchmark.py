@@ -282,12 +282,14 @@ class Prepared:
 
     ``run(calls)`` -> seconds for ``calls`` back-to-back calls of ``updates_per_call`` updates
     each; ``info`` goes into the result as is; ``finish(result)``, when given, adds what only
-    the timing runs reveal (host dispatch time of the JAX contenders)."""
+    the timing runs reveal (host dispatch time of the JAX contenders). ``inputs`` holds what
+    ``run`` reads without referencing it (the buffers a captured CUDA graph replays on)."""
 
     run: Callable[[int], float]
     updates_per_call: int
     info: dict
     finish: Callable[[dict], None] | None = None
+    inputs: object = None
 
 
 def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[str, dict]:
@@ -498,7 +500,8 @@ def _graph(torch, enqueue: Callable[[int], None], chain: int, info: dict) -> Pre
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    return Prepared(run, chain, {**info, "chain": chain})
+    # The graph replays on the buffers enqueue's closure holds: they must outlive it.
+    return Prepared(run, chain, {**info, "chain": chain}, inputs=enqueue)
 
 
 _DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2}
