@@ -292,6 +292,21 @@ class Prepared:
     inputs: object = None
 
 
+def _calibrate(run: Callable[[int], float], min_time: float) -> int:
+    """Calls per measurement so that one lasts at least ``min_time``, found in the steady state.
+
+    One call is not a good estimate: the first calls of a jitted function on GPU run before
+    XLA has its command buffer, and a single host-timed call also pays for filling the
+    pipeline. So the count grows until a measurement lasts a quarter of ``min_time``."""
+    run(2)  # warm-up (compiles, JITs, first-touch)
+    calls = 1
+    while True:
+        seconds = run(calls)
+        if seconds >= min_time / 4 or calls >= 1 << 20:
+            return max(1, math.ceil(calls * min_time / max(seconds, 1e-9)))
+        calls *= 4
+
+
 def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[str, dict]:
     """Times every prepared contender ``settings.repeats`` times, interleaved.
 
@@ -303,12 +318,9 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
     calls, out = {}, {}
     for name, p in prepared.items():
         try:
-            p.run(1)  # warm-up (compiles, JITs, first-touch)
-            once = max(p.run(1), 1e-7)
+            calls[name] = _calibrate(p.run, settings.min_time)
         except Exception as e:  # noqa: BLE001 - one failing contender must not end the run
             out[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
-            continue
-        calls[name] = max(1, math.ceil(settings.min_time / once))
     names = [n for n in prepared if n in calls]
     samples = {n: [] for n in names}
     for r in range(settings.repeats if names else 0):
