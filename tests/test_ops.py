@@ -168,6 +168,20 @@ def test_layer_batched_per_layer_rope_and_positions(backend):
     assert_bits_equal(out, expected(problem))
 
 
+def test_more_layers_than_one_grid_holds(backend):
+    """65537 layers, each with its own rope rows and positions: the CUDA launcher puts layers on
+    grid.z (at most 65535), so the last two layers go to a second launch whose layer index must
+    start at 65535, not 0."""
+    rng = np.random.default_rng(10)
+    problem = make_problem(rng, batch=1, delta_len=2, heads=1, head_dim=2, page_size=2,
+                           pages_per_slot=2, layers=65537, rope_per_layer=True,
+                           positions_per_layer=True, dtype=np.float32)
+    out = run_op(problem, backend)
+    want = expected(problem)
+    assert_bits_equal(out[65530:], want[65530:])  # the split first: a readable failure
+    assert_bits_equal(out, want)
+
+
 def test_nested_vmap(backend):
     """vmap over an already layer-batched call folds both axes into one launch."""
     rng = np.random.default_rng(5)

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(128) variant(VP p) {
   store_streaming(p.pool + dst + HALF, k1); store_streaming(p.pool + plane + dst + HALF, v1);
 }
 
-// knob_kernel<T, VEC, SMEM_POS, PDL>: the shipped kernel with two knobs, generated from
+// knob_kernel<T, VEC, SMEM_POS, PDL, PF, VFIRST>: the shipped kernel with knobs, generated from
 // csrc/dflash/kv_update_cuda.cu by make_probe.py (no second copy of the kernel in the tree).
 #include "knob_kernel.inc"
 static cudaStream_t st;
@@ -112,14 +112,14 @@ int main(int argc, char** argv) {
   int pos_sets_arg = argc > 2 ? atoi(argv[1]) : 0, kv_sets_arg = argc > 2 ? atoi(argv[2]) : 0;  // 0 = rotate beyond 2x L2
   bool only_shipped = argc > 2;
   std::vector<int> Bs = ncu ? std::vector<int>{64} : std::vector<int>{1, 8, 64};
-  for (int capi = 0; capi < (ncu ? 1 : 2); ++capi)
+  for (int capi = 0; capi < (ncu ? 1 : 3); ++capi)
   for (int B : Bs) {
-    int L = 16, cap = capi == 0 ? 2048 : 256, pps = cap / P;
+    int L = 16, cap = capi == 0 ? 2048 : capi == 1 ? 256 : 16384, pps = cap / P;
     size_t delta = size_t(B) * L * H * D, pool_elems = size_t(2) * B * cap * H * D;
     double kv_bytes = double(delta) * 2 * 2;
     int sets = kv_sets_arg ? kv_sets_arg : std::min(32, std::max(2, int(120e6 / kv_bytes + 1)));
     int pos_sets = pos_sets_arg ? pos_sets_arg : sets;
-    if (only_shipped && capi == 1) continue;
+    if (only_shipped && capi != 0) continue;
     std::vector<__half*> ks(sets), vs(sets); std::vector<int*> ss(sets);
     std::mt19937 rng(1);
     for (int i = 0; i < sets; ++i) {
@@ -157,6 +157,11 @@ int main(int argc, char** argv) {
       printf("knob positions via smem             %7.3f us\n", knob(knob_kernel<__half, 8, 1, 0>, false));
       printf("knob PDL                            %7.3f us\n", knob(knob_kernel<__half, 8, 0, 1>, true));
       printf("knob smem + PDL                     %7.3f us\n", knob(knob_kernel<__half, 8, 1, 1>, true));
+      printf("knob V stored first                 %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 0, 1>, false));
+      printf("knob prefetch dst (1/token)         %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 1, 0>, false));
+      printf("knob prefetch dst (1/token), V first %6.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 1, 1>, false));
+      printf("knob prefetch K (all), V first      %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 2, 1>, false));
+      printf("knob smem + prefetch + V first      %7.3f us\n", knob(knob_kernel<__half, 8, 1, 0, 1, 1>, false));
     }
     if (only_shipped) { printf("kv sets %d, position sets %d\n", sets, pos_sets); goto cleanup; }
     printf("shipped kernel, child-graph nodes %7.3f us\n", time_graph(shipped, chain, true));

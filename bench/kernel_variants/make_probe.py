@@ -28,7 +28,8 @@ def knob_kernel(source: str) -> str:
     start, end = source.index(head), source.index("bool aligned(void const* ptr")
     k = source[start:end]
     k = edit(k, "template <typename T, int VEC>\n__global__",
-             "template <typename T, int VEC, int SMEM_POS, int PDL>\n__global__")
+             "template <typename T, int VEC, int SMEM_POS, int PDL, int PF = 0, int VFIRST = 0>\n"
+             "__global__")
     k = edit(k, "target_kv_cache_update_kernel(", "knob_kernel(")
     k = edit(k, """  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
   int64_t const length = __ldg(p.delta_lengths + position_index(p, layer, b));""", """  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -54,6 +55,24 @@ def knob_kernel(source: str) -> str:
     start = slot_positions[0], length = slot_positions[1];
   }
   int64_t const pos = written_position(""")
+    # PF 1: once the position is known, one thread per token prefetches the token's K and V
+    # destination lines to L2 (warming the address translation of the pool pages while the
+    # cos/sin rows load); PF 2: every thread prefetches its K destination. VFIRST: the V rows
+    # (no RoPE) are stored before the cos/sin load instead of after it.
+    k = edit(k, "  if (pair && pos < p.rope_seq_len) {", """  T* const kp = static_cast<T*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+  int64_t const kdst = pool_token_offset(p, b, pos) + head_offset;
+  if ((PF == 1 && threadIdx.x == 0 && threadIdx.y == 0) || PF == 2)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(kp + kdst));
+  if (PF == 1 && threadIdx.x == 0 && threadIdx.y == 0)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(kp + pool_plane_elems(p) + kdst));
+  if (VFIRST) {
+    store_streaming(kp + pool_plane_elems(p) + kdst, v0);
+    if (pair) store_streaming(kp + pool_plane_elems(p) + kdst + half, v1);
+  }
+  if (pair && pos < p.rope_seq_len) {""")
+    k = edit(k, "  store_streaming(v_plane + dst, v0);", "  if (!VFIRST) store_streaming(v_plane + dst, v0);")
+    k = edit(k, "    store_streaming(v_plane + dst + half, v1);",
+             "    if (!VFIRST) store_streaming(v_plane + dst + half, v1);")
     return "namespace dflash {\nnamespace {\n" + k + "}  // namespace\n}  // namespace dflash\n"
 
 
