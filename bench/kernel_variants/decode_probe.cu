@@ -27,10 +27,13 @@ using namespace dflash;
 __global__ void fill(__half* p, size_t n, unsigned seed) { size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; if (i < n) p[i] = __float2half((float)((i * 2654435761u + seed) % 2001) / 1000.f - 1.f); }
 __global__ void empty_kernel(int* p) { if (p && threadIdx.x == 1234567) p[0] = 1; }
 
-// Variant: POS 1 = positions loaded (as shipped), 0 = start computed from b (no dependent load).
+// Variant: POS 1 = positions loaded (as shipped), 0 = start computed from b (no dependent load,
+// the same rows every launch), 2 = start computed from b and the launch's index (no dependent
+// load, new rows every launch, like loaded positions), 3 = computed, advancing by L every launch
+// (as in a decode loop).
 // ROPE 1 = cos/sin loaded, 0 = not loaded (c=1, s=0 from registers). PDL 1 = griddepcontrol.
 // EARLY 1 = launch_dependents at the top (else at the end / implicit).
-struct VP { __half const* k; __half const* v; __half* pool; float const* rope; int const* starts; int const* lens; int B, L, cap, S; };
+struct VP { __half const* k; __half const* v; __half* pool; float const* rope; int const* starts; int const* lens; int B, L, cap, S; unsigned seed; };
 template <int POS, int ROPE, int PDL>
 __global__ void __launch_bounds__(128) variant(VP p) {
   if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -45,7 +48,10 @@ __global__ void __launch_bounds__(128) variant(VP p) {
   size_t src = size_t(token) * H * D + h * D + channel;
   using P = Pack<__half, VEC>;
   int start, length;
-  if (POS) { start = __ldg(p.starts + b); length = __ldg(p.lens + b); } else { start = (b * 37) % (p.cap - p.L); length = p.L; }
+  if (POS == 1) { start = __ldg(p.starts + b); length = __ldg(p.lens + b); }
+  else if (POS == 2) { start = ((b * 37u + p.seed * 101u) * 2654435761u >> 8) % unsigned(p.cap - p.L); length = p.L; }  // computed, new per launch
+  else if (POS == 3) { start = (b * 37u + p.seed * unsigned(p.L)) % unsigned(p.cap - p.L); length = p.L; }  // computed, advancing by L
+  else { start = (b * 37) % (p.cap - p.L); length = p.L; }
   P k0 = *reinterpret_cast<P const*>(p.k + src), v0 = *reinterpret_cast<P const*>(p.v + src);
   P k1 = *reinterpret_cast<P const*>(p.k + src + HALF), v1 = *reinterpret_cast<P const*>(p.v + src + HALF);
   int pos = start + int(t);
@@ -133,6 +139,13 @@ int main(int argc, char** argv) {
     std::vector<int> hl(B, L); int* lens; CK(cudaMalloc(&lens, B * 4)); CK(cudaMemcpy(lens, hl.data(), B * 4, cudaMemcpyHostToDevice));
     void* cdst; CK(cudaMalloc(&cdst, size_t(kv_bytes)));
     int* dummy; CK(cudaMalloc(&dummy, 4));
+    // Start positions of a decode loop: every slot's start advances by L each launch.
+    std::vector<int*> sa(chain);
+    std::vector<int> base(B); for (int b = 0; b < B; ++b) base[b] = rng() % (cap - L + 1);
+    for (int i = 0; i < chain; ++i) {
+      std::vector<int> hs(B); for (int b = 0; b < B; ++b) hs[b] = (base[b] + L * i) % (cap - L + 1);
+      CK(cudaMalloc(&sa[i], B * 4)); CK(cudaMemcpy(sa[i], hs.data(), B * 4, cudaMemcpyHostToDevice));
+    }
     CK(cudaDeviceSynchronize());
     KVUpdateParams p; p.dtype = DType::kFloat16; p.num_layers = 1; p.batch = B; p.delta_len = L; p.num_kv_heads = H; p.head_dim = D;
     p.num_pages = int64_t(B) * pps; p.page_size = P; p.pages_per_slot = pps; p.rotary_dim = R; p.rope_batch = 1; p.rope_seq_len = cap;
@@ -141,6 +154,7 @@ int main(int argc, char** argv) {
     if (ncu) { for (int i = 0; i < 40; ++i) shipped(i); CK(cudaStreamSynchronize(st)); printf("ncu mode done\n"); return 0; }
     printf("\n== B=%d L=%d cap=%d sets=%d (kv %.2f MB, total bytes %.2f MB)\n", B, L, cap, sets, kv_bytes / 1e6, (2 * kv_bytes + B * L * 512.0) / 1e6);
     printf("shipped kernel, direct nodes      %7.3f us\n", time_graph(shipped, chain, false));
+    printf("shipped kernel, advancing starts  %7.3f us\n", time_graph([&](int i) { int j = i % sets; KVUpdateParams q = p; q.k_delta = ks[j]; q.v_delta = vs[j]; q.delta_start_positions = sa[i]; CK(launch_widest<__half>(q, st)); }, chain, false));
     {
       auto knob = [&](auto kern, bool pdl) {
         return time_graph([&](int i) {
@@ -168,10 +182,14 @@ int main(int argc, char** argv) {
     printf("empty kernel, direct              %7.3f us\n", time_graph([&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain, false));
     printf("empty kernel, child-graph         %7.3f us\n", time_graph([&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain, true));
     printf("memcpy kv bytes, fixed dst        %7.3f us\n", time_graph([&](int i) { int j = i % sets; CK(cudaMemcpyAsync(cdst, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); CK(cudaMemcpyAsync((char*)cdst + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); }, chain, false));
+    {  // the same copy into a new place of the pool each time (fresh rows, as the update writes)
+      size_t const pool_bytes = pool_elems * 2, span = pool_bytes - size_t(kv_bytes);
+      printf("memcpy kv bytes, rotating dst     %7.3f us\n", time_graph([&](int i) { int j = i % sets; char* d = (char*)pool + (size_t(i) * 7919 * 4096) % span / 256 * 256; CK(cudaMemcpyAsync(d, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); CK(cudaMemcpyAsync(d + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st)); }, chain, false));
+    }
     for (int tpb : {1, 2}) {
       auto run_variant = [&](auto kern, bool pdl) {
         return time_graph([&](int i) {
-          int j = i % sets; VP v{ks[j], vs[j], pool, rope, ss[j], lens, B, L, cap, cap};
+          int j = i % sets; VP v{ks[j], vs[j], pool, rope, ss[j], lens, B, L, cap, cap, unsigned(i)};
           cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3((B * L + tpb - 1) / tpb); cfg.blockDim = dim3(64, tpb); cfg.stream = st;
           cudaLaunchAttribute attr[1]; attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; attr[0].val.programmaticStreamSerializationAllowed = 1;
           cfg.attrs = attr; cfg.numAttrs = pdl ? 1 : 0;
@@ -181,12 +199,16 @@ int main(int argc, char** argv) {
       printf("tpb=%d variant pos+rope            %7.3f us\n", tpb, run_variant(variant<1, 1, 0>, false));
       printf("tpb=%d variant pos, no rope        %7.3f us\n", tpb, run_variant(variant<1, 0, 0>, false));
       printf("tpb=%d variant no pos, rope        %7.3f us\n", tpb, run_variant(variant<0, 1, 0>, false));
+      printf("tpb=%d variant new pos, rope       %7.3f us\n", tpb, run_variant(variant<2, 1, 0>, false));
+      printf("tpb=%d variant new pos, no rope    %7.3f us\n", tpb, run_variant(variant<2, 0, 0>, false));
+      printf("tpb=%d variant advancing pos, rope %7.3f us\n", tpb, run_variant(variant<3, 1, 0>, false));
       printf("tpb=%d variant no pos, no rope     %7.3f us\n", tpb, run_variant(variant<0, 0, 0>, false));
       printf("tpb=%d variant pos+rope, PDL       %7.3f us\n", tpb, run_variant(variant<1, 1, 1>, true));
       printf("tpb=%d variant no pos no rope, PDL %7.3f us\n", tpb, run_variant(variant<0, 0, 1>, true));
     }
     cleanup:
     for (int i = 0; i < sets; ++i) { cudaFree(ks[i]); cudaFree(vs[i]); cudaFree(ss[i]); }
+    for (int* x : sa) cudaFree(x);
     cudaFree(pool); cudaFree(rope); cudaFree(lens); cudaFree(cdst); cudaFree(dummy);
   }
   return 0;
