@@ -48,10 +48,10 @@ __attribute__((target("avx2,f16c"))) inline void store8(uint16_t* y, __m256 v, b
 
 // One head's rotate-half on 16-bit storage, 8 channels per step: widen, rotate and narrow in
 // registers. Same operations and order as rope_channel(), so the same bits.
-__attribute__((target("avx2,f16c"))) void rotate_half_16bit_avx2(uint16_t const* x,
-                                                                   float const* cos_sin,
-                                                                   int64_t rotary_dim,
-                                                                   uint16_t* y, bool bf16) {
+__attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t const* x,
+                                                                          float const* cos_sin,
+                                                                          int64_t rotary_dim,
+                                                                          uint16_t* y, bool bf16) {
   int64_t const half = rotary_dim / 2;
   float const* cos = cos_sin;
   float const* sin = cos_sin + half;
@@ -70,6 +70,21 @@ __attribute__((target("avx2,f16c"))) void rotate_half_16bit_avx2(uint16_t const*
     float const x0 = load(x[i]), x1 = load(x[i + half]);
     y[i] = store(rope_channel(x0, x1, cos[i], sin[i], /*first_half=*/true));
     y[i + half] = store(rope_channel(x1, x0, cos[i], sin[i], /*first_half=*/false));
+  }
+}
+
+// One token's key row [H, D]: every head rotated, its channels past R copied. A whole row per
+// call, so the per-call cost (this function cannot be inlined into code built without AVX2) is
+// paid once per token, not once per head.
+__attribute__((target("avx2,f16c"))) void write_rotated_key_16bit_avx2(KVUpdateParams const& p,
+                                                                         uint16_t const* k,
+                                                                         float const* cos_sin,
+                                                                         uint16_t* dst) {
+  bool const bf16 = p.dtype == DType::kBFloat16;
+  int64_t const pass = p.head_dim - p.rotary_dim;
+  for (int64_t head = 0; head < p.num_kv_heads * p.head_dim; head += p.head_dim) {
+    if (pass > 0) std::memcpy(dst + head + p.rotary_dim, k + head + p.rotary_dim, pass * 2);
+    rotate_half_16bit_avx2(k + head, cos_sin, p.rotary_dim, dst + head, bf16);
   }
 }
 
@@ -111,6 +126,13 @@ void rotate_half(float const* x, float const* cos_sin, int64_t rotary_dim, float
 // Writes one token's rotated key row [H, D] into dst (pass-through past R).
 void write_rotated_key(KVUpdateParams const& p, void const* k, float const* cos_sin, void* dst,
                        std::vector<float>& scratch) {
+#if DFLASH_X86
+  if (p.dtype != DType::kFloat32 && has_avx2_f16c()) {
+    write_rotated_key_16bit_avx2(p, static_cast<uint16_t const*>(k), cos_sin,
+                                 static_cast<uint16_t*>(dst));
+    return;
+  }
+#endif
   int64_t const head_dim = p.head_dim, rotary_dim = p.rotary_dim;
   int64_t const elem = dtype_bytes(p.dtype);
   scratch.resize(2 * rotary_dim);
@@ -128,12 +150,6 @@ void write_rotated_key(KVUpdateParams const& p, void const* k, float const* cos_
     }
     uint16_t const* x_bits = static_cast<uint16_t const*>(k) + head;
     uint16_t* y_bits = static_cast<uint16_t*>(dst) + head;
-#if DFLASH_X86
-    if (has_avx2_f16c()) {
-      rotate_half_16bit_avx2(x_bits, cos_sin, rotary_dim, y_bits, p.dtype == DType::kBFloat16);
-      continue;
-    }
-#endif
     widen(x_bits, x, rotary_dim, p.dtype);
     rotate_half(x, cos_sin, rotary_dim, y);
     narrow(y, y_bits, rotary_dim, p.dtype);
