@@ -439,7 +439,8 @@ def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Pre
     def finish(result: dict) -> None:
         # Wall time is device time only while the host dispatches faster than the GPU runs: when
         # dispatching a call takes most of its time, the number is host-bound (an upper bound).
-        host_us = statistics.median(dispatch[2:] or dispatch) / chain * 1e6  # past 2 warm-ups
+        timed = dispatch[-len(result["samples_us"]):]  # the measurements, not the calibration
+        host_us = statistics.median(timed) / chain * 1e6
         result["host_dispatch_us"] = host_us
         result["host_bound"] = host_us >= 0.8 * result["us"]
 

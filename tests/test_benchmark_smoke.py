@@ -55,3 +55,46 @@ def test_correctness_gate_rejects_one_wrong_element():
     ulp.view(np.uint16)[tuple(written[0])] += 1
     assert not benchmark.compare_sample(ulp, problem, exact_required=True)["ok"]
     assert benchmark.compare_sample(ulp, problem, exact_required=False)["ok"]
+
+
+def test_interleaved_timing_rotates_the_order_and_calibrates_in_the_steady_state():
+    order = []
+
+    def contender(name, seconds_per_call, first_calls_slow=0):
+        state = {"calls": 0}
+
+        def run(calls):
+            order.append((name, calls))
+            slow = min(calls, max(0, first_calls_slow - state["calls"]))
+            state["calls"] += calls
+            return calls * seconds_per_call + slow * 0.01  # a slow call costs 10 ms more
+
+        return benchmark.Prepared(run, updates_per_call=10, info={"check": {"ok": True}})
+
+    prepared = {"a": contender("a", 1e-3, first_calls_slow=3), "b": contender("b", 2e-3),
+                "c": contender("c", 4e-3)}
+    settings = benchmark.Settings("cpu", chain=10, baseline_chain=10, repeats=6, min_time=0.05)
+    results = benchmark.time_interleaved(prepared, settings)
+    # Calibrated past the slow first calls: 1 ms per call -> 50 calls for 50 ms, not 5.
+    assert results["a"]["updates_per_measurement"] == 10 * 50
+    assert results["b"]["updates_per_measurement"] == 10 * 25
+    assert results["c"]["updates_per_measurement"] == 10 * 13  # ceil(4 * 0.05 / 0.016)
+    for name, per_call in (("a", 1e-3), ("b", 2e-3), ("c", 4e-3)):
+        assert len(results[name]["samples_us"]) == 6
+        assert abs(results[name]["us"] - per_call / 10 * 1e6) < 1e-6
+    timed = [name for name, calls in order[-18:]]  # the 6 rounds of 3 measurements
+    rounds = [timed[i:i + 3] for i in range(0, 18, 3)]
+    assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+
+
+def test_interleaved_timing_reports_a_contender_that_fails_and_times_the_others():
+    def failing(calls):
+        raise RuntimeError("device lost")
+
+    prepared = {"bad": benchmark.Prepared(failing, 1, {}),
+                "good": benchmark.Prepared(lambda calls: calls * 1e-3, 1, {"check": {"ok": True}})}
+    settings = benchmark.Settings("cpu", chain=1, baseline_chain=1, repeats=2, min_time=0.01)
+    results = benchmark.time_interleaved(prepared, settings)
+    assert results["bad"] == {"status": "error", "reason": "RuntimeError: device lost"}
+    assert results["good"]["samples_us"] == [1000.0, 1000.0]
