@@ -176,6 +176,8 @@ int main(int argc, char** argv) {
       printf("knob prefetch dst (1/token), V first %6.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 1, 1>, false));
       printf("knob prefetch K (all), V first      %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 2, 1>, false));
       printf("knob smem + prefetch + V first      %7.3f us\n", knob(knob_kernel<__half, 8, 1, 0, 1, 1>, false));
+      printf("knob cos/sin L2 evict-last          %7.3f us\n", knob(knob_kernel<__half, 8, 0, 0, 0, 0, 1>, false));
+      printf("knob evict-last + PDL               %7.3f us\n", knob(knob_kernel<__half, 8, 0, 1, 0, 0, 1>, true));
     }
     if (only_shipped) { printf("kv sets %d, position sets %d\n", sets, pos_sets); goto cleanup; }
     printf("shipped kernel, child-graph nodes %7.3f us\n", time_graph(shipped, chain, true));

@@ -28,7 +28,7 @@ def knob_kernel(source: str) -> str:
     start, end = source.index(head), source.index("bool aligned(void const* ptr")
     k = source[start:end]
     k = edit(k, "template <typename T, int VEC>\n__global__",
-             "template <typename T, int VEC, int SMEM_POS, int PDL, int PF = 0, int VFIRST = 0>\n"
+             "template <typename T, int VEC, int SMEM_POS, int PDL, int PF = 0, int VFIRST = 0, int RH = 0>\n"
              "__global__")
     k = edit(k, "target_kv_cache_update_kernel(", "knob_kernel(")
     k = edit(k, """  int64_t const start = __ldg(p.delta_start_positions + position_index(p, layer, b));
@@ -73,7 +73,26 @@ def knob_kernel(source: str) -> str:
     k = edit(k, "  store_streaming(v_plane + dst, v0);", "  if (!VFIRST) store_streaming(v_plane + dst, v0);")
     k = edit(k, "    store_streaming(v_plane + dst + half, v1);",
              "    if (!VFIRST) store_streaming(v_plane + dst + half, v1);")
-    return "namespace dflash {\nnamespace {\n" + k + "}  // namespace\n}  // namespace dflash\n"
+    # RH: cos/sin rows loaded with an L2 evict-last policy (the table stays in L2 while the
+    # streamed deltas pass through).
+    k = edit(k, "    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);",
+             "    if (RH) load_cos_sin_evict_last<VEC>(cos, cos + half, c, s);\n"
+             "    else load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);")
+    helper = """template <int VEC>
+__device__ __forceinline__ void load_cos_sin_evict_last(float const* cos, float const* sin,
+                                                        float (&c)[VEC], float (&s)[VEC]) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#pragma unroll
+  for (int i = 0; i < VEC; i += 4) {
+    asm volatile("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(c[i]), "=f"(c[i + 1]), "=f"(c[i + 2]), "=f"(c[i + 3]) : "l"(cos + i), "l"(policy));
+    asm volatile("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(s[i]), "=f"(s[i + 1]), "=f"(s[i + 2]), "=f"(s[i + 3]) : "l"(sin + i), "l"(policy));
+  }
+}
+"""
+    return "namespace dflash {\nnamespace {\n" + helper + k + "}  // namespace\n}  // namespace dflash\n"
 
 
 def main(argv: list[str]) -> int:
