@@ -204,7 +204,7 @@ def bytes_moved(shape: BenchShape, starts: np.ndarray, lengths: np.ndarray) -> d
     return out
 
 
-def _rope_table(seq_len: int, rotary_dim: int) -> np.ndarray:
+def rope_table(seq_len: int, rotary_dim: int) -> np.ndarray:
     half = rotary_dim // 2
     inv_freq = 10000.0 ** (-np.arange(half, dtype=np.float64) / half)
     angles = np.arange(seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -227,7 +227,7 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
     high = shape.slot_capacity - shape.delta_len
     start_sets = [rng.integers(0, high + 1, shape.batch, dtype=np.int32) for _ in range(num_sets)]
     lengths = np.full(shape.batch, shape.delta_len, np.int32)
-    rope = _rope_table(shape.slot_capacity, shape.rotary_dim)
+    rope = rope_table(shape.slot_capacity, shape.rotary_dim)
 
     slots = min(shape.batch, SAMPLE_SLOTS)
     pps = shape.pages_per_slot
@@ -326,9 +326,9 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
     for r in range(settings.repeats if names else 0):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            p = prepared[name]
             if name in out:
                 continue  # failed in an earlier round
+            p = prepared[name]
             try:
                 seconds = p.run(calls[name])
             except Exception as e:  # noqa: BLE001
@@ -382,6 +382,21 @@ def _jax_update_fn(name: str, shape: BenchShape):
     return one
 
 
+def jitted_chain(update: Callable, chain: int):
+    """``update`` applied ``chain`` times in one jitted function, pool donated, input sets
+    (tuples) rotated: ``step(pool, ks, vs, rope, starts, lengths) -> pool``."""
+    import jax
+
+    def chained(pool, ks, vs, rope, starts, lengths):
+        # Unrolled: each update reads its own operands (no slicing copies in front of the call).
+        for i in range(chain):
+            j = i % len(ks)
+            pool = update(ks[j], vs[j], pool, rope, starts[j], lengths)
+        return pool
+
+    return jax.jit(chained, donate_argnums=0)
+
+
 def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Prepared:
     import jax
     import jax.numpy as jnp
@@ -411,14 +426,7 @@ def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Pre
 
     chain = settings.chain if name == "ours_jax" else settings.baseline_chain
 
-    def chained(pool, ks, vs, rope, starts, lengths):
-        # Unrolled: each update reads its own operands (no slicing copies in front of the call).
-        for i in range(chain):
-            j = i % len(ks)
-            pool = update(ks[j], vs[j], pool, rope, starts[j], lengths)
-        return pool
-
-    step = jax.jit(chained, donate_argnums=0)
+    step = jitted_chain(update, chain)
     state = {"pool": _jax_pool(problem, device)}
 
     dispatch = []  # host seconds per call spent dispatching (the GPU runs behind it)
@@ -754,6 +762,8 @@ def peak_copy_bandwidth_cpu() -> dict:
 def prepare_contender(name: str, problem: Problem, settings: Settings) -> Prepared | dict:
     """The contender set up and checked, or its result when it cannot run (skipped / error)."""
     backend = settings.backend
+    if name not in CONTENDERS:
+        raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
     try:
         if name in ("ours_jax", "jax_baseline"):
             return _prepare_jax(name, problem, settings, _jax_device(backend))
@@ -763,14 +773,9 @@ def prepare_contender(name: str, problem: Problem, settings: Settings) -> Prepar
             if backend != "gpu":
                 raise Skip("GPU only")
             return _prepare_flashinfer(problem, settings)
-        if name == "copy":
-            return (_prepare_copy_gpu if backend == "gpu" else _prepare_copy_cpu)(problem,
-                                                                                  settings)
-        raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
+        return (_prepare_copy_gpu if backend == "gpu" else _prepare_copy_cpu)(problem, settings)
     except Skip as e:
         return {"status": "skipped", "reason": str(e)}
-    except ValueError:
-        raise
     except Exception as e:  # noqa: BLE001 - one failing contender must not end the run
         return {"status": "error", "reason": f"{type(e).__name__}: {e}"}
 
