@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark of issue 4: see jax_dflash/benchmark.py (also `jax-dflash bench`).
+"""The DFlash KV-update benchmark: see bench/dflash_bench.py.
 
   python bench/bench_kv_update.py                  # GPU when JAX sees one, else scaled-down CPU
   python bench/bench_kv_update.py --backend cpu --quick
@@ -8,7 +8,7 @@
 
 import sys
 
-from jax_dflash.benchmark import main
+from dflash_bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

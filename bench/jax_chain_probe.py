@@ -7,11 +7,11 @@ P=128, L=16, slot capacity 2048, donated pool), timed per update from the host.
 
 SETS: rotated input sets (8); WITH_TORCH: import torch and hold 1 GiB of GPU memory first.
 BENCHMARKS.md ("How the benchmark times") quotes its numbers. The chain and the rope table are
-the benchmark's own (jax_dflash.benchmark)."""
+the benchmark's own (bench/dflash_bench.py)."""
 import functools, os, sys, time
 import numpy as np, jax, jax.numpy as jnp
 import jax_dflash
-from jax_dflash.benchmark import jitted_chain, rope_table
+from dflash_bench import jitted_chain, rope_table
 B, L, H, D, P, PPS = int(sys.argv[1]), 16, 8, 128, 128, 16
 CHAIN = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 cap = PPS * P

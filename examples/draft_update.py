@@ -148,8 +148,8 @@ def random_inputs(config: DraftConfig, batch: int, delta_len: int, dtype, seed: 
 
 
 def main(argv: list[str]) -> int:
-    from jax_dflash.export import to_onnx
-    from jax_dflash.onnx_reference import reference_evaluator
+    from jax_dflash.interop.export import to_onnx
+    from jax_dflash.interop.onnx_reference import reference_evaluator
 
     path = argv[1] if len(argv) > 1 else "draft_update.onnx"
     # P = 128 tokens per page: the TensorRT plugin's contract (the tests use smaller pages).

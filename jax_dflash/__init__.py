@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jax_dflash import reference
 from jax_dflash.ops import target_kv_cache_update, target_kv_cache_update_p
-from jax_dflash.trt import trt_plugin_library_path
+from jax_dflash._ext import trt_plugin_library_path
 
 __all__ = [
     "reference",

@@ -1,10 +1,10 @@
-"""``python -m jax_dflash`` and the ``jax-dflash`` console script (see jax_dflash.cli)."""
+"""``python -m jax_dflash`` and the ``jax-dflash`` console script (see jax_dflash.cli.main)."""
 
 from __future__ import annotations
 
 import sys
 
-from jax_dflash.cli import main
+from jax_dflash.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,9 @@ lowered for CUDA, so a CPU-only install (or a machine without a GPU) never touch
 from __future__ import annotations
 
 import importlib
+import os
 import threading
+from pathlib import Path
 
 import jax
 
@@ -45,3 +47,53 @@ def cuda_extension_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+# ---- the TensorRT plugin library shipped inside the package ----------------------------------
+
+PLUGIN_LIBRARY_NAME = "libdflash_trt_plugin.so"
+CONTRACT_HARNESS_NAME = "dflash_trt_contract_harness"
+_ENV_OVERRIDE = "DFLASH_TRT_PLUGIN_LIBRARY"
+
+
+
+def _installed_file(name: str) -> Path | None:
+    """``name`` in ``jax_dflash/lib`` of any location the package is imported from (an editable
+    install puts compiled files in site-packages, next to the sources' redirect)."""
+    import jax_dflash
+
+    for root in getattr(jax_dflash, "__path__", []):
+        candidate = Path(root) / "lib" / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def trt_plugin_library_path() -> str:
+    """The absolute path of the TensorRT plugin library shipped inside this package.
+
+    ``$DFLASH_TRT_PLUGIN_LIBRARY`` overrides it. Raises FileNotFoundError, saying why, when the
+    plugin was not built (it needs a CUDA toolkit and TensorRT headers at build time).
+    """
+    override = os.environ.get(_ENV_OVERRIDE)
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"{_ENV_OVERRIDE}={override!r}: expected a file, found none")
+        return str(Path(override).resolve())
+    found = _installed_file(PLUGIN_LIBRARY_NAME)
+    if found is None:
+        raise FileNotFoundError(
+            f"jax_dflash: {PLUGIN_LIBRARY_NAME} was not built: it needs a CUDA toolkit and the TensorRT "
+            "headers (TENSORRT_ROOT, or `python tools/fetch_trt_headers.py`) at build time; see BUILD.md"
+        )
+    return str(found.resolve())
+
+
+def contract_harness_path() -> str:
+    """The contract harness executable installed next to the plugin library (for the tests)."""
+    found = _installed_file(CONTRACT_HARNESS_NAME)
+    if found is None:
+        raise FileNotFoundError(
+            f"jax_dflash: {CONTRACT_HARNESS_NAME} was not built (it is built with the TensorRT plugin)"
+        )
+    return str(found.resolve())

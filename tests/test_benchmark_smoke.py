@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from jax_dflash import benchmark
+import dflash_bench as benchmark
 
 
 def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):

@@ -30,10 +30,11 @@ import pytest
 from conftest import DTYPES, assert_bits_equal, gpu_devices, make_problem
 
 import jax_dflash
-from jax_dflash import onnx as dflash_onnx
-from jax_dflash import reference, trt
+from jax_dflash.interop import onnx as dflash_onnx
+from jax_dflash import reference
+from jax_dflash.interop import trt
 from jax_dflash._shapes import ARG_NAMES
-from jax_dflash.onnx_reference import reference_evaluator, run_update_kernel
+from jax_dflash.interop.onnx_reference import reference_evaluator, run_update_kernel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def _needs_jax2onnx():
     pytest.importorskip(
         "jax2onnx", reason="jax2onnx is not installed (the 'export' extra; `make test` installs it)"
     )
-    from jax_dflash import export
+    from jax_dflash.interop import export
 
     return export
 

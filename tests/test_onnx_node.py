@@ -8,7 +8,7 @@ onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
 
 from onnx import TensorProto  # noqa: E402
 
-from jax_dflash import onnx as dflash_onnx  # noqa: E402
+from jax_dflash.interop import onnx as dflash_onnx  # noqa: E402
 from jax_dflash._shapes import ARG_NAMES  # noqa: E402
 
 MODEL_ARGS = dict(num_kv_heads=8, head_dim=128, num_pages=16, pages_per_slot=2, rotary_dim=128,

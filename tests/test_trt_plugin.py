@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_bits_equal, gpu_devices
-from jax_dflash import reference, trt
+from jax_dflash import reference
+from jax_dflash.interop import trt
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
@@ -271,7 +272,7 @@ def test_build_engine_with_tensorrt(plugin_library):
     tensorrt = pytest.importorskip(
         "tensorrt", reason="the 'tensorrt' package (builder) cannot be imported here")
     _gpu_or_skip()
-    from jax_dflash.onnx import make_update_model
+    from jax_dflash.interop.onnx import make_update_model
 
     model = make_update_model(num_kv_heads=2, head_dim=64, num_pages=8, pages_per_slot=2,
                               rotary_dim=64, rope_seq_len=256, dtype="float16")

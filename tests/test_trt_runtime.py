@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from jax_dflash import trt
+from jax_dflash.interop import trt
 
 BINDINGS = ("tensorrt_lean", "tensorrt_lean_bindings", "tensorrt")
 

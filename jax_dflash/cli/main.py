@@ -1,5 +1,5 @@
-"""The ``jax-dflash`` command line: ``run`` (the DFlash draft-cache workload), ``check`` (the
-environment and a parity self-test) and ``bench`` (the benchmark, in ``jax_dflash.benchmark``).
+"""The ``jax-dflash`` command line: ``run`` (the DFlash draft-cache workload) and ``check`` (the
+environment and a parity self-test). The benchmark lives apart from the package, in ``bench/``.
 
 Exit status: 0 on success, 1 when a check fails, 2 on bad flags (one line on stderr saying why).
 """
@@ -55,8 +55,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax_dflash.presets import DEFAULT_PRESET, DTYPE_NAMES, PRESETS, presets_help
-    from jax_dflash.workload import ACCEPT_HELP
+    from jax_dflash.cli.presets import DEFAULT_PRESET, DTYPE_NAMES, PRESETS, presets_help
+    from jax_dflash.cli.workload import ACCEPT_HELP
 
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=_Formatter,
@@ -67,13 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
               run     simulate the draft side of DFlash decoding and check the result
               check   report the JAX backends, the CUDA extension and the TensorRT plugin, and
                       test the op against the NumPy reference on every backend
-              bench   the benchmark (`{PROG} bench --help` lists its options)
 
             """) + presets_help() + (
             f"\n\nQuick start: `make demo` (= `{PROG} run`), then `{PROG} check`."),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{run,check,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{run,check}")
     commands.required = True
 
     run = commands.add_parser(
@@ -143,10 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of the random cases (default: 0)")
     check.set_defaults(func=cmd_check)
 
-    # Listed for --help; `bench` itself is dispatched before parsing (see main), so that all of
-    # its arguments, --help included, reach jax_dflash.benchmark untouched.
-    commands.add_parser("bench", add_help=False,
-                        help=f"the benchmark; `{PROG} bench --help` lists its options")
     return parser
 
 
@@ -157,8 +152,6 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return cmd_bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with usage and a reason on bad flags
     try:
@@ -173,21 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         # The reader left (`| head`): stop writing, quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-
-
-# ---- bench --------------------------------------------------------------------------------------
-
-
-def cmd_bench(argv: list[str]) -> int:
-    try:
-        benchmark = importlib.import_module("jax_dflash.benchmark")
-    except ModuleNotFoundError as e:
-        if e.name != "jax_dflash.benchmark":
-            raise
-        print(f"{PROG}: error: bench: jax_dflash.benchmark is not part of this installation",
-              file=sys.stderr)
-        return EXIT_USAGE
-    return int(benchmark.main(argv, prog="jax-dflash bench") or 0)
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -214,8 +192,8 @@ def select_device(backend: str):
 
 
 def cmd_run(args) -> int:
-    from jax_dflash.presets import PRESETS
-    from jax_dflash.workload import Workload, parse_accept
+    from jax_dflash.cli.presets import PRESETS
+    from jax_dflash.cli.workload import Workload, parse_accept
 
     preset = PRESETS[args.preset]
     batch = args.batch if args.batch is not None else preset.default_batch
@@ -376,7 +354,7 @@ def _tensorrt_report() -> tuple[str, str]:
     path_fn = getattr(jax_dflash, "trt_plugin_library_path", None)
     if path_fn is None:
         try:
-            path_fn = importlib.import_module("jax_dflash.trt").trt_plugin_library_path
+            path_fn = importlib.import_module("jax_dflash._ext").trt_plugin_library_path
         except (ImportError, AttributeError):
             path_fn = None
     path = None
@@ -480,7 +458,7 @@ def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]
     import jax
 
     from jax_dflash import reference
-    from jax_dflash.workload import compare_bits
+    from jax_dflash.cli.workload import compare_bits
 
     device = jax.devices(backend)[0]
     rng = np.random.default_rng(seed)
@@ -506,7 +484,7 @@ def cmd_check(args) -> int:
     import jax
 
     from jax_dflash import _ext
-    from jax_dflash.presets import DTYPE_NAMES, dtype_from_name
+    from jax_dflash.cli.presets import DTYPE_NAMES, dtype_from_name
 
     print(f"{PROG} {_version()}, JAX {jax.__version__}")
     print(f"default backend: {jax.default_backend()}")

@@ -37,7 +37,7 @@ import numpy as np
 
 from jax_dflash import baseline, reference
 from jax_dflash.ops import target_kv_cache_update
-from jax_dflash.presets import Preset, dtype_from_name
+from jax_dflash.cli.presets import Preset, dtype_from_name
 
 K_NORM_EPS = 1e-6
 # Steps allowed in flight before the loop waits for an older one: keeps the device busy while

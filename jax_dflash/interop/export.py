@@ -2,7 +2,7 @@
 
 jax2onnx traces a JAX function to a jaxpr and lowers each equation through a registry of
 plugins keyed by primitive name. The plugin here lowers ``dflash_target_kv_cache_update`` to
-exactly the node of :func:`jax_dflash.onnx.make_update_node` (op type
+exactly the node of :func:`jax_dflash.interop.onnx.make_update_node` (op type
 ``DFlashTargetKVCacheUpdate``, domain ``trt.plugins``, attributes ``plugin_version``,
 ``plugin_namespace`` and ``pages_per_slot``, the six inputs in SPEC.md's order), which
 TensorRT's ONNX parser maps to this project's plugin. Everything else in the function is
@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax_dflash import onnx as dflash_onnx
+from jax_dflash.interop import onnx as dflash_onnx
 from jax_dflash._shapes import ARG_NAMES
 from jax_dflash.ops import target_kv_cache_update_p
 
@@ -38,7 +38,7 @@ def _jax2onnx():
         from jax2onnx.plugins import plugin_system
     except ImportError as e:
         raise ImportError(
-            "jax_dflash.export needs jax2onnx and onnx-ir: pip install onnx onnx-ir and "
+            "jax_dflash.interop.export needs jax2onnx and onnx-ir: pip install onnx onnx-ir and "
             f"pip install --no-deps 'jax2onnx>=0.17.1' (or jax-dflash[export]); got: {e}"
         ) from e
     return jax2onnx, onnx_ir, plugin_system
@@ -75,7 +75,7 @@ def register_jax2onnx_plugin() -> None:
             pool_aval = eqn.invars[2].aval
             if len(pool_aval.shape) != 5:
                 raise NotImplementedError(
-                    "jax_dflash.export: the TensorRT plugin node takes the unbatched form, "
+                    "jax_dflash.interop.export: the TensorRT plugin node takes the unbatched form, "
                     "past_key_value [2, numPages, P, H, D]; got past_key_value of shape "
                     f"{tuple(pool_aval.shape)} (the layer-batched form). Export one update "
                     "per layer (a Python loop over layers) instead of jax.vmap over layers."

@@ -22,7 +22,7 @@ def _onnx():
     try:
         import onnx
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("jax_dflash.onnx needs the 'onnx' package: pip install jax-dflash[onnx]") from e
+        raise ImportError("jax_dflash.interop.onnx needs the 'onnx' package: pip install jax-dflash[onnx]") from e
     return onnx
 
 

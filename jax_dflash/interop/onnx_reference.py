@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jax_dflash import _ext
-from jax_dflash import onnx as dflash_onnx
+from jax_dflash.interop import onnx as dflash_onnx
 from jax_dflash._shapes import check_update
 
 try:
@@ -50,7 +50,7 @@ def run_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_star
 
 
 class DFlashTargetKVCacheUpdate(OpRun):
-    """The reference runtime's implementation of the TensorRT plugin node (see jax_dflash.onnx)."""
+    """The reference runtime's implementation of the TensorRT plugin node (see jax_dflash.interop.onnx)."""
 
     op_domain = dflash_onnx.PLUGIN_DOMAIN
 

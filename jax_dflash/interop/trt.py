@@ -17,55 +17,11 @@ import os
 import threading
 from pathlib import Path
 
-PLUGIN_LIBRARY_NAME = "libdflash_trt_plugin.so"
-CONTRACT_HARNESS_NAME = "dflash_trt_contract_harness"
-_ENV_OVERRIDE = "DFLASH_TRT_PLUGIN_LIBRARY"
+from jax_dflash._ext import contract_harness_path, trt_plugin_library_path
 
 _loaded_lock = threading.Lock()
 _registry_handles: dict[int, object] = {}  # id(registry) -> handle from load_library
 _namespaces_registered: set[str] = set()
-
-
-def _installed_file(name: str) -> Path | None:
-    """``name`` in ``jax_dflash/lib`` of any location the package is imported from (an editable
-    install puts compiled files in site-packages, next to the sources' redirect)."""
-    import jax_dflash
-
-    for root in getattr(jax_dflash, "__path__", []):
-        candidate = Path(root) / "lib" / name
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def trt_plugin_library_path() -> str:
-    """The absolute path of the TensorRT plugin library shipped inside this package.
-
-    ``$DFLASH_TRT_PLUGIN_LIBRARY`` overrides it. Raises FileNotFoundError, saying why, when the
-    plugin was not built (it needs a CUDA toolkit and TensorRT headers at build time).
-    """
-    override = os.environ.get(_ENV_OVERRIDE)
-    if override:
-        if not Path(override).is_file():
-            raise FileNotFoundError(f"{_ENV_OVERRIDE}={override!r}: expected a file, found none")
-        return str(Path(override).resolve())
-    found = _installed_file(PLUGIN_LIBRARY_NAME)
-    if found is None:
-        raise FileNotFoundError(
-            f"jax_dflash: {PLUGIN_LIBRARY_NAME} was not built: it needs a CUDA toolkit and the TensorRT "
-            "headers (TENSORRT_ROOT, or `python tools/fetch_trt_headers.py`) at build time; see BUILD.md"
-        )
-    return str(found.resolve())
-
-
-def contract_harness_path() -> str:
-    """The contract harness executable installed next to the plugin library (for the tests)."""
-    found = _installed_file(CONTRACT_HARNESS_NAME)
-    if found is None:
-        raise FileNotFoundError(
-            f"jax_dflash: {CONTRACT_HARNESS_NAME} was not built (it is built with the TensorRT plugin)"
-        )
-    return str(found.resolve())
 
 
 def _import_tensorrt():
@@ -73,7 +29,7 @@ def _import_tensorrt():
         import tensorrt
     except ImportError as e:
         raise ImportError(
-            "jax_dflash.trt.build_engine needs the 'tensorrt' Python package (TensorRT >= 10.3, "
+            "jax_dflash.interop.trt.build_engine needs the 'tensorrt' Python package (TensorRT >= 10.3, "
             f"with its builder): {e}"
         ) from e
     return tensorrt
@@ -147,7 +103,7 @@ def build_engine(
     """Builds a serialized TensorRT engine from an ONNX graph that uses the plugin.
 
     ``onnx_path_or_model``: a path, serialized bytes or an ``onnx.ModelProto`` (for example
-    :func:`jax_dflash.onnx.make_update_model`). ``input_shapes`` maps each input with dynamic
+    :func:`jax_dflash.interop.onnx.make_update_model`). ``input_shapes`` maps each input with dynamic
     dimensions to its ``(min, opt, max)`` shapes (one optimization profile). The plugin library is
     loaded into the registry first, and the aliased-plugin-I/O preview feature is enabled so that
     ``present_key_value`` is ``past_key_value`` updated in place. Strongly typed by default, so the

@@ -1,0 +1,1 @@
+"""The ``jax-dflash`` command line (``run``, ``check``): :mod:`jax_dflash.cli.main`."""
