@@ -1,62 +1,341 @@
-"""The ONNX node that TensorRT's ONNX parser maps to this project's plugin.
+"""The ONNX nodes that TensorRT's ONNX parser maps to this project's plugin.
 
 TensorRT's parser turns a node whose op type it does not know into a plugin layer: it looks up
 the creator named by the op type, with the version and namespace given by the node attributes
-``plugin_version`` and ``plugin_namespace``, and passes the remaining attributes as plugin
-fields. The node here has the six inputs of SPEC.md in order and one output (the aliased pool).
+``plugin_version`` and ``plugin_namespace`` (default ``"1"`` and ``""``), and passes the other
+attributes as plugin fields (ints as INT32, floats as FLOAT32). One op type,
+``DFlashTargetKVCacheUpdate``, serves both contracts of SPEC.md:
+
+* the slot contract (Edge-LLM 0.10): domain ``trt.plugins``, attributes ``plugin_version``,
+  ``plugin_namespace``, ``pages_per_slot`` (and ``k_norm``/``v_norm``/``norm_eps`` when used);
+* the paged contract (Edge-LLM 0.11), two spellings:
+
+  - with no extension (no ring, no norm, no FP8 pool) and the default namespace: Edge-LLM 0.11's
+    own node, domain ``trt_edgellm`` (imported at version 23), the seven inputs, no attributes,
+    a drop-in for the node Edge-LLM exports;
+  - otherwise: domain ``trt.plugins`` with ``plugin_version``, ``plugin_namespace`` and the
+    extensions in use as attributes (``ring``, ``k_norm``, ``v_norm`` as 0/1, ``norm_eps``).
+
+Extra inputs follow the base ones, in this order: ``k_scale``, ``v_scale`` (float32 ``[1]`` or
+``[H]``) when the pool is FP8 (float8_e4m3fn, TensorRT's kFP8), then ``k_norm_weight`` (``[D]``,
+the delta dtype) when ``k_norm`` is on. The output ``present_key_value`` is the pool, aliased to
+``past_key_value`` by the plugin.
+
+:func:`check_plugin_operands` holds the plugin's build-time rules (page size 128, the dtypes
+TensorRT has, the unbatched form); the reference runtime and the export apply them too.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 
-from jax_dflash._shapes import ARG_NAMES, check_pages_per_slot
+import numpy as np
 
 PLUGIN_NAME = "DFlashTargetKVCacheUpdate"
 PLUGIN_VERSION = "1"
 PLUGIN_DOMAIN = "trt.plugins"  # custom-op domain; TensorRT's parser matches the op type
+PLUGIN_DOMAIN_VERSION = 1
+EDGE_LLM_DOMAIN = "trt_edgellm"  # the domain of Edge-LLM's own exported plugin nodes
+EDGE_LLM_DOMAIN_VERSION = 23  # the paged node's since_version in that domain
 OUTPUT_NAME = "present_key_value"
 
+SLOT_INPUTS = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions",
+               "delta_lengths")
+PAGED_INPUTS = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_positions",
+                "delta_token_to_sequence", "kv_page_table")
+SCALE_INPUTS = ("k_scale", "v_scale")
+NORM_WEIGHT_INPUT = "k_norm_weight"
+
+TRT_TOKENS_PER_PAGE = 128  # P in the TensorRT contracts
+INT32_MAX = 2**31 - 1  # plugin fields are INT32
+DEFAULT_NORM_EPS = 1e-6
+DELTA_DTYPES = ("float16", "bfloat16", "float32")
+TRT_POOL_DTYPES = (*DELTA_DTYPES, "float8_e4m3fn")  # TensorRT 10 has e4m3 only (kFP8)
+FP8_POOL_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+_ONNX_TYPES = {"float16": "FLOAT16", "bfloat16": "BFLOAT16", "float32": "FLOAT",
+               "float8_e4m3fn": "FLOAT8E4M3FN"}
 
 def _onnx():
     try:
         import onnx
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("jax_dflash.interop.onnx needs the 'onnx' package: pip install jax-dflash[onnx]") from e
+        raise ImportError(
+            "jax_dflash.interop.onnx needs the 'onnx' package: from this repository, "
+            f'pip install -e ".[onnx]" ({e})'
+        ) from e
     return onnx
 
 
+# ---- attribute checks (the plugin's field rules) -------------------------------------------------
+
+
+def check_int32_attribute(value, name: str, *, minimum: int) -> int:
+    """A Python/NumPy int (not bool, not float) in ``[minimum, INT32_MAX]``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{name}: expected an int in [{minimum}, {INT32_MAX}] (an INT32 plugin field), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    value = operator.index(value)
+    if not minimum <= value <= INT32_MAX:
+        raise ValueError(
+            f"{name}: expected an int in [{minimum}, {INT32_MAX}] (an INT32 plugin field), "
+            f"got {value}"
+        )
+    return value
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_norm_eps(value, name: str = "norm_eps") -> float:
+    """A finite float32 > 0 (a FLOAT32 plugin field); returned as the float32 value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
+                                                                      np.integer)):
+        raise TypeError(f"{name}: expected a float > 0, got {type(value).__name__} {value!r}")
+    eps = float(np.float32(value))
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name}: expected a finite float32 > 0, got {value!r}")
+    return eps
+
+
+def _flags(*, ring: bool, k_norm: bool, v_norm: bool, norm_eps) -> tuple[bool, bool, bool, float | None]:
+    """Checked flags, and the eps to write (None when no norm is on)."""
+    ring, k_norm, v_norm = (check_flag(v, n) for v, n in
+                            ((ring, "ring"), (k_norm, "k_norm"), (v_norm, "v_norm")))
+    eps = check_norm_eps(norm_eps)
+    if not (k_norm or v_norm):
+        if eps != float(np.float32(DEFAULT_NORM_EPS)):
+            raise ValueError(
+                f"norm_eps: only used with k_norm or v_norm (both are off), got {norm_eps!r}"
+            )
+        return ring, k_norm, v_norm, None
+    return ring, k_norm, v_norm, eps
+
+
+def node_inputs(paged: bool, *, fp8_pool: bool = False, k_norm: bool = False) -> tuple[str, ...]:
+    """The node's input names, in order: the base inputs, then the extras in use."""
+    base = PAGED_INPUTS if paged else SLOT_INPUTS
+    return (*base, *(SCALE_INPUTS if fp8_pool else ()), *((NORM_WEIGHT_INPUT,) if k_norm else ()))
+
+
+def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
+    inputs = list(expected if inputs is None else inputs)
+    if len(inputs) != len(expected):
+        raise ValueError(f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}")
+    return inputs
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+
+
 def make_update_node(
-    inputs: Sequence[str] = ARG_NAMES,
+    inputs: Sequence[str] | None = None,
     output: str = OUTPUT_NAME,
     *,
     pages_per_slot: int,
+    fp8_pool: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
     name: str | None = None,
     plugin_namespace: str = "",
 ):
-    """An ``onnx.NodeProto`` for the plugin: op type ``DFlashTargetKVCacheUpdate``.
+    """The slot-contract node (Edge-LLM 0.10): an ``onnx.NodeProto``, domain ``trt.plugins``.
 
     ``inputs`` are the names of k_delta, v_delta, past_key_value, rope_cos_sin,
-    delta_start_positions and delta_lengths, in that order.
+    delta_start_positions and delta_lengths, then k_scale, v_scale when ``fp8_pool``, then
+    k_norm_weight when ``k_norm`` (default: those names). Attributes: ``plugin_version``,
+    ``plugin_namespace``, ``pages_per_slot``, and ``k_norm``/``v_norm`` (1) and ``norm_eps``
+    when a norm is on.
     """
     onnx = _onnx()
-    inputs = list(inputs)
-    if len(inputs) != len(ARG_NAMES):
-        raise ValueError(f"inputs: expected {len(ARG_NAMES)} names {ARG_NAMES}, got {inputs}")
-    return onnx.helper.make_node(
-        PLUGIN_NAME,
-        inputs=inputs,
-        outputs=[output],
-        name=name or PLUGIN_NAME,
-        domain=PLUGIN_DOMAIN,
+    _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
+    inputs = _input_list(inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"),
+                                             k_norm=k_norm))
+    from jax_dflash._shapes import check_pages_per_slot
+
+    attributes = dict(
         plugin_version=PLUGIN_VERSION,
-        plugin_namespace=plugin_namespace,
-        pages_per_slot=check_pages_per_slot(pages_per_slot),
+        plugin_namespace=_namespace(plugin_namespace),
+        pages_per_slot=check_int32_attribute(check_pages_per_slot(pages_per_slot),
+                                             "pages_per_slot", minimum=1),
     )
+    attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
+    return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
+                                 name=name or PLUGIN_NAME, domain=PLUGIN_DOMAIN, **attributes)
 
 
-TRT_TOKENS_PER_PAGE = 128  # P in the TensorRT contract
-_ONNX_TYPES = {"float16": "FLOAT16", "bfloat16": "BFLOAT16", "float32": "FLOAT"}
+def _namespace(plugin_namespace) -> str:
+    if not isinstance(plugin_namespace, str):
+        raise TypeError(
+            f"plugin_namespace: expected a str, got {type(plugin_namespace).__name__} "
+            f"{plugin_namespace!r}"
+        )
+    return plugin_namespace
+
+
+def _extension_attributes(ring: bool, k_norm: bool, v_norm: bool, eps: float | None) -> dict:
+    attributes = {}
+    if ring:
+        attributes["ring"] = 1
+    if k_norm:
+        attributes["k_norm"] = 1
+    if v_norm:
+        attributes["v_norm"] = 1
+    if eps is not None:
+        attributes["norm_eps"] = eps
+    return attributes
+
+
+def uses_edge_llm_node(*, ring=False, fp8_pool=False, k_norm=False, v_norm=False,
+                       plugin_namespace="") -> bool:
+    """Whether a paged update is spelled as Edge-LLM 0.11's field-less ``trt_edgellm`` node."""
+    return not (ring or fp8_pool or k_norm or v_norm) and plugin_namespace == ""
+
+
+def make_paged_update_node(
+    inputs: Sequence[str] | None = None,
+    output: str = OUTPUT_NAME,
+    *,
+    ring: bool = False,
+    fp8_pool: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    name: str | None = None,
+    plugin_namespace: str = "",
+):
+    """The paged-contract node (Edge-LLM 0.11): an ``onnx.NodeProto``.
+
+    ``inputs`` are the names of k_delta, v_delta, past_key_value, rope_cos_sin,
+    delta_positions, delta_token_to_sequence and kv_page_table, then k_scale, v_scale when
+    ``fp8_pool``, then k_norm_weight when ``k_norm`` (default: those names).
+
+    Without ring, norms, an FP8 pool or a namespace this is Edge-LLM 0.11's node: domain
+    ``trt_edgellm``, no attributes. Otherwise domain ``trt.plugins`` with ``plugin_version``,
+    ``plugin_namespace`` and the extensions in use (``ring``/``k_norm``/``v_norm`` = 1,
+    ``norm_eps`` when a norm is on).
+    """
+    onnx = _onnx()
+    ring, k_norm, v_norm, eps = _flags(ring=ring, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
+    fp8_pool = check_flag(fp8_pool, "fp8_pool")
+    plugin_namespace = _namespace(plugin_namespace)
+    inputs = _input_list(inputs, node_inputs(True, fp8_pool=fp8_pool, k_norm=k_norm))
+    if uses_edge_llm_node(ring=ring, fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm,
+                          plugin_namespace=plugin_namespace):
+        return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
+                                     name=name or PLUGIN_NAME, domain=EDGE_LLM_DOMAIN)
+    attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=plugin_namespace)
+    attributes.update(_extension_attributes(ring, k_norm, v_norm, eps))
+    return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
+                                 name=name or PLUGIN_NAME, domain=PLUGIN_DOMAIN, **attributes)
+
+
+def domain_version(domain: str) -> int:
+    """The opset version a model declares for the node's domain."""
+    return EDGE_LLM_DOMAIN_VERSION if domain == EDGE_LLM_DOMAIN else PLUGIN_DOMAIN_VERSION
+
+
+# ---- the plugin's build-time rules on operands ---------------------------------------------------
+
+
+def _dtype_name(x) -> str:
+    return np.dtype(x.dtype).name
+
+
+def _dims(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = False,
+                          pages_per_slot: int | None = None):
+    """Checks operands (anything with .shape and .dtype) against the plugin's rules.
+
+    ``operands`` are the node's inputs in order (base, then k_scale, v_scale for an FP8 pool,
+    then k_norm_weight when ``k_norm``); ``pages_per_slot`` is required for the slot contract.
+    Beyond the JAX op's rules the plugin requires: the unbatched form, pages of exactly 128
+    tokens, an FP8 pool of e4m3 only, scales of shape ``[1]`` or ``[H]``. The rest is checked by
+    :func:`jax_dflash._shapes.check_update` (``check_update_paged``), with ``[1]`` scales read as
+    per-tensor ones; returns its sizes.
+    """
+    base = PAGED_INPUTS if paged else SLOT_INPUTS
+    operands = list(operands)
+    if len(operands) < len(base):
+        missing = list(base[len(operands):])
+        raise ValueError(f"{missing[0]}: expected {len(base)} base inputs {list(base)}, "
+                         f"got {len(operands)} (missing {missing})")
+    pool = operands[2]
+    pool_dtype = _dtype_name(pool)
+    if pool_dtype == "float8_e5m2":
+        raise TypeError(
+            "past_key_value: expected float16, bfloat16, float32 or float8_e4m3fn (TensorRT's kFP8 "
+            "is e4m3; e5m2 pools are JAX-only), got float8_e5m2"
+        )
+    if pool_dtype not in TRT_POOL_DTYPES:
+        raise TypeError(
+            f"past_key_value: expected dtype one of {list(TRT_POOL_DTYPES)}, got {pool_dtype}")
+    fp8_pool = pool_dtype in FP8_POOL_DTYPES
+    expected = node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
+    if len(operands) != len(expected):
+        why = (f"a {pool_dtype} pool " + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
+               + (", and k_norm = 1 takes k_norm_weight" if k_norm else ", and k_norm is off"))
+        if len(operands) < len(expected):
+            raise ValueError(f"{expected[len(operands)]}: expected {len(expected)} inputs "
+                             f"{list(expected)} ({why}), got {len(operands)}")
+        raise ValueError(f"inputs: expected {len(expected)} inputs {list(expected)} ({why}), got "
+                         f"{len(operands)}")
+
+    for name, x in zip(base[:2], operands[:2]):
+        if _dtype_name(x) not in DELTA_DTYPES:
+            raise TypeError(
+                f"{name}: expected dtype one of {list(DELTA_DTYPES)}, got {_dtype_name(x)}")
+    delta_rank = 3 if paged else 4
+    if len(_dims(operands[0])) != delta_rank or len(_dims(pool)) != 5:
+        layout = "[T, H, D]" if paged else "[B, L, H, D]"
+        raise ValueError(
+            f"k_delta, past_key_value: the TensorRT plugin takes the unbatched form, k_delta "
+            f"{layout} and past_key_value [2, numPages, P, H, D]; got shapes "
+            f"{_dims(operands[0])} and {_dims(pool)}"
+        )
+    if _dims(pool)[2] != TRT_TOKENS_PER_PAGE:
+        raise ValueError(
+            f"past_key_value: expected a page size P (dim 2) of {TRT_TOKENS_PER_PAGE} tokens "
+            f"(TensorRT's contract), got shape {_dims(pool)}"
+        )
+    heads = _dims(pool)[3]
+    extras = dict(zip(expected[len(base):], operands[len(base):]))
+    for name in SCALE_INPUTS:
+        if name in extras:
+            scale = extras[name]
+            if _dims(scale) not in ((1,), (heads,)):
+                raise ValueError(
+                    f"{name}: expected shape [1] or [H] = [{heads}], got {list(_dims(scale))}")
+            if _dims(scale) == (1,):
+                extras[name] = _Aval((), scale.dtype)  # per tensor
+
+    from jax_dflash import _shapes
+
+    if paged:
+        return _shapes.check_update_paged(*operands[:len(base)], **extras)
+    if pages_per_slot is None:
+        raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
+    return _shapes.check_update(*operands[:len(base)], pages_per_slot, **extras)
+
+
+class _Aval:
+    """A shape and a dtype, for the shape checks."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+
+# ---- one-node models -----------------------------------------------------------------------------
 
 
 def _dim(value, what: str):
@@ -64,9 +343,61 @@ def _dim(value, what: str):
         if not value:
             raise ValueError(f"{what}: expected a positive int or a non-empty symbolic name, got ''")
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{what}: expected an int >= 0 or a symbolic name (str), got {value!r}")
-    return value
+    return int(value)
+
+
+def _dtypes(dtype, pool_dtype) -> tuple[str, str]:
+    if dtype not in DELTA_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(DELTA_DTYPES)}, got {dtype!r}")
+    pool_dtype = dtype if pool_dtype is None else pool_dtype
+    if pool_dtype not in TRT_POOL_DTYPES:
+        raise ValueError(
+            f"pool_dtype: expected one of {list(TRT_POOL_DTYPES)} (TensorRT's kFP8 is e4m3), "
+            f"got {pool_dtype!r}"
+        )
+    return dtype, pool_dtype
+
+
+def _check_page_size(page_size) -> int:
+    if page_size != TRT_TOKENS_PER_PAGE or isinstance(page_size, bool):
+        raise ValueError(
+            f"page_size: expected {TRT_TOKENS_PER_PAGE} (TensorRT's tokens per page), got {page_size!r}"
+        )
+    return TRT_TOKENS_PER_PAGE
+
+
+def _check_rotary(rotary, dim):
+    if isinstance(rotary, int) and isinstance(dim, int) and (rotary % 2 or rotary > dim):
+        raise ValueError(f"rotary_dim: expected an even int <= head_dim = {dim}, got {rotary}")
+
+
+def _extra_value_infos(helper, TensorProto, *, fp8_pool, k_norm, per_head_scales, heads, dim,
+                       delta_elem):
+    infos = []
+    if fp8_pool:
+        scale_shape = [heads] if per_head_scales else [1]
+        infos += [helper.make_tensor_value_info(n, TensorProto.FLOAT, scale_shape)
+                  for n in SCALE_INPUTS]
+    elif per_head_scales:
+        raise ValueError("per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales")
+    if k_norm:
+        infos.append(helper.make_tensor_value_info(NORM_WEIGHT_INPUT, delta_elem, [dim]))
+    return infos
+
+
+def _model(helper, node, graph_name, inputs, output, opset):
+    graph = helper.make_graph([node], graph_name, inputs, [output])
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset),
+                       helper.make_opsetid(node.domain, domain_version(node.domain))],
+        producer_name="jax_dflash",
+    )
+    # The oldest IR version that carries the opset: what TensorRT's (older) parser reads best.
+    model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
+    return model
 
 
 def make_update_model(
@@ -81,30 +412,40 @@ def make_update_model(
     delta_len: int | str = "L",
     rope_batch: int | str = 1,
     dtype: str = "float16",
+    pool_dtype: str | None = None,
+    per_head_scales: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
     page_size: int = TRT_TOKENS_PER_PAGE,
     plugin_namespace: str = "",
     opset: int = 17,
     graph_name: str = "dflash_target_kv_cache_update",
 ):
-    """A one-node ``onnx.ModelProto`` that TensorRT's ONNX parser maps to the plugin.
+    """A one-node slot-contract ``onnx.ModelProto`` that TensorRT's ONNX parser maps to the plugin.
 
-    Inputs (typed): ``k_delta``, ``v_delta`` ``[batch, delta_len, num_kv_heads, head_dim]`` and
-    ``past_key_value`` ``[2, num_pages, page_size, num_kv_heads, head_dim]`` in ``dtype``
-    (float16, bfloat16 or float32); ``rope_cos_sin`` ``[rope_batch, rope_seq_len, rotary_dim]``
-    float32; ``delta_start_positions``, ``delta_lengths`` ``[batch]`` int32. Output
-    ``present_key_value``: the pool's shape and dtype (aliased to ``past_key_value`` by the
-    plugin). String dimensions are symbolic (dynamic in TensorRT); ``rope_batch`` is 1 or
-    ``batch``. The model imports the default opset ``opset`` and the plugin domain.
+    Inputs (typed): ``k_delta``, ``v_delta`` ``[batch, delta_len, num_kv_heads, head_dim]`` in
+    ``dtype`` (float16, bfloat16 or float32); ``past_key_value``
+    ``[2, num_pages, 128, num_kv_heads, head_dim]`` in ``pool_dtype`` (default ``dtype``; or
+    float8_e4m3fn, then ``k_scale``, ``v_scale`` float32 ``[1]``, or ``[num_kv_heads]`` with
+    ``per_head_scales``); ``rope_cos_sin`` ``[rope_batch, rope_seq_len, rotary_dim]`` float32;
+    ``delta_start_positions``, ``delta_lengths`` ``[batch]`` int32; ``k_norm_weight``
+    ``[head_dim]`` in ``dtype`` when ``k_norm``. Output ``present_key_value``: the pool's shape and
+    dtype. String dimensions are symbolic (dynamic in TensorRT). The plugin's rules are checked
+    where the sizes are ints: ``rope_batch`` 1 or ``batch``, ``batch`` at most the pool's slots,
+    ``rope_seq_len`` at most the slot capacity ``pages_per_slot * 128``.
     """
     _onnx()  # a clear ImportError without the extra
     from onnx import TensorProto, helper
 
-    pages_per_slot = check_pages_per_slot(pages_per_slot)
-    if dtype not in _ONNX_TYPES:
-        raise ValueError(f"dtype: expected one of {sorted(_ONNX_TYPES)}, got {dtype!r}")
+    dtype, pool_dtype = _dtypes(dtype, pool_dtype)
+    _check_page_size(page_size)
+    fp8_pool = pool_dtype == "float8_e4m3fn"
+    node = make_update_node(pages_per_slot=pages_per_slot, fp8_pool=fp8_pool, k_norm=k_norm,
+                            v_norm=v_norm, norm_eps=norm_eps, plugin_namespace=plugin_namespace)
+    pages_per_slot = int(pages_per_slot)
     heads, dim = _dim(num_kv_heads, "num_kv_heads"), _dim(head_dim, "head_dim")
-    pages, page = _dim(num_pages, "num_pages"), _dim(page_size, "page_size")
-    rotary = _dim(rotary_dim, "rotary_dim")
+    pages, rotary = _dim(num_pages, "num_pages"), _dim(rotary_dim, "rotary_dim")
     b, length = _dim(batch, "batch"), _dim(delta_len, "delta_len")
     seq, rb = _dim(rope_seq_len, "rope_seq_len"), _dim(rope_batch, "rope_batch")
     if rb not in (1, b):
@@ -113,30 +454,108 @@ def make_update_model(
         raise ValueError(
             f"num_pages: expected a multiple of pages_per_slot = {pages_per_slot}, got {pages}"
         )
-    if isinstance(rotary, int) and isinstance(dim, int) and (rotary % 2 or rotary > dim):
-        raise ValueError(f"rotary_dim: expected an even int <= head_dim = {dim}, got {rotary}")
+    if isinstance(pages, int) and isinstance(b, int) and b > pages // pages_per_slot:
+        raise ValueError(
+            f"batch: expected at most the pool's {pages // pages_per_slot} slots (num_pages "
+            f"{pages} / pages_per_slot {pages_per_slot}), got {b}"
+        )
+    capacity = pages_per_slot * TRT_TOKENS_PER_PAGE
+    if isinstance(seq, int) and seq > capacity:
+        raise ValueError(
+            f"rope_seq_len: expected at most the slot capacity pages_per_slot * 128 = {capacity}, "
+            f"got {seq}"
+        )
+    _check_rotary(rotary, dim)
 
     elem = getattr(TensorProto, _ONNX_TYPES[dtype])
-    pool_shape = [2, pages, page, heads, dim]
+    pool_elem = getattr(TensorProto, _ONNX_TYPES[pool_dtype])
+    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, dim]
     shapes = {
         "k_delta": (elem, [b, length, heads, dim]),
         "v_delta": (elem, [b, length, heads, dim]),
-        "past_key_value": (elem, pool_shape),
+        "past_key_value": (pool_elem, pool_shape),
         "rope_cos_sin": (TensorProto.FLOAT, [rb, seq, rotary]),
         "delta_start_positions": (TensorProto.INT32, [b]),
         "delta_lengths": (TensorProto.INT32, [b]),
     }
-    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in ARG_NAMES]
-    output = helper.make_tensor_value_info(OUTPUT_NAME, elem, pool_shape)
-    node = make_update_node(
-        ARG_NAMES, OUTPUT_NAME, pages_per_slot=pages_per_slot, plugin_namespace=plugin_namespace
-    )
-    graph = helper.make_graph([node], graph_name, inputs, [output])
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
-        producer_name="jax_dflash",
-    )
-    # The oldest IR version that carries the opset: what TensorRT's (older) parser reads best.
-    model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
-    return model
+    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in SLOT_INPUTS]
+    inputs += _extra_value_infos(helper, TensorProto, fp8_pool=fp8_pool, k_norm=bool(k_norm),
+                                 per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+                                 heads=heads, dim=dim, delta_elem=elem)
+    output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
+    return _model(helper, node, graph_name, inputs, output, opset)
+
+
+def make_paged_update_model(
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    num_pages: int,
+    rotary_dim: int,
+    max_pages_per_sequence: int | str,
+    tokens: int | str = "T",
+    batch: int | str = "B",
+    dtype: str = "float16",
+    pool_dtype: str | None = None,
+    per_head_scales: bool = False,
+    ring: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    page_size: int = TRT_TOKENS_PER_PAGE,
+    plugin_namespace: str = "",
+    opset: int = 17,
+    graph_name: str = "dflash_target_kv_cache_update_paged",
+):
+    """A one-node paged-contract ``onnx.ModelProto`` (Edge-LLM 0.11) for TensorRT's ONNX parser.
+
+    Inputs (typed): ``k_delta``, ``v_delta`` ``[tokens, num_kv_heads, head_dim]`` in ``dtype``
+    (float16, bfloat16 or float32); ``past_key_value`` ``[2, num_pages, 128, num_kv_heads,
+    head_dim]`` in ``pool_dtype`` (default ``dtype``; or float8_e4m3fn, then ``k_scale``,
+    ``v_scale`` float32 ``[1]``, or ``[num_kv_heads]`` with ``per_head_scales``);
+    ``rope_cos_sin`` ``[tokens, rotary_dim]`` float32; ``delta_positions``,
+    ``delta_token_to_sequence`` ``[tokens]`` int32; ``kv_page_table`` ``[batch, 2,
+    max_pages_per_sequence]`` int32 (``max_pages_per_sequence <= num_pages``);
+    ``k_norm_weight`` ``[head_dim]`` in ``dtype`` when ``k_norm``. Output
+    ``present_key_value``. The node is :func:`make_paged_update_node`'s: Edge-LLM's field-less
+    ``trt_edgellm`` node unless an extension or a namespace is used.
+    """
+    _onnx()
+    from onnx import TensorProto, helper
+
+    dtype, pool_dtype = _dtypes(dtype, pool_dtype)
+    _check_page_size(page_size)
+    fp8_pool = pool_dtype == "float8_e4m3fn"
+    node = make_paged_update_node(ring=ring, fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm,
+                                  norm_eps=norm_eps, plugin_namespace=plugin_namespace)
+    heads, dim = _dim(num_kv_heads, "num_kv_heads"), _dim(head_dim, "head_dim")
+    pages, rotary = _dim(num_pages, "num_pages"), _dim(rotary_dim, "rotary_dim")
+    t, b = _dim(tokens, "tokens"), _dim(batch, "batch")
+    m = _dim(max_pages_per_sequence, "max_pages_per_sequence")
+    if isinstance(m, int) and m == 0:
+        raise ValueError("max_pages_per_sequence: expected an int >= 1 (M, the page table's "
+                         "last dim), got 0")
+    if isinstance(m, int) and isinstance(pages, int) and m > pages:
+        raise ValueError(
+            f"max_pages_per_sequence: expected at most num_pages = {pages} (M <= N), got {m}"
+        )
+    _check_rotary(rotary, dim)
+
+    elem = getattr(TensorProto, _ONNX_TYPES[dtype])
+    pool_elem = getattr(TensorProto, _ONNX_TYPES[pool_dtype])
+    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, dim]
+    shapes = {
+        "k_delta": (elem, [t, heads, dim]),
+        "v_delta": (elem, [t, heads, dim]),
+        "past_key_value": (pool_elem, pool_shape),
+        "rope_cos_sin": (TensorProto.FLOAT, [t, rotary]),
+        "delta_positions": (TensorProto.INT32, [t]),
+        "delta_token_to_sequence": (TensorProto.INT32, [t]),
+        "kv_page_table": (TensorProto.INT32, [b, 2, m]),
+    }
+    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in PAGED_INPUTS]
+    inputs += _extra_value_infos(helper, TensorProto, fp8_pool=fp8_pool, k_norm=bool(k_norm),
+                                 per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+                                 heads=heads, dim=dim, delta_elem=elem)
+    output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
+    return _model(helper, node, graph_name, inputs, output, opset)
