@@ -1,19 +1,35 @@
-"""A NumPy reference of the update that follows SPEC.md literally.
+"""A NumPy reference of both update contracts that follows docs/SPEC.md literally.
 
-float32 arithmetic, products and sums rounded separately, one rounding to the pool dtype; the
-slot -> page -> row mapping and the guards mirror ``csrc/dflash/kv_update.h``. Slow on purpose:
-it is for tests and for checking results, not for serving.
+float32 arithmetic with every product and sum rounded on its own (NumPy's float32 ufuncs are
+IEEE and never fuse), the norms' sum of squares in SPEC.md's order, its own FP8 rounding with
+saturation, canonical NaNs on every computed or converted value. For tests and for checking
+results, not for serving: it returns a new pool and leaves the input alone.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from jax_dflash._shapes import check_update
+from jax_dflash import _shapes
+
+_FLOAT16 = np.dtype(np.float16)
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT32 = np.dtype(np.float32)
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+
+# Canonical quiet NaN bits of each pool dtype (SPEC.md, "NaN").
+CANONICAL_NAN = {_FLOAT16: 0x7E00, _BFLOAT16: 0x7FC0, _FLOAT32: 0x7FC00000, _E4M3: 0x7F, _E5M2: 0x7F}
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+# FP8 formats: (mantissa bits, exponent bias, code of the largest finite magnitude).
+FP8_FORMATS = {_E4M3: (3, 7, 0x7E), _E5M2: (2, 15, 0x7B)}
+NORM_CHUNK = 8  # channels summed left to right before the halving tree
 
 
 def written_position(start: int, length: int, t: int, capacity: int) -> int | None:
-    """Where token t lands in its slot, or None when nothing is written (SPEC.md 1-2)."""
+    """Where token t lands in its slot, or None when nothing is written (SPEC.md slot 1-2)."""
     if t >= length:
         return None  # padding
     pos = int(start) + t
@@ -22,62 +38,285 @@ def written_position(start: int, length: int, t: int, capacity: int) -> int | No
     return pos
 
 
-def rotate_half(x: np.ndarray, cos_sin_row: np.ndarray, rotary_dim: int) -> np.ndarray:
-    """Rotate-half RoPE on the first ``rotary_dim`` channels of ``x`` [..., D], in float32."""
+# ---- conversions --------------------------------------------------------------------------------
+
+
+def _with_canonical_nan(out: np.ndarray, y: np.ndarray) -> np.ndarray:
+    bits = out.view(_BITS[out.dtype.itemsize])
+    bits[np.isnan(y)] = CANONICAL_NAN[out.dtype]
+    return out
+
+
+def round_to(y: np.ndarray, dtype) -> np.ndarray:
+    """``round_X(y)``: float32 ``y`` to a 16/32-bit dtype, nearest even (float16 and bfloat16
+    overflow to infinity), NaN as the dtype's canonical NaN."""
+    dtype = np.dtype(dtype)
+    y = np.asarray(y, np.float32)
+    if dtype == _BFLOAT16:
+        # Round to nearest even on the bits: add half an ulp minus one, plus the kept lsb.
+        u = y.view(np.uint32).astype(np.uint64)
+        out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(_BFLOAT16)
+    elif dtype in (_FLOAT16, _FLOAT32):
+        out = y.astype(dtype)  # IEEE nearest even, subnormals kept
+    else:
+        raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+    return _with_canonical_nan(np.array(out, copy=True), y)
+
+
+def round_fp8(w: np.ndarray, dtype) -> np.ndarray:
+    """``fp8(w)``: float32 ``w`` to float8_e4m3fn or float8_e5m2, nearest even (subnormals
+    included), magnitudes above the largest finite value (infinity too) saturate to it, NaN gives
+    0x7F. Returns an array of the FP8 dtype."""
+    dtype = np.dtype(dtype)
+    if dtype not in FP8_FORMATS:
+        raise ValueError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dtype}")
+    mant, bias, max_code = FP8_FORMATS[dtype]
+    w = np.asarray(w, np.float32)
+    sign = ((w.view(np.uint32) >> 24) & 0x80).astype(np.int64)
+    a = np.abs(w).astype(np.float64)  # exact; so is every step below until np.rint
+    min_exp = 1 - bias  # of the smallest normal; subnormals share its quantum
+    largest = 2.0 ** ((max_code >> mant) - bias) * (1 + (max_code & ((1 << mant) - 1)) / 2**mant)
+    with np.errstate(invalid="ignore", over="ignore"):
+        exp = np.maximum(np.frexp(a)[1] - 1, min_exp)
+        quantum = np.ldexp(1.0, exp - mant)
+        r = np.minimum(np.rint(a / quantum) * quantum, largest)  # nearest even, then saturate
+        # Rounding may reach the next binade; zero (frexp exponent 0) has the subnormal quantum.
+        exp = np.where(r > 0, np.maximum(np.frexp(r)[1] - 1, min_exp), min_exp)
+        # ((exp + bias - 1) << mant) + r / 2^(exp - mant): for normals the implicit 1 carries
+        # into the exponent field; for subnormals (exp = min_exp) the first term is zero.
+        magnitude = ((exp + bias - 1) << mant) + np.where(np.isnan(r), 0, r / np.ldexp(1.0, exp - mant)).astype(np.int64)
+    code = np.where(np.isnan(a), CANONICAL_NAN[dtype], sign | magnitude)
+    return code.astype(np.uint8).view(dtype)
+
+
+def _as_float32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)  # exact for every delta dtype
+
+
+def _round_delta(y: np.ndarray, dtype) -> np.ndarray:
+    """float32 -> the delta dtype -> float32 (a value of the delta dtype)."""
+    return round_to(y, dtype).astype(np.float32)
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+
+
+def sum_of_squares(x: np.ndarray) -> np.ndarray:
+    """The fused norms' sum of ``x[..., j]**2`` over the last axis in SPEC.md's order: chunks of
+    8 channels summed left to right, chunk sums zero-padded to a power of two, then halved
+    (``s[c] += s[c + h]`` for ``h = Np/2 .. 1``)."""
+    x = np.asarray(x, np.float32)
+    head_dim = x.shape[-1]
+    chunks = -(-head_dim // NORM_CHUNK)
+    q = x * x
+    # Zero channels after the last one: adding +0 to a sum of squares (never -0) is exact.
+    q = np.concatenate([q, np.zeros((*x.shape[:-1], chunks * NORM_CHUNK - head_dim), np.float32)], -1)
+    q = q.reshape(*x.shape[:-1], chunks, NORM_CHUNK)
+    s = q[..., 0]
+    for k in range(1, NORM_CHUNK):
+        s = s + q[..., k]
+    leaves = 1
+    while leaves < chunks:
+        leaves *= 2
+    s = np.concatenate([s, np.zeros((*x.shape[:-1], leaves - chunks), np.float32)], -1)
+    h = leaves // 2
+    while h >= 1:
+        s = s[..., :h] + s[..., h : 2 * h]
+        h //= 2
+    return s[..., 0]
+
+
+def rms_norm(x: np.ndarray, dtype, eps, weight: np.ndarray | None = None) -> np.ndarray:
+    """The fused RMS norm of each head (last axis) of float32 ``x`` holding values of the delta
+    ``dtype``: returns float32 values of that dtype (SPEC.md, "Fused norms" 1-5)."""
+    x = np.asarray(x, np.float32)
+    head_dim = x.shape[-1]
+    ms = sum_of_squares(x) / np.float32(head_dim)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv_rms = np.float32(1) / np.sqrt(ms + np.float32(eps))
+    u = _round_delta(x * inv_rms[..., None], dtype)
+    if weight is None:
+        return u
+    return _round_delta(u * _as_float32(weight), dtype)
+
+
+def rope_rotate(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of float32 ``x`` [n, H, D] with float32 rows [n, R] (R/2 cosines then
+    R/2 sines) on the first R channels; each product rounded, then the difference or sum."""
+    rotary_dim = rows.shape[-1]
     half = rotary_dim // 2
-    y = x.astype(np.float32, copy=True)
-    x1 = y[..., :half].copy()
-    x2 = y[..., half:rotary_dim].copy()
-    c = cos_sin_row[:half].astype(np.float32)
-    s = cos_sin_row[half:rotary_dim].astype(np.float32)
+    c = rows[:, None, :half]
+    s = rows[:, None, half:rotary_dim]
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    y = x.copy()
     y[..., :half] = x1 * c - x2 * s
     y[..., half:rotary_dim] = x2 * c + x1 * s
     return y
 
 
-def _update_one_layer(k_delta, v_delta, pool, rope_cos_sin, starts, lengths, pages_per_slot):
+def _store(delta, y, touched, pool_dtype, inv_scale):
+    """The pool elements for delta [n, H, D] whose float32 result is y; `touched` [n or 1, D]
+    marks channels arithmetic changed (else, in the same dtype, the delta's bits are copied)."""
+    if pool_dtype in FP8_FORMATS:
+        return round_fp8(y * inv_scale, pool_dtype)
+    out = round_to(y, pool_dtype)
+    if pool_dtype == delta.dtype:
+        out = np.where(touched[:, None, :], out, delta)
+    return out
+
+
+def _stored_rows(k, v, rope_rows, rotated, *, pool_dtype, rotary_dim, inv_k, inv_v,
+                 k_norm_weight, v_norm, eps):
+    """What one layer stores for n written tokens: K and V rows [n, H, D] of the pool dtype.
+    rope_rows [n, R] (any values where not ``rotated``), rotated [n] bool."""
+    dtype = k.dtype
+    n, _, head_dim = k.shape
+    channel = np.arange(head_dim)
+    x = _as_float32(k)
+    if k_norm_weight is not None:
+        x = rms_norm(x, dtype, eps, k_norm_weight)
+        k_touched = np.ones((n, head_dim), bool)
+    else:
+        k_touched = rotated[:, None] & (channel < rotary_dim)[None, :]
+    y = np.where(rotated[:, None, None], rope_rotate(x, rope_rows), x) if rotary_dim else x
+    z = _as_float32(v)
+    if v_norm:
+        z = rms_norm(z, dtype, eps)
+    v_touched = np.full((n, head_dim), bool(v_norm))
+    return (_store(k, y, k_touched, pool_dtype, inv_k), _store(v, z, v_touched, pool_dtype, inv_v))
+
+
+def _inverse_scale(scale):
+    """``inv = 1 / scale`` in float32, shaped to broadcast over [n, H, D]."""
+    if scale is None:
+        return None
+    with np.errstate(divide="ignore"):
+        inv = np.float32(1) / np.asarray(scale, np.float32).reshape(-1)
+    return inv[None, :, None]  # [1] (per tensor) or [H] (per head)
+
+
+def _layer_slice(x, per_layer, layer):
+    return None if x is None else (x[layer] if per_layer else x)
+
+
+def _options(v_norm, norm_eps, ring=False):
+    _shapes.check_bool_attr("v_norm", v_norm)
+    _shapes.check_bool_attr("ring", ring)
+    return np.float32(_shapes.check_norm_eps(norm_eps))
+
+
+def _extras(k_scale, v_scale, k_norm_weight):
+    return {name: np.asarray(x) for name, x in
+            (("k_scale", k_scale), ("v_scale", v_scale), ("k_norm_weight", k_norm_weight))
+            if x is not None}
+
+
+# ---- the slot contract --------------------------------------------------------------------------
+
+
+def _slot_layer(k, v, pool, rope, starts, lengths, pages_per_slot, **stored):
     page_size = pool.shape[2]
     capacity = pages_per_slot * page_size
-    rope_batch, rope_seq_len, rotary_dim = rope_cos_sin.shape
-    batch, delta_len = k_delta.shape[:2]
-    for b in range(batch):
-        for t in range(delta_len):
-            pos = written_position(starts[b], lengths[b], t, capacity)
-            if pos is None:
-                continue
-            page = b * pages_per_slot + pos // page_size
-            row = pos % page_size
-            k = k_delta[b, t]  # [H, D]
-            if pos < rope_seq_len:
-                rb = 0 if rope_batch == 1 else b
-                k = rotate_half(k, rope_cos_sin[rb, pos], rotary_dim).astype(pool.dtype)
-            pool[0, page, row] = k
-            pool[1, page, row] = v_delta[b, t]
+    rope_batch, rope_seq_len, _ = rope.shape
+    batch, delta_len = k.shape[:2]
+    t = np.arange(delta_len, dtype=np.int64)[None, :]
+    pos = starts.astype(np.int64)[:, None] + t  # 64-bit: no int32 start wraps into the slot
+    written = (t < lengths.astype(np.int64)[:, None]) & (pos >= 0) & (pos < capacity)
+    bs, ts = np.nonzero(written)
+    pos = pos[bs, ts]
+    rotated = pos < rope_seq_len
+    rb = np.zeros_like(bs) if rope_batch == 1 else bs
+    rows = rope[rb, np.minimum(pos, max(rope_seq_len - 1, 0))] if rope_seq_len else \
+        np.zeros((len(pos), rope.shape[-1]), np.float32)
+    k_rows, v_rows = _stored_rows(k[bs, ts], v[bs, ts], rows, rotated, **stored)
+    page = bs * pages_per_slot + pos // page_size
+    pool[0, page, pos % page_size] = k_rows
+    pool[1, page, pos % page_size] = v_rows
 
 
 def target_kv_cache_update(
     k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-    *, pages_per_slot: int,
+    *, pages_per_slot: int, k_scale=None, v_scale=None, k_norm_weight=None, norm_eps=1e-6,
+    v_norm=False,
 ) -> np.ndarray:
-    """Returns a new pool: ``past_key_value`` with the accepted tokens written (SPEC.md).
-
-    Accepts the unbatched and the layer-batched forms of
-    :func:`jax_dflash.target_kv_cache_update`; the input pool is not modified.
-    """
+    """Returns a new pool: ``past_key_value`` with the accepted tokens written (SPEC.md, the slot
+    contract). Accepts the unbatched and layer-batched forms of
+    :func:`jax_dflash.target_kv_cache_update`; the input arrays are not modified."""
     args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin,
                                     delta_start_positions, delta_lengths)]
-    shape = check_update(*args, pages_per_slot)
+    extras = _extras(k_scale, v_scale, k_norm_weight)
+    _shapes.check_update(*args, pages_per_slot, **extras)
+    eps = _options(v_norm, norm_eps)
     k, v, pool, rope, starts, lengths = args
     out = pool.copy()
-    if shape.num_layers is None:
-        _update_one_layer(k, v, out, rope, starts, lengths, shape.pages_per_slot)
-        return out
-    for layer in range(shape.num_layers):
-        _update_one_layer(
-            k[layer], v[layer], out[layer],
-            rope[layer] if shape.rope_per_layer else rope,
-            starts[layer] if shape.positions_per_layer else starts,
-            lengths[layer] if shape.positions_per_layer else lengths,
-            shape.pages_per_slot,
+    layered = pool.ndim == 6
+    for layer in range(pool.shape[0] if layered else 1):
+        def at(x, per_layer):
+            return _layer_slice(x, layered and per_layer, layer)
+
+        ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
+        _slot_layer(
+            at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 4),
+            at(starts, starts.ndim == 2), at(lengths, lengths.ndim == 2), pages_per_slot,
+            pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+            inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
+            inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+            k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
+        )
+    return out
+
+
+# ---- the paged contract -------------------------------------------------------------------------
+
+
+def _paged_layer(k, v, pool, rope, positions, owners, table, ring, **stored):
+    num_pages, page_size = pool.shape[1:3]
+    batch, _, table_pages = table.shape
+    b = owners.astype(np.int64)
+    p = positions.astype(np.int64)
+    (ts,) = np.nonzero((b >= 0) & (b < batch) & (p >= 0) & (table_pages > 0))
+    i = p[ts] // page_size
+    if ring:
+        i = i % max(table_pages, 1)
+    ts, i = ts[i < table_pages], i[i < table_pages]
+    kp = table[b[ts], 0, i].astype(np.int64)
+    vp = table[b[ts], 1, i].astype(np.int64)
+    valid = (kp >= 0) & (kp < num_pages) & (vp >= num_pages) & (vp < 2 * num_pages)
+    ts, kp, vp = ts[valid], kp[valid], vp[valid]
+    k_rows, v_rows = _stored_rows(k[ts], v[ts], rope[ts], np.ones(len(ts), bool), **stored)
+    row = p[ts] % page_size
+    pool[0, kp, row] = k_rows
+    pool[1, vp - num_pages, row] = v_rows
+
+
+def target_kv_cache_update_paged(
+    k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, delta_token_to_sequence,
+    kv_page_table, *, ring=False, k_scale=None, v_scale=None, k_norm_weight=None, norm_eps=1e-6,
+    v_norm=False,
+) -> np.ndarray:
+    """Returns a new pool: ``past_key_value`` with the tokens written (SPEC.md, the paged
+    contract, with the ring option). Accepts the unbatched and layer-batched forms of
+    :func:`jax_dflash.target_kv_cache_update_paged`; the input arrays are not modified."""
+    args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin,
+                                    delta_positions, delta_token_to_sequence, kv_page_table)]
+    extras = _extras(k_scale, v_scale, k_norm_weight)
+    _shapes.check_update_paged(*args, **extras)
+    eps = _options(v_norm, norm_eps, ring)
+    k, v, pool, rope, positions, owners, table = args
+    out = pool.copy()
+    layered = pool.ndim == 6
+    for layer in range(pool.shape[0] if layered else 1):
+        def at(x, per_layer):
+            return _layer_slice(x, layered and per_layer, layer)
+
+        ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
+        _paged_layer(
+            at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 3),
+            at(positions, positions.ndim == 2), at(owners, owners.ndim == 2),
+            at(table, table.ndim == 4), bool(ring),
+            pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+            inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
+            inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+            k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
         )
     return out
