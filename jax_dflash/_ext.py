@@ -13,7 +13,8 @@ from pathlib import Path
 
 import jax
 
-FFI_TARGET = "dflash_target_kv_cache_update"
+SLOT_FFI_TARGET = "dflash_target_kv_cache_update"
+PAGED_FFI_TARGET = "dflash_target_kv_cache_update_paged"
 
 _MODULES = {"cpu": ("jax_dflash._dflash_cpu", "cpu"), "cuda": ("jax_dflash._dflash_cuda", "CUDA")}
 _registered: set[str] = set()
@@ -54,7 +55,6 @@ def cuda_extension_available() -> bool:
 PLUGIN_LIBRARY_NAME = "libdflash_trt_plugin.so"
 CONTRACT_HARNESS_NAME = "dflash_trt_contract_harness"
 _ENV_OVERRIDE = "DFLASH_TRT_PLUGIN_LIBRARY"
-
 
 
 def _installed_file(name: str) -> Path | None:

@@ -1,8 +1,9 @@
-"""The public JAX API: the ``dflash_target_kv_cache_update`` primitive and its rules.
+"""The public JAX API: the two update primitives (slot and paged contracts) and their rules.
 
-Abstract evaluation checks every shape and dtype (``_shapes.check_update``); the lowering is an
-XLA FFI custom call whose output aliases the pool operand; the batching rule turns a ``vmap``
-over layers into the layer-batched form, which the kernels run as one launch.
+Abstract evaluation checks every shape and dtype (``jax_dflash._shapes``); the lowering is an XLA
+FFI custom call whose output aliases the pool operand (``jax_dflash.lowering``); the batching
+rules turn a ``vmap`` over layers into the layer-batched form, which the kernels run as one
+launch; ``jax_dflash.sharding`` partitions both under ``jax.jit`` sharding.
 """
 
 from __future__ import annotations
@@ -15,12 +16,84 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching
 
-from jax_dflash import _ext, sharding
-from jax_dflash._shapes import check_pages_per_slot, check_update
+from jax_dflash import lowering, sharding
+from jax_dflash._shapes import (
+    ARG_NAMES,
+    FP8_DTYPES,
+    PAGED_ARG_NAMES,
+    INDEX_DTYPE,
+    check_bool_attr,
+    check_norm_eps,
+    check_operands,
+    check_pages_per_slot,
+    check_update,
+    check_update_paged,
+)
 
-POOL_OPERAND = 2  # past_key_value; output 0 aliases it
+POOL_OPERAND = lowering.POOL_OPERAND
+SLOT_BASE = len(ARG_NAMES)  # operands before the extras
+PAGED_BASE = len(PAGED_ARG_NAMES)
+DEFAULT_NORM_EPS = 1e-6
 
 target_kv_cache_update_p = Primitive("dflash_target_kv_cache_update")
+target_kv_cache_update_paged_p = Primitive("dflash_target_kv_cache_update_paged")
+
+
+# ---- operand handling shared by both contracts -----------------------------------------------
+
+
+def _index_operand(name, x):
+    """Index operands must already be int32 arrays: with ``jax_enable_x64`` off, converting an
+    int64 array (or a list NumPy makes int64) would silently narrow it, so a start of 2**32 + 1
+    would become 1."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+        raise TypeError(
+            f"{name}: expected an int32 array, got {type(x).__name__} (wrap it in "
+            "np.asarray(..., np.int32) or jnp.asarray(..., jnp.int32) yourself)"
+        )
+    if np.dtype(dtype) != INDEX_DTYPE:
+        raise TypeError(
+            f"{name}: expected dtype int32, got {np.dtype(dtype)} (it is not converted: with "
+            "jax_enable_x64 off that would silently narrow it)"
+        )
+    return x
+
+
+def _array_operand(name, x):
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)  # its dtype is then checked like any other
+    raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+
+
+def _scale_operand(name, x):
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float32 scale, got {type(x).__name__} {x!r}")
+    if isinstance(x, (int, float)):
+        return np.float32(x)  # a Python number is a per-tensor scale
+    return _array_operand(name, x)
+
+
+def _extras(past_key_value, k_scale, v_scale, k_norm_weight) -> list:
+    """The operands after the base ones, in the FFI order: the scales (FP8 pool), the weight."""
+    out = []
+    if np.dtype(past_key_value.dtype) in FP8_DTYPES:
+        out += [k_scale, v_scale]
+    if k_norm_weight is not None:
+        out.append(k_norm_weight)
+    return out
+
+
+def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
+    return dict(k_norm=k_norm_weight is not None, v_norm=check_bool_attr("v_norm", v_norm),
+                norm_eps=check_norm_eps(norm_eps))
+
+
+# ---- the slot contract -----------------------------------------------------------------------
 
 
 def target_kv_cache_update(
@@ -32,21 +105,36 @@ def target_kv_cache_update(
     delta_lengths: jax.Array,
     *,
     pages_per_slot: int,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    k_norm_weight: jax.Array | None = None,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    v_norm: bool = False,
 ) -> jax.Array:
-    """Writes the accepted tokens' keys (with RoPE) and values into the paged KV pool.
+    """Writes the accepted tokens' keys (with RoPE) and values into the paged KV pool (the slot
+    contract, TensorRT Edge-LLM 0.10).
 
     Args:
       k_delta: ``[B, L, H, D]`` float16, bfloat16 or float32 keys of the accepted tokens
-        (k-normed, no RoPE yet).
-      v_delta: ``[B, L, H, D]``, the values, same dtype.
-      past_key_value: ``[2, numPages, P, H, D]`` paged pool, plane 0 = K, plane 1 = V, same dtype.
+        (no RoPE yet), row-major.
+      v_delta: ``[B, L, H, D]``, the values, same dtype as ``k_delta``.
+      past_key_value: ``[2, numPages, P, H, D]`` pool, plane 0 = K, plane 1 = V; float16,
+        bfloat16, float32, float8_e4m3fn or float8_e5m2 (any delta dtype with any pool dtype).
         Slot ``b`` owns pages ``[b * pages_per_slot, (b + 1) * pages_per_slot)``.
       rope_cos_sin: ``[Rb, S, R]`` float32, ``Rb`` 1 or B; row ``pos`` holds ``R/2`` cosines then
         ``R/2`` sines (rotate-half RoPE on the first ``R`` channels; ``R`` even, ``<= D``).
       delta_start_positions: ``[B]`` int32, the position of each sequence's first new token.
       delta_lengths: ``[B]`` int32, how many of the ``L`` tokens are real (the rest is padding).
+        Index operands must be int32 arrays already (they are never converted).
       pages_per_slot: static int > 0; ``numPages % pages_per_slot == 0``, ``B <= numPages /
         pages_per_slot`` and ``S <= pages_per_slot * P``.
+      k_scale, v_scale: float32 ``[]`` (or ``[1]``) per tensor or ``[H]`` per KV head, both the
+        same shape; required for an FP8 pool, an error otherwise. A Python float is a per-tensor
+        scale. The stored byte is ``fp8(y * (1 / scale))``, saturating (SPEC.md, "FP8 pools").
+      k_norm_weight: ``[D]`` in the delta dtype: turns on the fused RMS norm of each key head
+        before RoPE (HF ``RMSNorm`` with this weight).
+      norm_eps: static float > 0, the norms' epsilon (used as float32).
+      v_norm: static bool: a weightless RMS norm of each value head.
 
     Returns:
       ``present_key_value``: the pool with, for each ``b, t < delta_lengths[b]`` whose position
@@ -56,8 +144,10 @@ def target_kv_cache_update(
 
     Layer-batched form: with a leading ``layers`` axis on ``k_delta``/``v_delta``
     (``[layers, B, L, H, D]``) and the pool (``[layers, 2, numPages, P, H, D]``), and optionally
-    on ``rope_cos_sin`` (``[layers, Rb, S, R]``) and the positions/lengths (``[layers, B]``), all
-    layers are updated by one kernel launch. ``jax.vmap`` over this function produces that form.
+    on ``rope_cos_sin`` (``[layers, Rb, S, R]``), the positions/lengths (``[layers, B]``, both or
+    neither), the scales (``[layers, 1]`` or ``[layers, H]``) and ``k_norm_weight``
+    (``[layers, D]``), all layers are updated by one kernel launch. ``jax.vmap`` over this
+    function produces that form.
 
     In place: the pool is an aliased operand of the custom call. Under
     ``jax.jit(..., donate_argnums=...)`` with the pool donated, the update is done in the pool's
@@ -67,92 +157,235 @@ def target_kv_cache_update(
     Sharded: under ``jax.jit`` with ``NamedSharding`` operands, a pool split on its KV heads,
     in whole slots (then ``B * pages_per_slot == numPages``) and/or on layers is updated per
     shard with no communication; the output keeps the pool's sharding. Other splits of the pool
-    are a compile-time error. See ``jax_dflash.sharding``.
+    are an error. See ``jax_dflash.sharding``.
 
     Raises:
       TypeError, ValueError: at trace time, naming the argument, what was expected and what was
         given. Runtime data (positions, lengths) is never trusted: values that point outside the
         slot write nothing.
     """
-    return target_kv_cache_update_p.bind(
-        k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-        # Checked before binding: primitive caches treat 2.0 and 2 as the same parameter.
-        pages_per_slot=check_pages_per_slot(pages_per_slot),
-    )
+    base = [_array_operand("k_delta", k_delta), _array_operand("v_delta", v_delta),
+            _array_operand("past_key_value", past_key_value),
+            _array_operand("rope_cos_sin", rope_cos_sin),
+            _index_operand("delta_start_positions", delta_start_positions),
+            _index_operand("delta_lengths", delta_lengths)]
+    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
+    if k_norm_weight is not None:
+        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    # Checked before binding (so nothing is converted first); primitive caches treat 2.0 and 2
+    # as the same parameter, so the static values are normalised too.
+    pages_per_slot = check_pages_per_slot(pages_per_slot)
+    params = _norm_params(k_norm_weight, v_norm, norm_eps)
+    check_update(*base, pages_per_slot, k_scale=k_scale, v_scale=v_scale,
+                 k_norm_weight=k_norm_weight)
+    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
+    return target_kv_cache_update_p.bind(*base, *extras, pages_per_slot=pages_per_slot, **params)
+
+
+def target_kv_cache_update_paged(
+    k_delta: jax.Array,
+    v_delta: jax.Array,
+    past_key_value: jax.Array,
+    rope_cos_sin: jax.Array,
+    delta_positions: jax.Array,
+    delta_token_to_sequence: jax.Array,
+    kv_page_table: jax.Array,
+    *,
+    ring: bool = False,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    k_norm_weight: jax.Array | None = None,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    v_norm: bool = False,
+) -> jax.Array:
+    """Writes token-major ragged keys (with RoPE) and values into the pool through a page table
+    (the paged contract, TensorRT Edge-LLM 0.11).
+
+    Args:
+      k_delta: ``[T, H, D]`` float16, bfloat16 or float32 keys, one row per token (no RoPE yet).
+      v_delta: ``[T, H, D]``, the values, same dtype as ``k_delta``.
+      past_key_value: ``[2, N, P, H, D]`` pool, plane 0 = K, plane 1 = V; float16, bfloat16,
+        float32, float8_e4m3fn or float8_e5m2.
+      rope_cos_sin: ``[T, R]`` float32, token-aligned: row ``t`` (``R/2`` cosines then ``R/2``
+        sines) always rotates token ``t``'s key (``R`` even, ``<= D``). ``jax_dflash.gather_rope``
+        builds it from a ``[Rb, S, R]`` table.
+      delta_positions: ``[T]`` int32, the absolute position of token ``t`` (negative: nothing is
+        written).
+      delta_token_to_sequence: ``[T]`` int32, the sequence owning token ``t`` (-1, or anything
+        outside ``[0, B)``: padding). ``jax_dflash.token_positions`` builds both from per-sequence
+        starts and lengths.
+      kv_page_table: ``[B, 2, M]`` int32, ``M <= N``: ``[b, 0, i]`` is the K page of sequence
+        ``b``'s ``i``-th page of ``P`` tokens, valid in ``[0, N)``; ``[b, 1, i]`` its V page,
+        valid in ``[N, 2N)`` (V ids offset by ``N``). ``jax_dflash.identity_page_table`` gives the
+        slot layout. Index operands must be int32 arrays already (they are never converted).
+      ring: static bool: page slot ``(p // P) % M`` instead of ``p // P`` (a sliding window of
+        ``M`` pages per sequence; without it ``p // P >= M`` writes nothing).
+      k_scale, v_scale, k_norm_weight, norm_eps, v_norm: as in
+        :func:`target_kv_cache_update`.
+
+    Returns:
+      ``present_key_value``: the pool with, for each token whose owner ``b`` is in ``[0, B)``,
+      position ``p >= 0``, page slot ``i`` in ``[0, M)`` and page ids ``kp = table[b, 0, i]`` in
+      ``[0, N)`` and ``vp = table[b, 1, i]`` in ``[N, 2N)``, the rotated key written at
+      ``[0, kp, p % P]`` and the value at ``[1, vp - N, p % P]``. Every other element is
+      unchanged. Two tokens addressing one row store an unspecified one of them. See SPEC.md.
+
+    Layer-batched form: a leading ``layers`` axis on ``k_delta``/``v_delta`` (``[layers, T, H,
+    D]``) and the pool, optionally on ``rope_cos_sin`` (``[layers, T, R]``), positions/owners
+    (``[layers, T]``, both or neither), the table (``[layers, B, 2, M]``), the scales and the
+    weight; one launch. ``jax.vmap`` produces it.
+
+    In place and donation: as in :func:`target_kv_cache_update`. Sharded: the pool may be split
+    on its KV heads and on layers only (the table addresses any page, so the pages cannot be
+    split); see ``jax_dflash.sharding``.
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the argument, what was expected and what was
+        given. Runtime data (positions, owners, page ids) is never trusted.
+    """
+    base = [_array_operand("k_delta", k_delta), _array_operand("v_delta", v_delta),
+            _array_operand("past_key_value", past_key_value),
+            _array_operand("rope_cos_sin", rope_cos_sin),
+            _index_operand("delta_positions", delta_positions),
+            _index_operand("delta_token_to_sequence", delta_token_to_sequence),
+            _index_operand("kv_page_table", kv_page_table)]
+    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
+    if k_norm_weight is not None:
+        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    params = dict(ring=check_bool_attr("ring", ring),
+                  **_norm_params(k_norm_weight, v_norm, norm_eps))
+    check_update_paged(*base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
+    return target_kv_cache_update_paged_p.bind(*base, *extras, **params)
+
+
+# ---- abstract evaluation ---------------------------------------------------------------------
 
 
 @target_kv_cache_update_p.def_abstract_eval
-def _abstract_eval(k_delta, v_delta, past_key_value, rope_cos_sin, starts, lengths, *,
-                   pages_per_slot):
-    check_update(k_delta, v_delta, past_key_value, rope_cos_sin, starts, lengths, pages_per_slot)
-    return jax.core.ShapedArray(past_key_value.shape, past_key_value.dtype)
+def _slot_abstract_eval(*operands, **params):
+    check_operands(operands, "slot", params)
+    pool = operands[POOL_OPERAND]
+    return jax.core.ShapedArray(pool.shape, pool.dtype)
 
 
-def _impl(*args, **params):
-    return jax.jit(functools.partial(target_kv_cache_update_p.bind, **params))(*args)
+@target_kv_cache_update_paged_p.def_abstract_eval
+def _paged_abstract_eval(*operands, **params):
+    check_operands(operands, "paged", params)
+    pool = operands[POOL_OPERAND]
+    return jax.core.ShapedArray(pool.shape, pool.dtype)
 
 
-target_kv_cache_update_p.def_impl(_impl)
+# ---- eager calls: one jitted callable per primitive and params --------------------------------
 
 
-def _lowering(platform):
-    def rule(ctx, *operands, pages_per_slot):
-        _ext.ensure_registered(platform)
-        lower = jax.ffi.ffi_lowering(
-            _ext.FFI_TARGET, operand_output_aliases={POOL_OPERAND: 0}
-        )
-        return lower(ctx, *operands, pages_per_slot=np.int64(pages_per_slot))
+@functools.lru_cache(maxsize=None)
+def _jitted(primitive, params: tuple):
+    # jax.jit caches compilations per callable: a fresh callable per call would retrace and
+    # recompile every time, so the callable is cached per params.
+    return jax.jit(functools.partial(primitive.bind, **dict(params)))
 
-    return rule
+
+def _impl_for(primitive):
+    def impl(*operands, **params):
+        return _jitted(primitive, tuple(sorted(params.items())))(*operands)
+
+    return impl
+
+
+target_kv_cache_update_p.def_impl(_impl_for(target_kv_cache_update_p))
+target_kv_cache_update_paged_p.def_impl(_impl_for(target_kv_cache_update_paged_p))
 
 
 # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
-sharding.register_lowerings(target_kv_cache_update_p, _lowering, platforms=("cpu", "cuda"))
+sharding.register_lowerings(target_kv_cache_update_p, lowering.slot_lowering,
+                            platforms=("cpu", "cuda"), contract="slot")
+sharding.register_lowerings(target_kv_cache_update_paged_p, lowering.paged_lowering,
+                            platforms=("cpu", "cuda"), contract="paged")
 
 
 # ---- batching: vmap over layers becomes the layer-batched form ---------------------------------
 
-# Rank of each operand in the unbatched form; one more means a per-layer operand.
-_BASE_RANKS = (4, 4, 5, 3, 1, 1)
+# Kind of each operand: "always" (k, v, pool: per layer in the layered form), an int n (shared
+# rank n, per layer n + 1), "scale" (shared [] / [1] / [H], per layer [layers, 1] / [layers, H]).
+# Operands in one group share one layout (both shared or both per layer).
+_SLOT_KINDS = ("always", "always", "always", 3, 1, 1)
+_PAGED_KINDS = ("always", "always", "always", 2, 1, 1, 3)
+_SLOT_GROUPS = ((4, 5),)
+_PAGED_GROUPS = ((4, 5),)
+_BASE_POOL_RANK = 5
 
 
-def _batching_rule(args, dims, *, pages_per_slot):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-    mapped = [d is not None for d in dims]
-    already_layered = args[POOL_OPERAND].ndim == 6 if not mapped[POOL_OPERAND] else (
-        args[POOL_OPERAND].ndim == 7)
-    if already_layered:
-        return _nested_batching(args, mapped, size, pages_per_slot)
-
-    out = []
-    for i, (x, m) in enumerate(zip(args, mapped)):
-        if i < 3 and not m:
-            # k, v and the pool are always per layer: give them the layer axis.
-            x = jnp.broadcast_to(x, (size, *x.shape))
-        if i in (4, 5) and mapped[4] != mapped[5]:
-            # positions and lengths share one layout.
-            x = x if m else jnp.broadcast_to(x, (size, *x.shape))
-        out.append(x)
-    result = target_kv_cache_update_p.bind(*out, pages_per_slot=pages_per_slot)
-    return result, 0
+def _kinds(base_kinds, n_operands, fp8, k_norm):
+    kinds = list(base_kinds)
+    if fp8:
+        kinds += ["scale", "scale"]
+    if k_norm:
+        kinds.append(1)
+    assert len(kinds) == n_operands, (kinds, n_operands)
+    return kinds
 
 
-def _nested_batching(args, mapped, size, pages_per_slot):
+def _as_per_layer(x, kind, size):
+    """``x`` (shared form, unbatched) broadcast to ``[size, ...]`` per layer."""
+    if kind == "scale":
+        x = jnp.reshape(x, (1, x.size if x.ndim else 1))
+        return jnp.broadcast_to(x, (size, x.shape[1]))
+    return jnp.broadcast_to(x, (size, *x.shape))
+
+
+def _batching_rule_for(primitive, base_kinds, groups, base):
+    def rule(args, dims, **params):
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+        mapped = [d is not None for d in dims]
+        pool = args[POOL_OPERAND]
+        fp8 = np.dtype(pool.dtype) in FP8_DTYPES
+        kinds = _kinds(base_kinds, len(args), fp8, params["k_norm"])
+        groups_all = list(groups) + ([(base, base + 1)] if fp8 else [])
+        inner_pool_rank = pool.ndim - mapped[POOL_OPERAND]
+        if inner_pool_rank == _BASE_POOL_RANK + 1:
+            return _nested(primitive, args, mapped, kinds, size, params)
+
+        per_layer = [m or k == "always" for m, k in zip(mapped, kinds)]
+        for group in groups_all:
+            if any(per_layer[i] for i in group):
+                for i in group:
+                    per_layer[i] = True
+        out = []
+        for x, m, pl, kind in zip(args, mapped, per_layer, kinds):
+            if m:
+                if kind == "scale" and x.ndim == 1:
+                    x = x[:, None]  # a per-layer scalar scale is [layers, 1]
+            elif pl:
+                x = _as_per_layer(x, kind, size)
+            out.append(x)
+        return primitive.bind(*out, **params), 0
+
+    return rule
+
+
+def _nested(primitive, args, mapped, kinds, size, params):
     """vmap over an already layer-batched call: fold both axes into one layer axis."""
-    layers = (args[POOL_OPERAND].shape[1] if mapped[POOL_OPERAND]
-              else args[POOL_OPERAND].shape[0])
+    pool = args[POOL_OPERAND]
+    layers = pool.shape[1] if mapped[POOL_OPERAND] else pool.shape[0]
     out = []
-    for i, (x, m) in enumerate(zip(args, mapped)):
-        per_layer_rank = _BASE_RANKS[i] + 1
+    for x, m, kind in zip(args, mapped, kinds):
         if not m:
             x = jnp.broadcast_to(x, (size, *x.shape))
-        # x is [size, ...]; make its inner part per layer, then fold.
-        if x.ndim - 1 < per_layer_rank:
+        inner_rank = x.ndim - 1
+        if kind == "scale":
+            if inner_rank < 2:  # shared [] / [1] / [H] -> [size, layers, 1 or H]
+                x = jnp.reshape(x, (size, 1, x[0].size if inner_rank else 1))
+                x = jnp.broadcast_to(x, (size, layers, x.shape[2]))
+        elif kind != "always" and inner_rank == kind:  # shared -> per layer
             x = jnp.broadcast_to(x[:, None], (size, layers, *x.shape[1:]))
         out.append(x.reshape(size * layers, *x.shape[2:]))
-    result = target_kv_cache_update_p.bind(*out, pages_per_slot=pages_per_slot)
+    result = primitive.bind(*out, **params)
     return result.reshape(size, layers, *result.shape[1:]), 0
 
 
-batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule
+batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule_for(
+    target_kv_cache_update_p, _SLOT_KINDS, _SLOT_GROUPS, SLOT_BASE)
+batching.primitive_batchers[target_kv_cache_update_paged_p] = _batching_rule_for(
+    target_kv_cache_update_paged_p, _PAGED_KINDS, _PAGED_GROUPS, PAGED_BASE)

@@ -1,40 +1,44 @@
-"""Multi-device partitioning: under ``jax.jit`` sharding the update runs per shard.
+"""Multi-device partitioning: under ``jax.jit`` sharding both updates run per shard.
 
-The pool's sharding decides. Three of its axes can be split, and each shard then runs the same
-kernel on its own blocks, with no communication:
+The pool's sharding decides. Each shard runs the same kernel on its own blocks, with no
+communication, when the pool is split on:
 
-- the KV heads ``H`` (tensor parallel): every shard updates its heads of every slot;
-- the slots, i.e. ``numPages`` in whole slots (data parallel): shard ``i`` of ``s`` holds slots
-  ``[i * B/s, (i + 1) * B/s)`` and sequences ``[i * B/s, (i + 1) * B/s)``, so its local update
-  is the global one restricted. This needs every slot in use (``B * pages_per_slot ==
-  numPages``) and ``numPages / s`` a multiple of ``pages_per_slot``;
-- the ``layers`` axis of the layer-batched form.
+- the KV heads ``H`` (tensor parallel), both contracts: every shard updates its heads;
+- the ``layers`` axis of the layer-batched form, both contracts;
+- the slots, slot contract only: ``numPages`` in whole slots (data parallel). Shard ``i`` of
+  ``s`` holds slots ``[i * B/s, (i + 1) * B/s)`` and sequences ``[i * B/s, (i + 1) * B/s)``, so
+  its local update is the global one restricted. This needs every slot in use (``B *
+  pages_per_slot == numPages``) and ``numPages / s`` a multiple of ``pages_per_slot``.
 
-The other operands follow the pool: ``k_delta``/``v_delta`` split like it on ``B`` and ``H``,
-the positions and lengths on ``B``, ``rope_cos_sin`` on its batch when ``Rb == B`` (replicated
-otherwise; a replicated table is simply sliced). The output has the pool's sharding, and the
-per-shard custom call still aliases the pool, so donation updates each shard in place.
+The paged contract cannot split the pages: its page table may send any token to any page.
+
+The other operands follow the pool: ``k_delta``/``v_delta`` split like it on layers, ``B`` (slot)
+and ``H``; the positions and lengths on ``B`` (slot); ``rope_cos_sin`` on its batch when ``Rb ==
+B``; per-head scales (``[H]``, ``[layers, H]``) on the heads; every ``[layers, ...]`` operand on
+the layers; everything else is replicated. The output has the pool's sharding, and the per-shard
+custom call still aliases the pool, so donation updates each shard in place.
 
 What the op cannot follow:
 
-- a pool split on its K/V plane dim, ``P`` or ``D``; pages split in pieces that are not whole
-  slots; slots split while ``B * pages_per_slot != numPages``: an error when the program is
-  compiled (``jax.jit(...).lower(...).compile()`` or the first call), a ``ValueError`` that XLA
-  re-raises as ``jax.errors.JaxRuntimeError``, naming ``past_key_value``, its sharding, the dim
-  and the fix. The pool is never gathered behind the caller's back.
-- a small operand sharded against the pool (say ``k_delta`` split on ``D``, or on ``B`` while
-  the pool's slots are replicated): it is resharded to follow the pool, with a ``UserWarning``
-  naming it; that costs communication, never correctness. The output still has the pool's
-  sharding.
+- any other split of the pool (its K/V plane dim, ``P``, ``D``; pages in pieces that are not
+  whole slots; slots while ``B * pages_per_slot != numPages``; any page split in the paged
+  contract): a ``ValueError`` naming ``past_key_value``, its sharding, the dim and the fix. When
+  the pool's sharding is visible while lowering (a ``jax.jit`` argument, or the result of a
+  ``with_sharding_constraint``) it is raised from ``jax.jit(...).lower(...)`` itself; otherwise
+  the partitioner raises it when the program is compiled, and XLA re-raises it as
+  ``jax.errors.JaxRuntimeError``. The pool is never gathered behind the caller's back.
+- a small operand sharded against the pool (say ``k_delta`` split on ``D``): it is resharded to
+  follow the pool, with a ``UserWarning`` naming it; that costs communication, never
+  correctness. The output still has the pool's sharding.
 - a ``shard_map`` that leaves some mesh axes automatic (``axis_names=...``): the op is not
   partitioned over those axes (XLA replicates its operands over them), with a ``UserWarning``.
   Under a fully manual ``shard_map`` (the default) each call simply updates its own blocks.
 
 Machinery: ``jax.experimental.custom_partitioning`` with a Shardy sharding rule (and the GSPMD
-callback for ``jax_use_shardy_partitioner=False``). The primitive keeps one lowering rule: on
-a multi-device, non-manual axis context it lowers to the custom partitioning call, whose
-per-shard body binds the same primitive in a fully manual context, where it lowers to the plain
-FFI custom call (aliased pool). Tracing, abstract evaluation and the ``vmap`` rule are untouched.
+callback for ``jax_use_shardy_partitioner=False``). Each primitive keeps one lowering rule: on a
+multi-device, non-manual axis context it lowers to the custom partitioning call, whose per-shard
+body binds the same primitive in a fully manual context, where it lowers to the plain FFI custom
+call (aliased pool). Tracing, abstract evaluation and the ``vmap`` rules are untouched.
 """
 
 from __future__ import annotations
@@ -49,13 +53,24 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_dflash._shapes import ARG_NAMES, UpdateShape, check_update
+from jax_dflash._shapes import (
+    PagedShape,
+    UpdateShape,
+    check_operands,
+    operand_names,
+)
 
 try:  # JAX's own custom-partitioned ops (cuDNN attention) register themselves here too.
     from jax._src import dispatch as _dispatch
     from jax._src import sharding_impls as _sharding_impls
 except ImportError:  # pragma: no cover
     _dispatch = _sharding_impls = None
+
+try:  # reading the pool's sharding while lowering; without it the partitioner reports
+    from jax._src.lib.mlir import ir as _ir
+    from jax._src.lib.mlir.dialects import sdy as _sdy
+except ImportError:  # pragma: no cover
+    _ir = _sdy = None
 
 POOL = 2  # operand index of past_key_value
 
@@ -69,6 +84,29 @@ class Split:
     heads: tuple[str, ...] = ()
 
 
+def _axes(a) -> tuple[str, ...]:
+    return () if a is None else ((a,) if isinstance(a, str) else tuple(a))
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _extra_specs(split: Split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer):
+    n = (_entry(split.layers),) if layered else ()
+    h = _entry(split.heads)
+    out = []
+    if scales is not None:
+        if scales not in ("tensor", "head"):
+            raise ValueError(f"scales: expected None, 'tensor' or 'head', got {scales!r}")
+        lead = n if scales_per_layer else ()
+        scale = PartitionSpec(*lead, h) if scales == "head" else PartitionSpec(*lead)
+        out += [scale, scale]
+    if k_norm:
+        out.append(PartitionSpec(*(n if norm_weight_per_layer else ())))
+    return tuple(out)
+
+
 def partition_specs(
     *,
     batch_axis: str | tuple[str, ...] | None = None,
@@ -78,27 +116,49 @@ def partition_specs(
     rope_batched: bool = False,
     rope_per_layer: bool = False,
     positions_per_layer: bool = False,
+    scales: str | None = None,
+    scales_per_layer: bool = False,
+    k_norm: bool = False,
+    norm_weight_per_layer: bool = False,
 ) -> tuple[PartitionSpec, ...]:
-    """The ``PartitionSpec`` of each of the six operands (pool included) for a split.
+    """The ``PartitionSpec`` of each operand of the slot contract (pool included), in order.
 
     ``batch_axis`` splits the slots (pool ``numPages``) and the batch, ``head_axis`` the KV
     heads, ``layer_axis`` the layers of the layer-batched form (``layered=True``).
-    ``rope_batched``: ``rope_cos_sin`` has ``Rb == B``. The output's spec is the pool's.
+    ``rope_batched``: ``rope_cos_sin`` has ``Rb == B``. ``scales`` ('tensor' or 'head', for an
+    FP8 pool) appends the specs of ``k_scale`` and ``v_scale``, ``k_norm`` the weight's. The
+    output's spec is the pool's.
     """
-    def axes(a):
-        return () if a is None else ((a,) if isinstance(a, str) else tuple(a))
-
     if layer_axis is not None and not layered:
         raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
-    split = Split(layers=axes(layer_axis), slots=axes(batch_axis), heads=axes(head_axis))
-    return _specs(split, layered, rope_batched, rope_per_layer, positions_per_layer)
+    split = Split(layers=_axes(layer_axis), slots=_axes(batch_axis), heads=_axes(head_axis))
+    return _slot_specs(split, layered, rope_batched, rope_per_layer, positions_per_layer) + (
+        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer))
 
 
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+def paged_partition_specs(
+    *,
+    head_axis: str | tuple[str, ...] | None = None,
+    layer_axis: str | tuple[str, ...] | None = None,
+    layered: bool = False,
+    rope_per_layer: bool = False,
+    positions_per_layer: bool = False,
+    table_per_layer: bool = False,
+    scales: str | None = None,
+    scales_per_layer: bool = False,
+    k_norm: bool = False,
+    norm_weight_per_layer: bool = False,
+) -> tuple[PartitionSpec, ...]:
+    """The ``PartitionSpec`` of each operand of the paged contract, in order (as
+    :func:`partition_specs`; the paged pool splits on heads and layers only)."""
+    if layer_axis is not None and not layered:
+        raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
+    split = Split(layers=_axes(layer_axis), heads=_axes(head_axis))
+    return _paged_specs(split, layered, rope_per_layer, positions_per_layer, table_per_layer) + (
+        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer))
 
 
-def _specs(split: Split, layered, rope_batched, rope_per_layer, positions_per_layer):
+def _slot_specs(split: Split, layered, rope_batched, rope_per_layer, positions_per_layer):
     n = (_entry(split.layers),) if layered else ()
     b, h = _entry(split.slots), _entry(split.heads)
     delta = PartitionSpec(*n, b, None, h, None)
@@ -108,9 +168,30 @@ def _specs(split: Split, layered, rope_batched, rope_per_layer, positions_per_la
     return delta, delta, pool, rope, positions, positions
 
 
-def _operand_specs(shape: UpdateShape, split: Split):
-    return _specs(split, shape.num_layers is not None, shape.rope_batch == shape.batch,
-                  shape.rope_per_layer, shape.positions_per_layer)
+def _paged_specs(split: Split, layered, rope_per_layer, positions_per_layer, table_per_layer):
+    n = (_entry(split.layers),) if layered else ()
+    h = _entry(split.heads)
+    delta = PartitionSpec(*n, None, h, None)
+    pool = PartitionSpec(*n, None, None, None, h, None)
+    rope = PartitionSpec(*(n if rope_per_layer else ()), None, None)
+    positions = PartitionSpec(*(n if positions_per_layer else ()), None)
+    table = PartitionSpec(*(n if table_per_layer else ()), None, None, None)
+    return delta, delta, pool, rope, positions, positions, table
+
+
+def operand_specs(shape: UpdateShape | PagedShape, split: Split) -> tuple[PartitionSpec, ...]:
+    """Every operand's spec (the extras included) for a checked shape and a planned split."""
+    layered = shape.num_layers is not None
+    extras = shape.extras
+    scales = None if extras.scale_shape is None else (
+        "head" if extras.scales_per_head else "tensor")
+    tail = _extra_specs(split, layered, scales, extras.scales_per_layer, extras.k_norm,
+                        extras.norm_weight_per_layer)
+    if isinstance(shape, PagedShape):
+        return _paged_specs(split, layered, shape.rope_per_layer, shape.positions_per_layer,
+                            shape.table_per_layer) + tail
+    return _slot_specs(split, layered, shape.rope_batch == shape.batch, shape.rope_per_layer,
+                       shape.positions_per_layer) + tail
 
 
 def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
@@ -144,35 +225,52 @@ def _shards(mesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def plan_split(shape: UpdateShape, mesh, pool_sharding) -> Split:
+def plan_split(shape: UpdateShape | PagedShape, mesh, pool_sharding) -> Split:
     """Checks the pool's sharding and returns the split it asks for; ValueError if the op
     cannot follow it (naming the dim, the mesh axes and why)."""
     layered = shape.num_layers is not None
     lead = 1 if layered else 0
     dims = _dim_axes(pool_sharding, 5 + lead, "past_key_value")
+    return _plan_dims(shape, dims, lambda axes: _shards(mesh, axes))
+
+
+def _plan_dims(shape, dims, shards: Callable | None) -> Split:
+    """The split of pool ``dims`` (mesh axes per dim). ``shards`` maps axes to a shard count;
+    None when the mesh sizes are not known (then only the dims are checked)."""
+    paged = isinstance(shape, PagedShape)
+    layered = shape.num_layers is not None
+    lead = 1 if layered else 0
     spec_txt = f"sharding {_spec_text(dims)}"
-    for i, name in ((0, "K/V plane"), (2, "P"), (4, "D")):
+    allowed = f"the KV heads (dim {lead + 3})" + (
+        "" if paged else f", the slots (dim {lead + 1}, in whole slots)") + (
+        " and the layers (dim 0)" if layered else "")
+    forbidden = [(0, "K/V plane"), (2, "P"), (4, "D")] + ([(1, "numPages")] if paged else [])
+    for i, name in forbidden:
         if dims[lead + i]:
+            why = (": the page table may send any token to any page, so the pages cannot be "
+                   "split" if paged and i == 1 else "")
             raise ValueError(
                 f"past_key_value: {spec_txt} splits dim {lead + i} ({name}) over mesh axes "
-                f"{dims[lead + i]}; the DFlash update can split only the KV heads "
-                f"(dim {lead + 3}), the slots (dim {lead + 1}, in whole slots)"
-                + (" and the layers (dim 0)" if layered else "")
-                + "; replicate that dim"
+                f"{dims[lead + i]}{why}; the DFlash "
+                f"{'paged ' if paged else ''}update can split only {allowed}; replicate "
+                f"dim {lead + i}"
             )
-    split = Split(layers=dims[0] if layered else (), slots=dims[lead + 1], heads=dims[lead + 3])
-    if split.layers and shape.num_layers % _shards(mesh, split.layers):
+    split = Split(layers=dims[0] if layered else (), slots=() if paged else dims[lead + 1],
+                  heads=dims[lead + 3])
+    if shards is None:
+        return split
+    if split.layers and shape.num_layers % shards(split.layers):
         raise ValueError(
             f"past_key_value: {spec_txt} splits {shape.num_layers} layers (dim 0) over "
-            f"{_shards(mesh, split.layers)} shards, which does not divide them"
+            f"{shards(split.layers)} shards, which does not divide them"
         )
-    heads = _shards(mesh, split.heads)
+    heads = shards(split.heads)
     if shape.num_kv_heads % heads:
         raise ValueError(
             f"past_key_value: {spec_txt} splits H = {shape.num_kv_heads} (dim {lead + 3}) over "
             f"{heads} shards, which does not divide it"
         )
-    slots = _shards(mesh, split.slots)
+    slots = 1 if paged else shards(split.slots)
     if slots > 1:
         where = f"splits numPages = {shape.num_pages} (dim {lead + 1}) over {slots} shards"
         if shape.num_pages % (slots * shape.pages_per_slot):
@@ -195,57 +293,50 @@ def _is_local_slice(given: list[tuple[str, ...]], wanted: list[tuple[str, ...]])
     return all(w[: len(g)] == g for g, w in zip(given, wanted))
 
 
-def _partition(primitive, pages_per_slot, mesh, arg_shapes, result_shape):
+def _partition(primitive, contract, params, mesh, arg_shapes, result_shape):
     del result_shape  # the result follows the pool
-    shape = check_update(*arg_shapes, pages_per_slot)
+    params = dict(params)
+    shape = check_operands(arg_shapes, contract, params)
     split = plan_split(shape, mesh, arg_shapes[POOL].sharding)
-    specs = _operand_specs(shape, split)
+    specs = operand_specs(shape, split)
+    names = operand_names(contract, shape.pool_dtype, shape.k_norm)
     pool_txt = _spec_text(_spec_axes(specs[POOL], len(specs[POOL])))
     for i, (arg, spec) in enumerate(zip(arg_shapes, specs)):
         ndim = len(arg.shape)
-        given = _dim_axes(arg.sharding, ndim, ARG_NAMES[i])
+        given = _dim_axes(arg.sharding, ndim, names[i])
         if i != POOL and not _is_local_slice(given, _spec_axes(spec, ndim)):
             warnings.warn(
-                f"{ARG_NAMES[i]}: sharding {_spec_text(given)} does not follow past_key_value's "
+                f"{names[i]}: sharding {_spec_text(given)} does not follow past_key_value's "
                 f"{pool_txt}; the DFlash update reshards it to {spec} (communication)",
                 stacklevel=2,
             )
     # Runs on each shard's blocks, in a fully manual context: the plain FFI call.
-    local = functools.partial(primitive.bind, pages_per_slot=pages_per_slot)
+    def local(*operands):
+        return primitive.bind(*operands, **params)
+
     return mesh, local, NamedSharding(mesh, specs[POOL]), tuple(
         NamedSharding(mesh, s) for s in specs)
 
 
-def _infer_sharding_from_operands(pages_per_slot, mesh, arg_shapes, result_shape):
+def _infer_sharding_from_operands(contract, params, mesh, arg_shapes, result_shape):
     """GSPMD (``jax_use_shardy_partitioner=False``): the output takes the pool's sharding."""
     del result_shape
-    shape = check_update(*arg_shapes, pages_per_slot)
+    shape = check_operands(arg_shapes, contract, dict(params))
     split = plan_split(shape, mesh, arg_shapes[POOL].sharding)
-    return NamedSharding(mesh, _operand_specs(shape, split)[POOL])
+    return NamedSharding(mesh, operand_specs(shape, split)[POOL])
 
 
-# Shardy factor names of each operand's dims (the last ``rank`` apply). Only the pool and the
-# output share factors: the output keeps the pool's sharding, and a small operand never pushes
-# its own sharding onto the pool (``_partition`` reshards it to follow the pool instead).
-_FACTORS = (
-    ("kn", "kb", "kl", "kh", "kd"),
-    ("vn", "vb", "vl", "vh", "vd"),
-    ("n", "two", "pages", "p", "h", "d"),
-    ("rn", "rb", "s", "r"),
-    ("sn", "sb"),
-    ("ln", "lb"),
-)
-
-
-def _sharding_rule(pages_per_slot, mesh, operand_types, result_types):
-    del pages_per_slot, mesh, result_types
-    operands = [
-        " ".join(names[len(names) - len(t.shape):]) for names, t in zip(_FACTORS, operand_types)
-    ]
+def _sharding_rule(params, mesh, operand_types, result_types):
+    """Shardy factors: only the pool and the output share them. The output keeps the pool's
+    sharding, and a small operand never pushes its own sharding onto the pool (``_partition``
+    reshards it to follow the pool instead)."""
+    del params, mesh, result_types
+    operands = [" ".join(f"o{i}d{j}" for j in range(len(t.shape)))
+                for i, t in enumerate(operand_types)]
     return f"{', '.join(operands)} -> {operands[POOL]}"
 
 
-def _needs_partitioning(axis_context) -> bool:
+def _needs_partitioning(axis_context, op_name: str) -> bool:
     """True on a multi-device context the partitioner still has to split; False on one device
     or under a fully manual ``shard_map``, where each call already sees its own blocks."""
     if _sharding_impls is None:  # pragma: no cover
@@ -257,7 +348,7 @@ def _needs_partitioning(axis_context) -> bool:
         if auto:
             # custom_partitioning sees no mesh there (only "replicated"): do not pretend.
             warnings.warn(
-                f"jax_dflash.target_kv_cache_update inside a shard_map that leaves mesh axes "
+                f"jax_dflash.{op_name} inside a shard_map that leaves mesh axes "
                 f"{tuple(sorted(auto))} automatic: the update is not partitioned over them, so "
                 "XLA replicates its operands over those axes (an all-gather where they are "
                 "split). Make every mesh axis manual (the shard_map default) to avoid that.",
@@ -266,34 +357,104 @@ def _needs_partitioning(axis_context) -> bool:
     return False
 
 
+# ---- the pool's sharding where lowering already knows it ----------------------------------------
+
+
+def _visible_pool_dims(value, ndim: int) -> list[tuple[str, ...]] | None:
+    """The mesh axes of each dim of the pool's Shardy sharding, when the pool value is a
+    function argument carrying one or a sharding constraint's result; None otherwise."""
+    if _ir is None or _sdy is None:  # pragma: no cover
+        return None
+    try:
+        attr = None
+        if isinstance(value, (list, tuple)):
+            if len(value) != 1:
+                return None
+            value = value[0]
+        if _ir.BlockArgument.isinstance(value):
+            arg = _ir.BlockArgument(value)
+            func = arg.owner.owner
+            if "arg_attrs" not in func.attributes:
+                return None
+            arg_attrs = _ir.DictAttr(_ir.ArrayAttr(func.attributes["arg_attrs"])[arg.arg_number])
+            if "sdy.sharding" in arg_attrs:
+                attr = arg_attrs["sdy.sharding"]
+        else:
+            owner = value.owner
+            if getattr(owner, "name", None) == "sdy.sharding_constraint":
+                attr = owner.attributes["sharding"]
+        if attr is None:
+            return None
+        sharding = _sdy.TensorShardingAttr(attr)
+        dims = [tuple(_sdy.AxisRefAttr(a).name for a in _sdy.DimensionShardingAttr(d).axes)
+                for d in sharding.dimension_shardings]
+    except Exception:  # noqa: BLE001 - an IR shape this reader does not know: the partitioner checks
+        return None
+    return dims if len(dims) == ndim else None
+
+
+def _mesh_sizes(axis_context) -> dict[str, int] | None:
+    mesh = getattr(axis_context, "abstract_mesh", None)
+    try:
+        return dict(zip(mesh.axis_names, mesh.axis_sizes)) if mesh is not None else None
+    except AttributeError:  # pragma: no cover
+        return None
+
+
+def _check_visible_pool_sharding(ctx, contract, params, operands) -> None:
+    """Raises the partitioner's ValueError while lowering, when the pool's sharding is in the
+    IR already: it then reaches the caller as itself, not inside an XLA error."""
+    avals = ctx.avals_in
+    dims = _visible_pool_dims(operands[POOL], len(avals[POOL].shape))
+    if dims is None:
+        return
+    shape = check_operands(avals, contract, params)
+    sizes = _mesh_sizes(ctx.module_context.axis_context)
+    shards = None
+    if sizes is not None and all(a in sizes for d in dims for a in d):
+        def shards(axes):
+            return math.prod(sizes[a] for a in axes)
+    _plan_dims(shape, dims, shards)
+
+
 def register_lowerings(
-    primitive, local_lowering: Callable[[str], Callable], platforms: Sequence[str]
+    primitive, local_lowering: Callable[[str], Callable], platforms: Sequence[str], *,
+    contract: str,
 ) -> None:
     """Registers ``primitive``'s lowering for each platform: the per-shard FFI call
-    (``local_lowering(platform)``) wrapped in JAX's custom partitioning."""
-    def update(k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
-               delta_lengths, pages_per_slot):
-        return primitive.bind(k_delta, v_delta, past_key_value, rope_cos_sin,
-                              delta_start_positions, delta_lengths, pages_per_slot=pages_per_slot)
+    (``local_lowering(platform)``) wrapped in JAX's custom partitioning. ``contract`` is 'slot'
+    or 'paged' (which checks and sharding rules apply)."""
+    if contract not in ("slot", "paged"):
+        raise ValueError(f"contract: expected 'slot' or 'paged', got {contract!r}")
 
-    partitioned = custom_partitioning(update, static_argnums=(6,))
+    def update(params, *operands):
+        return primitive.bind(*operands, **dict(params))
+
+    partitioned = custom_partitioning(update, static_argnums=(0,))
     partitioned.def_partition(
-        partition=functools.partial(_partition, primitive),
-        infer_sharding_from_operands=_infer_sharding_from_operands,
+        partition=functools.partial(_partition, primitive, contract),
+        infer_sharding_from_operands=functools.partial(_infer_sharding_from_operands, contract),
         sharding_rule=_sharding_rule,
     )
-    lower_partitioned = mlir.lower_fun(partitioned, multiple_results=False)
+
+    def lower_partitioned_fn(*operands, params):
+        return partitioned(params, *operands)
+
+    lower_partitioned = mlir.lower_fun(lower_partitioned_fn, multiple_results=False)
 
     if _dispatch is not None:
         # The partitioned lowering needs the device assignment (custom_partitioning does too).
         _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
+    op_name = ("target_kv_cache_update" if contract == "slot"
+               else "target_kv_cache_update_paged")
     for platform in platforms:
         lower_local = local_lowering(platform)
 
-        def rule(ctx, *operands, pages_per_slot, lower_local=lower_local):
-            if _needs_partitioning(ctx.module_context.axis_context):
-                return lower_partitioned(ctx, *operands, pages_per_slot=pages_per_slot)
-            return lower_local(ctx, *operands, pages_per_slot=pages_per_slot)
+        def rule(ctx, *operands, lower_local=lower_local, **params):
+            if _needs_partitioning(ctx.module_context.axis_context, op_name):
+                _check_visible_pool_sharding(ctx, contract, params, operands)
+                return lower_partitioned(ctx, *operands, params=tuple(sorted(params.items())))
+            return lower_local(ctx, *operands, **params)
 
         mlir.register_lowering(primitive, rule, platform=platform)
