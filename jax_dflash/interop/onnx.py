@@ -559,3 +559,26 @@ def make_paged_update_model(
                                  heads=heads, dim=dim, delta_elem=elem)
     output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
     return _model(helper, node, graph_name, inputs, output, opset)
+
+
+def make_node_model(node, operands: Sequence, *, opset: int = 17, graph_name: str = "update"):
+    """A one-node ``onnx.ModelProto`` around ``node``, its inputs typed from ``operands``.
+
+    ``operands`` (anything with .shape and .dtype, e.g. the NumPy arrays to feed) are matched
+    to ``node.input`` in order; the output has the pool's (``operands[2]``) type. For running a
+    node on captured arrays with :mod:`jax_dflash.interop.onnx_reference`.
+    """
+    onnx = _onnx()
+    helper = onnx.helper
+    operands = list(operands)
+    if len(operands) != len(node.input):
+        raise ValueError(
+            f"operands: expected one per node input {list(node.input)}, got {len(operands)}"
+        )
+    inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype)),
+                                            list(_dims(x)))
+              for name, x in zip(node.input, operands)]
+    pool = operands[2]
+    output = helper.make_tensor_value_info(
+        node.output[0], helper.np_dtype_to_tensor_dtype(np.dtype(pool.dtype)), list(_dims(pool)))
+    return _model(helper, node, graph_name, inputs, output, opset)
