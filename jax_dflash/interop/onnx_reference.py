@@ -1,13 +1,17 @@
 """Runs an exported graph on CPU with ONNX's reference evaluator and this project's CPU kernel.
 
 ``onnx.reference.ReferenceEvaluator`` runs the standard ONNX nodes in NumPy; the
-``DFlashTargetKVCacheUpdate`` node (domain ``trt.plugins``) is run by :class:`DFlashTargetKVCacheUpdate`
-below, whose ``_run`` calls the kernel of the JAX CPU custom call itself
-(``jax_dflash._dflash_cpu.target_kv_cache_update``, ``dflash::target_kv_cache_update_cpu``), so
-an ONNX run and a JAX run of the same graph use one kernel.
+``DFlashTargetKVCacheUpdate`` nodes (domain ``trt.plugins``, both contracts, and Edge-LLM
+0.11's ``trt_edgellm`` paged node) are run by the ``OpRun`` classes below, whose ``_run`` calls
+the kernel of the JAX CPU custom calls itself (``jax_dflash._dflash_cpu.target_kv_cache_update``
+and ``target_kv_cache_update_paged``), so an ONNX run and a JAX run of a graph use one kernel.
 
-ONNX values are immutable, so the node writes into a copy of the pool and returns it; in
-TensorRT the output aliases the pool input instead (``getAliasedInput(0) == 2``).
+The nodes are checked as strictly as the TensorRT plugin checks them at build time: attribute
+types and values, ``plugin_version``, unknown attributes, input counts, dtypes and shapes
+(:func:`jax_dflash.interop.onnx.check_plugin_operands`). Errors name the attribute or input.
+
+ONNX values are immutable, so a node writes into a copy of the pool and returns it; in TensorRT
+the output aliases the pool input instead (``getAliasedInput(0) == 2``).
 """
 
 from __future__ import annotations
@@ -16,65 +20,232 @@ import numpy as np
 
 from jax_dflash import _ext
 from jax_dflash.interop import onnx as dflash_onnx
-from jax_dflash._shapes import check_update
 
 try:
+    from onnx import AttributeProto
     from onnx.reference import ReferenceEvaluator
     from onnx.reference.op_run import OpRun
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "jax_dflash.onnx_reference needs the 'onnx' package: pip install jax-dflash[onnx]"
+        "jax_dflash.interop.onnx_reference needs the 'onnx' package: from this repository, "
+        f'pip install -e ".[onnx]" ({e})'
     ) from e
+
+# bfloat16 and FP8 arrays cross into the extension as their bits, with the dtype named.
+_BIT_VIEWS = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    view = _BIT_VIEWS.get(a.dtype.name)
+    return a if view is None else a.view(view)
+
+
+def _contiguous(*arrays):
+    return [None if a is None else np.ascontiguousarray(a) for a in arrays]
 
 
 def run_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
-                      delta_lengths, *, pages_per_slot: int) -> np.ndarray:
-    """The CPU kernel on NumPy arrays: returns an updated copy of ``past_key_value``.
+                      delta_lengths, *, pages_per_slot: int, k_scale=None, v_scale=None,
+                      k_norm_weight=None, v_norm: bool = False,
+                      norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS) -> np.ndarray:
+    """The slot contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
-    Shapes and dtypes as :func:`jax_dflash.target_kv_cache_update` (unbatched form); checked by
-    the same code as the JAX primitive, so errors read the same.
+    Operands as :func:`jax_dflash.target_kv_cache_update` (unbatched or layer-batched), checked
+    by the same code as the JAX primitive, so errors read the same.
     """
-    args = [np.ascontiguousarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin,
-                                              delta_start_positions, delta_lengths)]
-    shape = check_update(*args, pages_per_slot)
-    k, v, pool, rope, starts, lengths = args
+    from jax_dflash._shapes import check_update
+
+    k, v, pool, rope, starts, lengths, k_scale, v_scale, weight = _contiguous(
+        k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
+        k_scale, v_scale, k_norm_weight)
+    shape = check_update(k, v, pool, rope, starts, lengths, pages_per_slot, k_scale=k_scale,
+                         v_scale=v_scale, k_norm_weight=weight)
     present = pool.copy()
-    if shape.dtype.itemsize == 2:  # float16 / bfloat16 cross nanobind as their bits
-        k, v, target = k.view(np.uint16), v.view(np.uint16), present.view(np.uint16)
-    else:
-        target = present
     _ext.extension("cpu").target_kv_cache_update(
-        k, v, target, rope, starts, lengths, shape.pages_per_slot, shape.dtype.name
+        _bits(k), _bits(v), _bits(present), rope, starts, lengths, k_scale, v_scale,
+        None if weight is None else _bits(weight),
+        pages_per_slot=shape.pages_per_slot, v_norm=bool(v_norm), norm_eps=float(norm_eps),
+        delta_dtype=k.dtype.name, pool_dtype=pool.dtype.name,
     )
     return present
 
 
-class DFlashTargetKVCacheUpdate(OpRun):
-    """The reference runtime's implementation of the TensorRT plugin node (see jax_dflash.interop.onnx)."""
+def run_paged_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions,
+                            delta_token_to_sequence, kv_page_table, *, ring: bool = False,
+                            k_scale=None, v_scale=None, k_norm_weight=None, v_norm: bool = False,
+                            norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS) -> np.ndarray:
+    """The paged contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
-    op_domain = dflash_onnx.PLUGIN_DOMAIN
+    Operands as :func:`jax_dflash.target_kv_cache_update_paged` (unbatched or layer-batched),
+    checked by the same code as the JAX primitive.
+    """
+    from jax_dflash._shapes import check_update_paged
 
-    def _run(self, k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
-             delta_lengths, pages_per_slot=None, plugin_version=None, plugin_namespace=None):
-        if pages_per_slot is None:
+    k, v, pool, rope, positions, owners, table, k_scale, v_scale, weight = _contiguous(
+        k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, delta_token_to_sequence,
+        kv_page_table, k_scale, v_scale, k_norm_weight)
+    check_update_paged(k, v, pool, rope, positions, owners, table, k_scale=k_scale,
+                       v_scale=v_scale, k_norm_weight=weight)
+    present = pool.copy()
+    _ext.extension("cpu").target_kv_cache_update_paged(
+        _bits(k), _bits(v), _bits(present), rope, positions, owners, table, k_scale, v_scale,
+        None if weight is None else _bits(weight),
+        ring=bool(ring), v_norm=bool(v_norm), norm_eps=float(norm_eps),
+        delta_dtype=k.dtype.name, pool_dtype=pool.dtype.name,
+    )
+    return present
+
+
+# ---- the nodes -----------------------------------------------------------------------------------
+
+_ATTRIBUTE_TYPES = {
+    "plugin_version": AttributeProto.STRING,
+    "plugin_namespace": AttributeProto.STRING,
+    "pages_per_slot": AttributeProto.INT,
+    "ring": AttributeProto.INT,
+    "k_norm": AttributeProto.INT,
+    "v_norm": AttributeProto.INT,
+    "norm_eps": AttributeProto.FLOAT,
+}
+_COMMON_ATTRIBUTES = ("plugin_version", "plugin_namespace", "k_norm", "v_norm", "norm_eps")
+_SLOT_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "pages_per_slot"))
+_PAGED_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "ring"))
+
+
+def _attribute_text(attribute) -> str:
+    import onnx
+
+    value = onnx.helper.get_attribute_value(attribute)
+    kind = AttributeProto.AttributeType.Name(attribute.type)
+    return f"a {kind} attribute {value!r}"
+
+
+def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
+    """The node's attributes as Python values, each of the type the plugin's field has."""
+    import onnx
+
+    values = {}
+    for attribute in node.attribute:
+        name = attribute.name
+        if name not in allowed:
+            expected = sorted(allowed) if allowed else "none (Edge-LLM's node has no attributes)"
             raise ValueError(
-                f"{dflash_onnx.PLUGIN_NAME} node {self.onnx_node.name!r}: expected the attribute "
-                "pages_per_slot (an int > 0), got none"
+                f"{name}: not an attribute of the {contract} node (expected {expected}), got "
+                f"{_attribute_text(attribute)}"
             )
-        version = plugin_version.decode() if isinstance(plugin_version, bytes) else plugin_version
-        if version not in (None, dflash_onnx.PLUGIN_VERSION):
+        if attribute.type != _ATTRIBUTE_TYPES[name]:
+            wanted = AttributeProto.AttributeType.Name(_ATTRIBUTE_TYPES[name])
+            raise TypeError(f"{name}: expected a {wanted} attribute, got {_attribute_text(attribute)}")
+        value = onnx.helper.get_attribute_value(attribute)
+        values[name] = value.decode() if isinstance(value, bytes) else value
+
+    version = values.get("plugin_version", dflash_onnx.PLUGIN_VERSION)  # the parser's default
+    if version != dflash_onnx.PLUGIN_VERSION:
+        raise ValueError(f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}")
+    for flag in ("ring", "k_norm", "v_norm"):
+        if flag in values:
+            if values[flag] not in (0, 1):
+                raise ValueError(f"{flag}: expected 0 or 1, got {values[flag]}")
+            values[flag] = bool(values[flag])
+    if "norm_eps" in values:
+        values["norm_eps"] = dflash_onnx.check_norm_eps(values["norm_eps"])
+    if "pages_per_slot" in values:
+        values["pages_per_slot"] = dflash_onnx.check_int32_attribute(
+            values["pages_per_slot"], "pages_per_slot", minimum=1)
+    return values
+
+
+class NodeTypeError(TypeError):
+    """A dtype or attribute-type error of a ``DFlashTargetKVCacheUpdate`` node."""
+
+
+class _TargetKVCacheUpdate(OpRun):
+    """The plugin node on the CPU kernel; subclasses name the domain (see ``_node_class``)."""
+
+    op_domain = ""
+    edge_llm = False
+
+    def run(self, *args, **kwargs):
+        try:
+            return super().run(*args, **kwargs)
+        except TypeError as e:
+            # OpRun.run replaces a TypeError from _run with a generic one; keep the node's own.
+            if isinstance(e.__cause__, NodeTypeError):
+                raise e.__cause__ from None
+            raise
+
+    def _run(self, *inputs, **_attributes):  # attributes are read, typed, from the node
+        node = self.onnx_node
+        try:
+            return (self._update(list(inputs)),)
+        except (TypeError, ValueError) as e:
+            where = f"{dflash_onnx.PLUGIN_NAME} node {node.name!r} (domain {node.domain!r}): {e}"
+            raise (NodeTypeError if isinstance(e, TypeError) else ValueError)(where) from e
+
+    def _update(self, inputs: list) -> np.ndarray:
+        node = self.onnx_node
+        for i, (name, value) in enumerate(zip(node.input, inputs)):
+            if value is None:
+                raise ValueError(f"input {i} ({name!r}): expected a tensor, got none")
+        if not inputs:
+            raise ValueError("k_delta: expected the node's inputs, got none")
+        k_rank = np.ndim(inputs[0])
+        if self.edge_llm:
+            paged = True
+        elif k_rank in (3, 4):
+            paged = k_rank == 3  # the plugin tells the contracts apart by k_delta's rank
+        else:
             raise ValueError(
-                f"{dflash_onnx.PLUGIN_NAME} node {self.onnx_node.name!r}: expected "
-                f"plugin_version {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}"
+                "k_delta: expected rank 4 [B, L, H, D] (slot contract) or rank 3 [T, H, D] "
+                f"(paged contract), got shape {np.shape(inputs[0])}"
             )
-        present = run_update_kernel(
-            k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
-            delta_lengths, pages_per_slot=int(pages_per_slot),
-        )
-        return (present,)
+        if self.edge_llm:
+            attributes = _read_attributes(node, frozenset(), "Edge-LLM 0.11 (trt_edgellm)")
+        elif paged:
+            attributes = _read_attributes(node, _PAGED_ATTRIBUTES, "paged-contract")
+        else:
+            attributes = _read_attributes(node, _SLOT_ATTRIBUTES, "slot-contract")
+            if "pages_per_slot" not in attributes:
+                raise ValueError(
+                    "pages_per_slot: expected the attribute pages_per_slot (an INT in [1, "
+                    f"{dflash_onnx.INT32_MAX}]) on the slot-contract node, got none"
+                )
+        k_norm = attributes.get("k_norm", False)
+        dflash_onnx.check_plugin_operands(paged, inputs, k_norm=k_norm,
+                                          pages_per_slot=attributes.get("pages_per_slot"))
+
+        base = len(dflash_onnx.PAGED_INPUTS if paged else dflash_onnx.SLOT_INPUTS)
+        extras = inputs[base:]
+        k_scale = v_scale = weight = None
+        if len(extras) - k_norm == 2:
+            k_scale, v_scale = (s.reshape(()) if s.shape == (1,) else s for s in extras[:2])
+        if k_norm:
+            weight = extras[-1]
+        options = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight,
+                       v_norm=attributes.get("v_norm", False),
+                       norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS))
+        if paged:
+            return run_paged_update_kernel(*inputs[:base], ring=attributes.get("ring", False),
+                                           **options)
+        return run_update_kernel(*inputs[:base], pages_per_slot=attributes["pages_per_slot"],
+                                 **options)
+
+
+def _node_class(qualname: str, domain: str, edge_llm: bool) -> type:
+    # ReferenceEvaluator matches a class by (op_domain, class name): the name is the op type.
+    return type(dflash_onnx.PLUGIN_NAME, (_TargetKVCacheUpdate,),
+                {"op_domain": domain, "edge_llm": edge_llm, "__module__": __name__,
+                 "__qualname__": qualname})
+
+
+DFlashTargetKVCacheUpdate = _node_class("DFlashTargetKVCacheUpdate", dflash_onnx.PLUGIN_DOMAIN,
+                                        edge_llm=False)
+EdgeLLMTargetKVCacheUpdate = _node_class("EdgeLLMTargetKVCacheUpdate",
+                                         dflash_onnx.EDGE_LLM_DOMAIN, edge_llm=True)
+NODE_CLASSES = (DFlashTargetKVCacheUpdate, EdgeLLMTargetKVCacheUpdate)
 
 
 def reference_evaluator(model, **kwargs) -> ReferenceEvaluator:
-    """A ``ReferenceEvaluator`` for ``model`` that knows the ``DFlashTargetKVCacheUpdate`` node."""
-    new_ops = [DFlashTargetKVCacheUpdate, *kwargs.pop("new_ops", ())]
+    """A ``ReferenceEvaluator`` for ``model`` that runs the ``DFlashTargetKVCacheUpdate`` nodes."""
+    new_ops = [*NODE_CLASSES, *kwargs.pop("new_ops", ())]
     return ReferenceEvaluator(model, new_ops=new_ops, **kwargs)
