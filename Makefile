@@ -3,15 +3,24 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# The headers `make build` fetches (once) for the TensorRT plugin; see BUILD.md.
+TRT_HEADERS := .deps/tensorrt/include
+# A list from pyproject.toml, e.g. $(call pyproject,build-system,requires), shell-quoted.
+# (Python 3.10 has no tomllib: pip's own copy of tomli reads it there.)
+pyproject = $$($(PY) -c 'import shlex; exec("try: import tomllib\nexcept ImportError: from pip._vendor import tomli as tomllib"); \
+  t = tomllib.load(open("pyproject.toml", "rb")); print(" ".join(map(shlex.quote, t["$(1)"]["$(2)"])))')
 
-.PHONY: venv build test demo clean
+.PHONY: venv build test lint demo clean
 
 $(VENV)/.deps-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "jax>=0.5" "jaxlib>=0.5" numpy "nanobind>=2.4" "scikit-build-core>=0.10" cmake ninja \
-	  "pytest>=8" "hypothesis>=6" "onnx>=1.20.1" "onnx-ir>=0.2.1"
-	# jax2onnx without its declared extras (flax, orbax, onnxruntime, ...), which the export never imports.
+	# The editable build runs without build isolation: its requirements go into the venv first.
+	$(PIP) install -q $(call pyproject,build-system,requires) cmake ninja
+	# The package with its dependencies and extras, as pyproject.toml declares them.
+	$(PIP) install -q --no-build-isolation -e ".[test,onnx,export,dev]"
+	# jax2onnx without its declared dependencies (flax, orbax, onnxruntime, ...), which the export
+	# never imports; the [export] extra holds the ones it does.
 	$(PIP) install -q --no-deps "jax2onnx>=0.17.1,<0.18; python_version >= '3.11'"
 	# The TensorRT 11.4 lean runtime (no builder): the plugin-registry test loads our library into it.
 	$(PIP) install -q --no-deps "tensorrt-lean-cu13-libs==11.4.0.106" "tensorrt-lean-cu13-bindings==11.4.0.106" \
@@ -21,10 +30,18 @@ $(VENV)/.deps-stamp: pyproject.toml
 venv: $(VENV)/.deps-stamp
 
 # Editable build: CMake compiles the CPU extension, and the CUDA extension and TensorRT plugin
-# where a CUDA toolkit is found (see BUILD.md).
+# where a CUDA toolkit is found (see BUILD.md). The TensorRT headers are fetched into .deps once,
+# so that later builds (and a GPU machine without network, given .deps) need no download.
 build: venv
-	$(PY) tools/fetch_trt_headers.py
+	$(PY) tools/fetch_trt_headers.py --dest $(TRT_HEADERS) \
+	  || echo "no TensorRT headers: the TensorRT plugin will be left out"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@$(PY) -c 'import pathlib, jax_dflash; print(*{p.read_text() for d in jax_dflash.__path__ \
+	  for p in pathlib.Path(d).glob("build_info.json")})' || true
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: build
 	$(PY) -m pytest -q
