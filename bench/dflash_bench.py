@@ -1,39 +1,54 @@
-"""The benchmark of the update (issue 4): this project's kernel against what users pick instead.
+"""The benchmark of the update: this project's kernel, both contracts, against what users pick instead.
 
 One run on one device times the time per update of every contender at every shape:
 
-- ``ours_jax``: :func:`jax_dflash.target_kv_cache_update` under ``jax.jit`` with the pool donated.
+- ``ours_jax``: :func:`jax_dflash.target_kv_cache_update` (slot contract) under ``jax.jit`` with
+  the pool donated.
 - ``ours_raw``: the same kernel through its raw launcher (``_dflash_cuda.launch`` over torch
-  tensors, captured ``chain`` launches to a CUDA graph; on CPU the NumPy entry point of
+  tensors, ``chain`` launches captured in a CUDA graph; on CPU the NumPy entry of
   ``_dflash_cpu``).
+- ``paged_jax`` / ``paged_raw``: the paged contract (Edge-LLM 0.11):
+  :func:`jax_dflash.target_kv_cache_update_paged` and ``_dflash_cuda.launch_paged`` (CPU: the
+  NumPy entry), ``T = B * L`` tokens, ``M`` pages per sequence, every sequence's pages a random
+  permutation of the pool.
+- ``knorm_jax``: the paged op with the fused k-norm (``k_norm_weight``).
+- ``unfused_jax``: a jnp RMSNorm of the keys under the same jit, then the paged op;
+  ``rmsnorm_jax``: that RMSNorm alone (the norm's own time). Only at the shapes marked ``unfused``.
 - ``jax_baseline``: :func:`jax_dflash.baseline.target_kv_cache_update` (jnp RoPE +
   ``.at[].set(mode="drop")``), jitted the same way: what a JAX user writes without us.
 - ``flashinfer``: FlashInfer's ``apply_rope_with_cos_sin_cache_inplace`` +
   ``append_paged_kv_cache`` (GPU only; skipped with the reason when it cannot be imported).
 - ``copy``: a device-to-device copy moving the same number of bytes (read + written), the floor.
 
+TensorRT Edge-LLM 0.11's own kernel cannot run here; its numbers measured on the H200
+(``EDGE_LLM_0_11_US``) are quoted next to ours and enter the targets.
+
 How time is measured. JAX contenders: one jitted function applies ``chain`` updates back to back
 (the pool carried, inputs rotated), so XLA sees one program (on GPU it may run it as one command
 buffer); it is called repeatedly without waiting (async dispatch keeps the device busy) and
-timed with ``time.perf_counter`` up to ``block_until_ready``. Raw launcher, FlashInfer and the
+timed with ``time.perf_counter`` up to ``block_until_ready``. Raw launchers, FlashInfer and the
 copy on GPU: ``chain`` calls captured in one CUDA graph, replays timed with CUDA events. On CPU
 every contender is timed with ``time.perf_counter``. A measurement lasts at least ``min_time``.
 All contenders of a shape are set up first, then measured in turns (the order rotated every
 round), so none is timed under conditions the others do not share; the reported time per update
 is the median over ``repeats`` measurements of time / updates. Nothing is subtracted.
 
-Inputs are rotated: ``num_sets`` sets of k/v deltas and start positions, enough that for large
-shapes their bytes exceed the L2 cache (60 MB on the H200), so the benchmark does not measure the
-cache. Bytes moved per update = K/V read + pool rows written (K and V) + cos/sin rows read.
+Inputs are rotated: ``num_sets`` sets of k/v deltas and positions, enough that for large shapes
+their bytes exceed the L2 cache (60 MB on the H200), so the benchmark does not measure the
+cache. Bytes moved per update = K/V read (delta dtype) + pool rows written (K and V, pool dtype)
++ cos/sin rows read.
 
 Correctness is checked once per shape and contender before timing: one update from a known pool,
-the first slots (a sample) compared against the NumPy reference (bit-exact for this project's
-kernel, within two ulps for the others), and for ``ours_jax`` the whole pool against the
-baseline's. A contender that fails is marked ``WRONG`` in the table.
+the first sequences' pages (a sample) compared against the NumPy reference of the contender's
+contract (bit-exact for this project's kernel, within two ulps for the others); the whole pool
+of ``ours_jax`` against the straightforward version's, and the whole pool of every paged
+contender, gathered through its page table, against the slot op's of the same framework. A
+contender that fails is marked ``WRONG`` in the table and the run exits 1.
 
-Usage: ``python bench/bench_kv_update.py [--backend auto|cpu|gpu] [--shapes a,b] [--iters N]
-[--out DIR] [--quick]`` (also ``jax-dflash bench``). Writes ``kv_update_<backend>.json`` and, when
-matplotlib is importable, ``kv_update_<backend>.png`` into ``--out`` (default bench/results/).
+Usage: ``python bench/bench_kv_update.py [--backend auto|cpu|gpu] [--shapes a,b]
+[--contenders a,b] [--iters N] [--repeats N] [--min-time S] [--out DIR] [--quick]``. Writes
+``kv_update_<backend>.json`` and, when matplotlib is importable, ``kv_update_<backend>.png``
+into ``--out`` (default: the current directory).
 """
 
 from __future__ import annotations
@@ -55,13 +70,22 @@ from pathlib import Path
 
 import numpy as np
 
-CONTENDERS = ("ours_jax", "ours_raw", "jax_baseline", "flashinfer", "copy")
+CONTENDERS = ("ours_jax", "ours_raw", "paged_jax", "paged_raw", "knorm_jax", "unfused_jax",
+              "rmsnorm_jax", "jax_baseline", "flashinfer", "copy")
+RAW = {"ours_jax": "ours_raw", "paged_jax": "paged_raw"}  # the JAX path and its raw launcher
 DEFAULT_OUT = Path(".")  # the current directory; pass --out bench/results to refresh the committed results
 L2_BYTES = {"gpu": 60e6, "cpu": 32e6}  # H200 L2; a typical CPU last-level cache
 MAX_SETS = {"gpu": 32, "cpu": 8}
 # Unused pool rows are filled with this value; a kernel that writes where it should not shows up.
 POOL_FILL = 0.25
-SAMPLE_SLOTS = 2  # slots compared against the NumPy reference
+SAMPLE_SLOTS = 2  # sequences compared against the NumPy reference
+NORM_EPS = 1e-6
+# rmsnorm_jax writes every output once per call into buffers it owns: at most this many bytes.
+NORM_OUTPUT_BYTES = 4e9
+
+# TensorRT Edge-LLM 0.11's kernel on this H200, fp16, H=8, D=128 (not runnable here: quoted).
+EDGE_LLM_0_11_US = {"decode_b1": 2.64, "decode_b8": 3.17, "decode_b64": 8.38,
+                    "prefill_b1_l4096": 26.5, "prefill_b8_l2048": 103.4}
 
 
 class Skip(Exception):
@@ -73,21 +97,26 @@ class Skip(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class BenchShape:
-    """One benchmarked update. fp16/bf16, H=8, D=128, R=128, P=128 unless stated."""
+    """One benchmarked update. fp16/bf16 deltas, H=8, D=128, R=128, P=128 unless stated.
+
+    Both contracts use one pool of ``B * M`` pages: the slot op with ``pages_per_slot = M``,
+    the paged op with ``M`` pages per sequence in its table."""
 
     name: str
     batch: int  # B
     delta_len: int  # L
-    dtype: str = "float16"
+    dtype: str = "float16"  # deltas
+    pool_dtype: str | None = None  # the pool (default: the delta dtype); FP8 takes scales
     num_layers: int | None = None  # layer-batched form when set
     num_kv_heads: int = 8  # H
     head_dim: int = 128  # D
     rotary_dim: int = 128  # R
     page_size: int = 128  # P
-    min_capacity: int = 2048  # tokens per slot at least (a decode-time cache is not tiny)
+    min_capacity: int = 8192  # tokens per sequence at least (M = 64 pages of 128)
+    unfused: bool = False  # also time the unfused pair and the norm alone
 
     @property
-    def pages_per_slot(self) -> int:
+    def pages_per_slot(self) -> int:  # M
         # Room for start positions in [0, cap - L] with cap >= 2 L.
         return math.ceil(max(self.min_capacity, 2 * self.delta_len) / self.page_size)
 
@@ -96,59 +125,93 @@ class BenchShape:
         return self.pages_per_slot * self.page_size
 
     @property
-    def num_pages(self) -> int:
+    def num_pages(self) -> int:  # N
         return self.pages_per_slot * self.batch  # maxBatch = B
+
+    @property
+    def tokens(self) -> int:  # T
+        return self.batch * self.delta_len
 
     @property
     def layers(self) -> int:
         return self.num_layers or 1
 
     @property
+    def lead(self) -> tuple[int, ...]:
+        return (self.num_layers,) if self.num_layers else ()
+
+    @property
     def delta_shape(self) -> tuple[int, ...]:
-        lead = (self.num_layers,) if self.num_layers else ()
-        return (*lead, self.batch, self.delta_len, self.num_kv_heads, self.head_dim)
+        return (*self.lead, self.batch, self.delta_len, self.num_kv_heads, self.head_dim)
+
+    @property
+    def paged_delta_shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.tokens, self.num_kv_heads, self.head_dim)
 
     @property
     def pool_shape(self) -> tuple[int, ...]:
-        lead = (self.num_layers,) if self.num_layers else ()
-        return (*lead, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return (*self.lead, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def pool_dtype_name(self) -> str:
+        return self.pool_dtype or self.dtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.pool_dtype_name.startswith("float8")
 
     @property
     def np_dtype(self) -> np.dtype:
-        import ml_dtypes
+        return _np_dtype(self.dtype)
 
-        return np.dtype({"float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
-                         "float32": np.float32}[self.dtype])
+    @property
+    def np_pool_dtype(self) -> np.dtype:
+        return _np_dtype(self.pool_dtype_name)
 
     def describe(self) -> str:
         layers = f"{self.num_layers} layers, " if self.num_layers else ""
-        return f"{layers}B={self.batch} L={self.delta_len} {self.dtype}"
+        pool = f", {self.pool_dtype} pool" if self.pool_dtype else ""
+        return f"{layers}B={self.batch} L={self.delta_len} {self.dtype}{pool}"
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype({"float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                     "float32": np.float32, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+                     "float8_e5m2": ml_dtypes.float8_e5m2}[name])
 
 
 def _gpu_shapes() -> list[BenchShape]:
+    fp8 = {"pool_dtype": "float8_e4m3fn"}
     return [
         BenchShape("decode_b1", 1, 16),
         BenchShape("decode_b8", 8, 16),
-        BenchShape("decode_b64", 64, 16),
+        BenchShape("decode_b64", 64, 16, unfused=True),
         BenchShape("prefill_b1_l4096", 1, 4096),
-        BenchShape("prefill_b8_l2048", 8, 2048),
+        BenchShape("prefill_b8_l2048", 8, 2048, unfused=True),
         BenchShape("decode_b64_5layers", 64, 16, num_layers=5),
         BenchShape("decode_b64_bf16", 64, 16, dtype="bfloat16"),
         BenchShape("prefill_b8_l2048_bf16", 8, 2048, dtype="bfloat16"),
+        BenchShape("decode_b64_fp8", 64, 16, **fp8),
+        BenchShape("prefill_b8_l2048_fp8", 8, 2048, **fp8),
     ]
 
 
 def _cpu_shapes() -> list[BenchShape]:
-    """The GPU set scaled down so that a 2-core machine finishes in well under two minutes."""
+    """The GPU set scaled down so that a 2-core machine finishes in a few minutes."""
     small = {"min_capacity": 512}
+    fp8 = {"pool_dtype": "float8_e4m3fn", **small}
     return [
         BenchShape("decode_b1", 1, 16, **small),
-        BenchShape("decode_b8", 8, 16, **small),
+        BenchShape("decode_b8", 8, 16, unfused=True, **small),
         BenchShape("prefill_b1_l512", 1, 512, **small),
-        BenchShape("prefill_b4_l256", 4, 256, **small),
+        BenchShape("prefill_b4_l256", 4, 256, unfused=True, **small),
         BenchShape("decode_b8_5layers", 8, 16, num_layers=5, **small),
         BenchShape("decode_b8_bf16", 8, 16, dtype="bfloat16", **small),
         BenchShape("prefill_b4_l256_bf16", 4, 256, dtype="bfloat16", **small),
+        BenchShape("decode_b8_fp8", 8, 16, **fp8),
+        BenchShape("prefill_b4_l256_fp8", 4, 256, **fp8),
     ]
 
 
@@ -161,41 +224,97 @@ def shapes_for(backend: str) -> list[BenchShape]:
 
 @dataclasses.dataclass
 class Problem:
-    """Host data of one shape: ``num_sets`` rotated input sets and the reference sample."""
+    """Host data of one shape: ``num_sets`` rotated input sets, the page table, the extras and
+    the reference samples. Slot and paged forms address the same rows: token ``b * L + t`` of
+    the paged form is token ``t`` of sequence ``b`` at position ``start[b] + t``."""
 
     shape: BenchShape
-    k_sets: list[np.ndarray]  # each delta_shape
+    k_sets: list[np.ndarray]  # each delta_shape (the paged form is a reshape)
     v_sets: list[np.ndarray]
     start_sets: list[np.ndarray]  # each [B] int32
     lengths: np.ndarray  # [B] int32
     rope: np.ndarray  # [1, S, R] float32, S = slot capacity (every written key is rotated)
-    sample_init: np.ndarray  # [2, SAMPLE_SLOTS * pps, P, H, D]: layer 0's first slots before
-    sample_expected: np.ndarray  # the same after one update with set 0 (NumPy reference)
+    position_sets: list[np.ndarray]  # each [T] int32
+    paged_rope_sets: list[np.ndarray]  # each [T, R] float32: rope rows gathered per token
+    owners: np.ndarray  # [T] int32
+    table: np.ndarray  # [B, 2, M] int32
+    k_scale: np.ndarray | None  # [H] float32 for an FP8 pool
+    v_scale: np.ndarray | None
+    k_norm_weight: np.ndarray  # [D] delta dtype
+    sample_init: np.ndarray  # [2, sample_slots * M, P, H, D]: layer 0's sampled pages before
     sample_slots: int
     bytes: dict[str, int]
+    _expected: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_sets(self) -> int:
         return len(self.k_sets)
 
-    def sample_index(self) -> tuple:
-        """Where the sample lies in the pool (layer 0 when layer-batched)."""
-        region = (slice(None), slice(0, self.sample_slots * self.shape.pages_per_slot))
-        return ((0,) if self.shape.num_layers else ()) + region
+    def scales(self) -> dict:
+        return {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def sample_pages(self, contract: str) -> tuple[np.ndarray, np.ndarray]:
+        """(K pages, V pages in plane 1) of the sampled sequences, in slot order."""
+        n = self.sample_slots * self.shape.pages_per_slot
+        if contract == "slot":
+            pages = np.arange(n, dtype=np.int32)
+            return pages, pages
+        rows = self.table[: self.sample_slots]
+        return rows[:, 0].reshape(-1), rows[:, 1].reshape(-1) - self.shape.num_pages
+
+    def gather_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(K pages, V pages) of the whole table in slot order: the paged pool gathered by them
+        is, page for page, the slot pool (every sequence's pages a permutation of the pool)."""
+        return (self.table[:, 0].reshape(-1),
+                self.table[:, 1].reshape(-1) - self.shape.num_pages)
+
+    def expected(self, variant: str) -> np.ndarray:
+        """The sample after one update with set 0, from the NumPy reference: ``slot``,
+        ``paged`` or ``knorm`` (paged with the fused k-norm)."""
+        if variant not in self._expected:
+            self._expected[variant] = self._reference(variant)
+        return self._expected[variant]
+
+    def _reference(self, variant: str) -> np.ndarray:
+        from jax_dflash import reference
+
+        s, n = self.shape, self.sample_slots
+        layer0 = (0,) if s.num_layers else ()
+        k, v = self.k_sets[0][layer0][:n], self.v_sets[0][layer0][:n]
+        if variant == "slot":
+            return reference.target_kv_cache_update(
+                k, v, self.sample_init, self.rope, self.start_sets[0][:n], self.lengths[:n],
+                pages_per_slot=s.pages_per_slot, **self.scales())
+        tokens = n * s.delta_len
+        m = s.pages_per_slot
+        pages = np.arange(n * m, dtype=np.int32).reshape(n, m)
+        sub_table = np.stack([pages, pages + n * m], axis=1)  # the sample pages, in order
+        norm = ({"k_norm_weight": self.k_norm_weight, "norm_eps": NORM_EPS}
+                if variant == "knorm" else {})
+        return reference.target_kv_cache_update_paged(
+            k.reshape(tokens, s.num_kv_heads, s.head_dim),
+            v.reshape(tokens, s.num_kv_heads, s.head_dim), self.sample_init,
+            self.paged_rope_sets[0][:tokens], self.position_sets[0][:tokens],
+            self.owners[:tokens], sub_table, **self.scales(), **norm)
+
+    def expected_normed_keys(self) -> np.ndarray:
+        """HF RMSNorm of set 0's first sampled keys (float32 normalize, round, times weight)."""
+        s = self.shape
+        x = self.k_sets[0][(0,) * len(s.lead)][: self.sample_slots].astype(np.float32)
+        inv = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(NORM_EPS))
+        u = (x * inv).astype(s.np_dtype)
+        return (u.astype(np.float32) * self.k_norm_weight.astype(np.float32)).astype(s.np_dtype)
 
 
 def bytes_moved(shape: BenchShape, starts: np.ndarray, lengths: np.ndarray) -> dict[str, int]:
     """K/V read + pool rows written + cos/sin rows read, for one update (all layers)."""
-    from jax_dflash.reference import written_position
-
-    elem = shape.np_dtype.itemsize
-    row = shape.num_kv_heads * shape.head_dim * elem
-    written = sum(
-        written_position(starts[b], lengths[b], t, shape.slot_capacity) is not None
-        for b in range(shape.batch) for t in range(shape.delta_len)
-    )
-    kv_read = 2 * shape.batch * shape.delta_len * row
-    pool_write = 2 * written * row
+    cap = shape.slot_capacity
+    t = np.arange(shape.delta_len)[None, :]
+    pos = starts.astype(np.int64)[:, None] + t
+    written = int(((t < lengths[:, None]) & (pos >= 0) & (pos < cap)).sum())
+    heads = shape.num_kv_heads * shape.head_dim
+    kv_read = 2 * shape.tokens * heads * shape.np_dtype.itemsize
+    pool_write = 2 * written * heads * shape.np_pool_dtype.itemsize
     rope_read = written * shape.rotary_dim * 4  # every written position is < S here
     per_layer = {"kv_read": kv_read, "pool_write": pool_write, "rope_read": rope_read}
     out = {k: v * shape.layers for k, v in per_layer.items()}
@@ -212,8 +331,6 @@ def rope_table(seq_len: int, rotary_dim: int) -> np.ndarray:
 
 
 def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
-    from jax_dflash import reference
-
     rng = np.random.default_rng(seed)
     dtype = shape.np_dtype
     set_bytes = 2 * math.prod(shape.delta_shape) * dtype.itemsize
@@ -228,40 +345,56 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
     start_sets = [rng.integers(0, high + 1, shape.batch, dtype=np.int32) for _ in range(num_sets)]
     lengths = np.full(shape.batch, shape.delta_len, np.int32)
     rope = rope_table(shape.slot_capacity, shape.rotary_dim)
+    t = np.arange(shape.delta_len, dtype=np.int32)
+    position_sets = [(s[:, None] + t[None, :]).reshape(-1).astype(np.int32) for s in start_sets]
+    paged_rope_sets = [np.ascontiguousarray(rope[0][p]) for p in position_sets]
+    owners = np.repeat(np.arange(shape.batch, dtype=np.int32), shape.delta_len)
+    n, m = shape.num_pages, shape.pages_per_slot
+    k_pages = rng.permutation(n).astype(np.int32).reshape(shape.batch, m)
+    v_pages = rng.permutation(n).astype(np.int32).reshape(shape.batch, m) + n
+    table = np.ascontiguousarray(np.stack([k_pages, v_pages], axis=1))
+    k_scale = v_scale = None
+    if shape.fp8:  # per head, so that unit-normal keys and values use the format's range
+        k_scale = rng.uniform(1 / 96, 1 / 48, shape.num_kv_heads).astype(np.float32)
+        v_scale = rng.uniform(1 / 96, 1 / 48, shape.num_kv_heads).astype(np.float32)
+    k_norm_weight = rng.uniform(0.5, 1.5, shape.head_dim).astype(dtype)
 
     slots = min(shape.batch, SAMPLE_SLOTS)
-    pps = shape.pages_per_slot
     sample_init = rng.standard_normal(
-        (2, slots * pps, shape.page_size, shape.num_kv_heads, shape.head_dim), dtype=np.float32
-    ).astype(dtype)
-    layer0 = (0,) if shape.num_layers else ()
-    sample_expected = reference.target_kv_cache_update(
-        k_sets[0][layer0][:slots], v_sets[0][layer0][:slots], sample_init, rope,
-        start_sets[0][:slots], lengths[:slots], pages_per_slot=pps,
-    )
-    return Problem(shape, k_sets, v_sets, start_sets, lengths, rope, sample_init,
-                   sample_expected, slots, bytes_moved(shape, start_sets[0], lengths))
+        (2, slots * m, shape.page_size, shape.num_kv_heads, shape.head_dim), dtype=np.float32
+    ).astype(shape.np_pool_dtype)
+    return Problem(shape, k_sets, v_sets, start_sets, lengths, rope, position_sets,
+                   paged_rope_sets, owners, table, k_scale, v_scale, k_norm_weight, sample_init,
+                   slots, bytes_moved(shape, start_sets[0], lengths))
 
 
 # ---- correctness --------------------------------------------------------------------------------
 
-_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23,
+        "float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2}
 
 
-def compare_sample(got: np.ndarray, problem: Problem, exact_required: bool) -> dict:
-    """The contender's sample region after one update against the NumPy reference."""
-    want = problem.sample_expected
-    got = np.asarray(got).reshape(want.shape).astype(want.dtype, copy=False)
-    bits = np.uint16 if want.dtype.itemsize == 2 else np.uint32
-    exact = bool(np.array_equal(got.view(bits), want.view(bits)))
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def compare_sample(got: np.ndarray, want: np.ndarray, exact_required: bool,
+                   magnitude: float = 1.0) -> dict:
+    """A contender's sample after one update against the NumPy reference's: bit-exact, or
+    within two ulps of max(|expected|, ``magnitude``)."""
+    got = np.asarray(got).reshape(want.shape)
+    if got.dtype != want.dtype:
+        got = got.view(want.dtype) if got.dtype.itemsize == want.dtype.itemsize else got
+    exact = bool(np.array_equal(_bits(got), _bits(want)))
     got32, want32 = got.astype(np.float32), want.astype(np.float32)
     diff = np.abs(got32 - want32)
     max_abs = float(np.nanmax(diff)) if diff.size else 0.0
-    tol = 2 * _EPS[problem.shape.dtype] * np.maximum(np.abs(want32), 1.0)
+    tol = 2 * _EPS[want.dtype.name] * np.maximum(np.abs(want32), magnitude)
     close = bool(np.all(diff <= tol)) and not np.isnan(got32).any()
     ok = exact if exact_required else close
     return {"ok": ok, "bit_exact": exact, "max_abs_diff": max_abs,
-            "criterion": "bit-exact" if exact_required else "within 2 ulp"}
+            "criterion": "bit-exact" if exact_required else
+            "within 2 ulp" + (f" at magnitude {magnitude:g}" if magnitude != 1 else "")}
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -349,7 +482,7 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
     return out
 
 
-# ---- JAX contenders (ours and the baseline) -------------------------------------------------------
+# ---- JAX contenders -------------------------------------------------------------------------------
 
 
 def _jax_device(backend: str):
@@ -358,89 +491,127 @@ def _jax_device(backend: str):
     return jax.devices("gpu" if backend == "gpu" else "cpu")[0]
 
 
-def _jax_pool(problem: Problem, device):
+class JaxInputs:
+    """One shape's operands on the JAX device, uploaded once and shared by the JAX contenders."""
+
+    def __init__(self, problem: Problem, device):
+        import jax
+
+        put = functools.partial(jax.device_put, device=device)
+        self.device = device
+        self.ks = tuple(put(k) for k in problem.k_sets)
+        self.vs = tuple(put(v) for v in problem.v_sets)
+        self.starts = tuple(put(s) for s in problem.start_sets)
+        self.positions = tuple(put(p) for p in problem.position_sets)
+        self.paged_ropes = tuple(put(r) for r in problem.paged_rope_sets)
+        self.rope, self.lengths = put(problem.rope), put(problem.lengths)
+        self.owners, self.table = put(problem.owners), put(problem.table)
+        self.scales = {k: put(v) for k, v in problem.scales().items()}
+        self.k_norm_weight = put(problem.k_norm_weight)
+
+
+def _jax_pool(problem: Problem, device, contract: str):
+    """The known pool: POOL_FILL, with the sample in the sampled sequences' pages (layer 0)."""
     import jax
     import jax.numpy as jnp
 
     s = problem.shape
-    pool = jnp.full(s.pool_shape, POOL_FILL, dtype=s.np_dtype, device=device)
-    return pool.at[problem.sample_index()].set(jax.device_put(problem.sample_init, device))
+    k_pages, v_pages = problem.sample_pages(contract)
+    at = (0,) * len(s.lead)
+
+    @jax.jit
+    def build(sample, k_pages, v_pages):
+        pool = jnp.full(s.pool_shape, POOL_FILL, dtype=s.np_pool_dtype)
+        pool = pool.at[(*at, 0, k_pages)].set(sample[0])
+        return pool.at[(*at, 1, v_pages)].set(sample[1])
+
+    put = functools.partial(jax.device_put, device=device)
+    return build(put(problem.sample_init), put(k_pages), put(v_pages))
 
 
-def _jax_update_fn(name: str, shape: BenchShape):
+def rms_norm(x, weight, eps: float):
+    """The model's RMSNorm (HF): normalize in float32, round to x's dtype, times the weight."""
+    import jax
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(eps))
+    return weight * (x32 * inv).astype(x.dtype)
+
+
+def _jax_update(name: str, shape: BenchShape, inputs: JaxInputs):
+    """(update(pool, per_set, shared) -> pool, per-set operand tuples, shared operands)."""
     import jax
 
     import jax_dflash
     from jax_dflash import baseline
 
-    if name == "ours_jax":
-        return functools.partial(jax_dflash.target_kv_cache_update,
-                                 pages_per_slot=shape.pages_per_slot)
-    one = functools.partial(baseline.target_kv_cache_update, pages_per_slot=shape.pages_per_slot)
-    if shape.num_layers:  # what a JAX user writes for stacked layers: vmap the one-layer version
-        return jax.vmap(one, in_axes=(0, 0, 0, None, None, None))
-    return one
+    m = shape.pages_per_slot
+    if name in ("ours_jax", "jax_baseline"):
+        sets = tuple(zip(inputs.ks, inputs.vs, inputs.starts))
+        shared = (inputs.rope, inputs.lengths, inputs.scales)
+        if name == "ours_jax":
+            def update(pool, per_set, shared):
+                (k, v, starts), (rope, lengths, scales) = per_set, shared
+                return jax_dflash.target_kv_cache_update(k, v, pool, rope, starts, lengths,
+                                                         pages_per_slot=m, **scales)
+            return update, sets, shared
+        one = functools.partial(baseline.target_kv_cache_update, pages_per_slot=m)
+        if shape.num_layers:  # what a JAX user writes for stacked layers: vmap the one-layer version
+            one = jax.vmap(one, in_axes=(0, 0, 0, None, None, None))
+
+        def update(pool, per_set, shared):
+            (k, v, starts), (rope, lengths, _) = per_set, shared
+            return one(k, v, pool, rope, starts, lengths)
+        return update, sets, shared
+
+    sets = tuple(zip(inputs.ks, inputs.vs, inputs.positions, inputs.paged_ropes))
+    shared = (inputs.owners, inputs.table, inputs.scales, inputs.k_norm_weight)
+    tokens = shape.paged_delta_shape
+
+    def update(pool, per_set, shared):
+        (k, v, positions, rope), (owners, table, scales, weight) = per_set, shared
+        k, v = k.reshape(tokens), v.reshape(tokens)  # a bitcast under jit
+        extra = {}
+        if name == "knorm_jax":
+            extra = {"k_norm_weight": weight, "norm_eps": NORM_EPS}
+        elif name == "unfused_jax":
+            k = rms_norm(k, weight, NORM_EPS)
+        return jax_dflash.target_kv_cache_update_paged(k, v, pool, rope, positions, owners,
+                                                       table, **scales, **extra)
+    return update, sets, shared
 
 
 def jitted_chain(update: Callable, chain: int):
     """``update`` applied ``chain`` times in one jitted function, pool donated, input sets
-    (tuples) rotated: ``step(pool, ks, vs, rope, starts, lengths) -> pool``."""
+    rotated: ``step(pool, sets, shared) -> pool`` with ``update(pool, sets[j], shared)``."""
     import jax
 
-    def chained(pool, ks, vs, rope, starts, lengths):
+    def chained(pool, sets, shared):
         # Unrolled: each update reads its own operands (no slicing copies in front of the call).
         for i in range(chain):
-            j = i % len(ks)
-            pool = update(ks[j], vs[j], pool, rope, starts[j], lengths)
+            pool = update(pool, sets[i % len(sets)], shared)
         return pool
 
     return jax.jit(chained, donate_argnums=0)
 
 
-def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Prepared:
-    import jax
-    import jax.numpy as jnp
-
-    shape = problem.shape
-    update = _jax_update_fn(name, shape)
-    put = functools.partial(jax.device_put, device=device)
-    ks = tuple(put(k) for k in problem.k_sets)
-    vs = tuple(put(v) for v in problem.v_sets)
-    starts = tuple(put(s) for s in problem.start_sets)
-    rope, lengths = put(problem.rope), put(problem.lengths)
-
-    # Correctness: one update from the known pool.
-    once = jax.jit(update)(ks[0], vs[0], _jax_pool(problem, device), rope, starts[0], lengths)
-    check = compare_sample(np.asarray(once[problem.sample_index()]), problem,
-                           exact_required=name == "ours_jax")
-    if name == "ours_jax":  # the whole pool, against the baseline (catches stray writes anywhere)
-        other = jax.jit(_jax_update_fn("jax_baseline", shape))(
-            ks[0], vs[0], _jax_pool(problem, device), rope, starts[0], lengths)
-        diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) -
-                                                    b.astype(jnp.float32))))(once, other)
-        check["full_pool_max_abs_diff_vs_baseline"] = float(diff)
-        tol = 2 * _EPS[shape.dtype] * 8  # |rotated keys| stay well below 8 here
-        check["ok"] = check["ok"] and float(diff) <= tol
-        del other
-    del once
-
-    chain = settings.chain if name == "ours_jax" else settings.baseline_chain
-
-    step = jitted_chain(update, chain)
-    state = {"pool": _jax_pool(problem, device)}
-
+def _host_timed(step, state: dict, args: tuple, chain: int, settings: Settings) -> Prepared:
+    """A jitted ``step(carried, *args) -> carried`` called back to back, timed from the host."""
     dispatch = []  # host seconds per call spent dispatching (the GPU runs behind it)
 
     def run(calls: int) -> float:
-        pool = state["pool"]
-        pool.block_until_ready()
+        import jax
+
+        carried = state["carried"]
+        jax.block_until_ready(carried)
         t0 = time.perf_counter()
         for _ in range(calls):
-            pool = step(pool, ks, vs, rope, starts, lengths)
+            carried = step(carried, *args)
         dispatched = time.perf_counter() - t0
-        pool.block_until_ready()
+        jax.block_until_ready(carried)
         elapsed = time.perf_counter() - t0
-        state["pool"] = pool
+        state["carried"] = carried
         dispatch.append(dispatched / calls)
         return elapsed
 
@@ -452,11 +623,148 @@ def _prepare_jax(name: str, problem: Problem, settings: Settings, device) -> Pre
         result["host_dispatch_us"] = host_us
         result["host_bound"] = host_us >= 0.8 * result["us"]
 
-    return Prepared(run, chain, {"check": check, "chain": chain},
-                    finish if settings.backend == "gpu" else None)
+    return Prepared(run, chain, {"chain": chain}, finish if settings.backend == "gpu" else None)
 
 
-# ---- torch-side GPU contenders (raw launcher, FlashInfer, copy) -----------------------------------
+def _bit_mismatches_jax(a, b) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+    return int(jax.jit(lambda x, y: jnp.sum(jax.lax.bitcast_convert_type(x, word) !=
+                                            jax.lax.bitcast_convert_type(y, word)))(a, b))
+
+
+def _gather_jax(pool, problem: Problem):
+    """The paged pool in slot order (see Problem.gather_order)."""
+    import jax
+    import jax.numpy as jnp
+
+    k_pages, v_pages = (jax.device_put(p, pool.device) for p in problem.gather_order())
+    lead = len(problem.shape.lead)
+
+    @jax.jit
+    def gather(pool, k_pages, v_pages):
+        planes = jnp.moveaxis(pool, lead, 0)  # [2, (layers,) N, P, H, D]
+        return jnp.moveaxis(jnp.stack([jnp.take(planes[0], k_pages, axis=lead),
+                                       jnp.take(planes[1], v_pages, axis=lead)]), 0, lead)
+
+    return gather(pool, k_pages, v_pages)
+
+
+def _sample_of(pool, problem: Problem, contract: str) -> np.ndarray:
+    """The sampled pages of layer 0 of a pool (JAX, torch or NumPy), on the host."""
+    k_pages, v_pages = problem.sample_pages(contract)
+    if problem.shape.num_layers:
+        pool = pool[0]
+    if hasattr(pool, "detach"):  # torch
+        import torch
+
+        dtype = problem.shape.np_pool_dtype
+        k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).to(pool.device)
+                            for p in (k_pages, v_pages))
+        return (_from_torch(pool[0].index_select(0, k_pages), dtype),
+                _from_torch(pool[1].index_select(0, v_pages), dtype))
+    return np.asarray(pool[0][k_pages]), np.asarray(pool[1][v_pages])
+
+
+def _sample_array(pool, problem: Problem, contract: str) -> np.ndarray:
+    k, v = _sample_of(pool, problem, contract)
+    return np.stack([k, v])
+
+
+def _prepare_jax(name: str, problem: Problem, settings: Settings, ctx: dict) -> Prepared:
+    import jax
+    import jax.numpy as jnp
+
+    shape = problem.shape
+    if name == "jax_baseline" and shape.fp8:
+        raise Skip("the straightforward JAX version has no FP8 pool")
+    if name in ("unfused_jax", "rmsnorm_jax") and not shape.unfused:
+        return {"status": "n/a", "reason": "timed at the shapes marked unfused only"}
+    inputs = ctx.get("jax_inputs")
+    if inputs is None:
+        inputs = ctx["jax_inputs"] = JaxInputs(problem, _jax_device(settings.backend))
+    device = inputs.device
+    if name == "rmsnorm_jax":
+        return _prepare_rmsnorm(problem, settings, inputs)
+
+    update, sets, shared = _jax_update(name, shape, inputs)
+    contract = "slot" if name in ("ours_jax", "jax_baseline") else "paged"
+    once = jax.jit(update)(_jax_pool(problem, device, contract), sets[0], shared)
+    variant = {"ours_jax": "slot", "jax_baseline": "slot", "paged_jax": "paged",
+               "knorm_jax": "knorm", "unfused_jax": "knorm"}[name]
+    # The unfused pair's normed keys may differ from the fused ones by an ulp (SPEC.md, "Fused
+    # norms"), which RoPE carries at the magnitude of the normed keys (below 8 here).
+    check = compare_sample(_sample_array(once, problem, contract), problem.expected(variant),
+                           exact_required=name in ("ours_jax", "paged_jax", "knorm_jax"),
+                           magnitude=8.0 if name == "unfused_jax" else 1.0)
+    if name == "ours_jax" and not shape.fp8:  # the whole pool, against the baseline's
+        base, _, _ = _jax_update("jax_baseline", shape, inputs)
+        other = jax.jit(base)(_jax_pool(problem, device, "slot"), sets[0], shared)
+        diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) -
+                                                    b.astype(jnp.float32))))(once, other)
+        check["full_pool_max_abs_diff_vs_baseline"] = float(diff)
+        tol = 2 * _EPS[shape.dtype] * 8  # |rotated keys| stay well below 8 here
+        check["ok"] = check["ok"] and float(diff) <= tol
+        del other
+    if name in ("paged_jax", "knorm_jax"):  # the whole pool, against the slot op's
+        twin = _slot_twin_jax(problem, inputs, knorm=name == "knorm_jax")
+        mismatches = _bit_mismatches_jax(_gather_jax(once, problem), twin)
+        check["full_pool_bits_differing_vs_slot_op"] = mismatches
+        check["ok"] = check["ok"] and mismatches == 0
+        del twin
+    del once
+
+    chain = settings.baseline_chain if name == "jax_baseline" else settings.chain
+    step = jitted_chain(update, chain)
+    state = {"carried": _jax_pool(problem, device, contract)}
+    prepared = _host_timed(step, state, (sets, shared), chain, settings)
+    prepared.info["check"] = check
+    return prepared
+
+
+def _slot_twin_jax(problem: Problem, inputs: JaxInputs, knorm: bool):
+    """The slot op's pool after set 0 from the known slot pool (with the k-norm when asked)."""
+    import jax
+
+    import jax_dflash
+
+    s = problem.shape
+    extra = {"k_norm_weight": inputs.k_norm_weight, "norm_eps": NORM_EPS} if knorm else {}
+    op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=s.pages_per_slot,
+                           **inputs.scales, **extra)
+    return jax.jit(op)(inputs.ks[0], inputs.vs[0], _jax_pool(problem, inputs.device, "slot"),
+                       inputs.rope, inputs.starts[0], inputs.lengths)
+
+
+def _prepare_rmsnorm(problem: Problem, settings: Settings, inputs: JaxInputs) -> Prepared:
+    """The keys' RMSNorm alone: every call writes ``chain`` normed copies into buffers of its
+    own (carried and donated), each once, so no write is dead and none is elided."""
+    import jax
+    import jax.numpy as jnp
+
+    s = problem.shape
+    key_bytes = math.prod(s.delta_shape) * s.np_dtype.itemsize
+    chain = int(max(1, min(settings.chain, NORM_OUTPUT_BYTES // key_bytes)))
+
+    def chained(outs, ks, weight):
+        return tuple(rms_norm(ks[i % len(ks)], weight, NORM_EPS) for i in range(len(outs)))
+
+    step = jax.jit(chained, donate_argnums=0)
+    got = np.asarray(jax.jit(rms_norm, static_argnums=2)(inputs.ks[0], inputs.k_norm_weight,
+                                                         NORM_EPS))
+    want = problem.expected_normed_keys()
+    got = got[(0,) * len(s.lead)][: problem.sample_slots]
+    check = compare_sample(got, want, exact_required=False)
+    outs = tuple(jnp.zeros(s.delta_shape, s.np_dtype, device=inputs.device) for _ in range(chain))
+    prepared = _host_timed(step, {"carried": outs}, (inputs.ks, inputs.k_norm_weight), chain,
+                           settings)
+    prepared.info.update({"check": check, "what": "jnp RMSNorm of the keys alone"})
+    return prepared
+
+
+# ---- torch-side GPU contenders (raw launchers, FlashInfer, copy) ----------------------------------
 
 
 def _torch():
@@ -471,30 +779,46 @@ def _torch():
 
 
 def _torch_dtype(torch, dtype: str):
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "float8_e4m3fn": torch.uint8, "float8_e5m2": torch.uint8}[dtype]
 
 
 def _to_torch(torch, array: np.ndarray):
-    """Host array -> CUDA tensor, 16-bit floats carried as int16 bits (torch lacks bf16 numpy)."""
+    """Host array -> CUDA tensor. 16-bit floats carried as int16 bits (torch lacks bf16 NumPy);
+    FP8 stays uint8 bits (what the raw launcher takes, with pool_dtype naming the format)."""
     a = np.ascontiguousarray(array)
     if a.dtype.name in ("bfloat16", "float16"):
         return torch.from_numpy(a.view(np.int16)).cuda().view(_torch_dtype(torch, a.dtype.name))
+    if a.dtype.itemsize == 1:
+        return torch.from_numpy(a.view(np.uint8)).cuda()
     return torch.from_numpy(a).cuda()
 
 
 def _from_torch(tensor, dtype: np.dtype) -> np.ndarray:
+    import torch
+
     t = tensor.detach().contiguous().cpu()
     if dtype.itemsize == 2:
-        import torch
-
         return t.view(torch.int16).numpy().view(dtype)
+    if dtype.itemsize == 1:
+        return t.view(torch.uint8).numpy().view(dtype)
     return t.numpy()
 
 
-def _torch_pool(torch, problem: Problem):
+def _torch_pool(torch, problem: Problem, contract: str):
     s = problem.shape
-    pool = torch.full(s.pool_shape, POOL_FILL, dtype=_torch_dtype(torch, s.dtype), device="cuda")
-    pool[problem.sample_index()] = _to_torch(torch, problem.sample_init)
+    fill = np.full((), POOL_FILL, np.float32).astype(s.np_pool_dtype)
+    if s.fp8:
+        pool = torch.full(s.pool_shape, int(fill.view(np.uint8)), dtype=torch.uint8, device="cuda")
+    else:
+        pool = torch.full(s.pool_shape, POOL_FILL, dtype=_torch_dtype(torch, s.dtype),
+                          device="cuda")
+    k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).cuda()
+                        for p in problem.sample_pages(contract))
+    layer = pool[0] if s.num_layers else pool
+    sample = _to_torch(torch, problem.sample_init)
+    layer[0].index_copy_(0, k_pages, sample[0])
+    layer[1].index_copy_(0, v_pages, sample[1])
     return pool
 
 
@@ -525,11 +849,26 @@ def _graph(torch, enqueue: Callable[[int], None], chain: int, info: dict) -> Pre
     return Prepared(run, chain, {**info, "chain": chain}, inputs=enqueue)
 
 
-_DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2}
+class TorchInputs:
+    """One shape's operands as CUDA tensors, uploaded once and shared by the raw contenders."""
+
+    def __init__(self, torch, problem: Problem):
+        s = problem.shape
+        up = functools.partial(_to_torch, torch)
+        self.ks = [up(k) for k in problem.k_sets]
+        self.vs = [up(v) for v in problem.v_sets]
+        self.paged_ks = [k.view(s.paged_delta_shape) for k in self.ks]
+        self.paged_vs = [v.view(s.paged_delta_shape) for v in self.vs]
+        self.starts = [up(x) for x in problem.start_sets]
+        self.positions = [up(p) for p in problem.position_sets]
+        self.paged_ropes = [up(r) for r in problem.paged_rope_sets]
+        self.rope, self.lengths = up(problem.rope), up(problem.lengths)
+        self.owners, self.table = up(problem.owners), up(problem.table)
+        self.scales = {k: up(v) for k, v in problem.scales().items()}
 
 
-def _prepare_raw_gpu(problem: Problem, settings: Settings) -> Prepared:
-    torch = _torch()
+def _raw_launchers(problem: Problem, torch, inputs: TorchInputs):
+    """{contract: launch(pool, j)} over the raw CUDA entries (arrays through DLPack)."""
     from jax_dflash import _ext
 
     try:
@@ -537,29 +876,59 @@ def _prepare_raw_gpu(problem: Problem, settings: Settings) -> Prepared:
     except ImportError as e:
         raise Skip(str(e)) from e
     s = problem.shape
-    ks = [_to_torch(torch, k) for k in problem.k_sets]
-    vs = [_to_torch(torch, v) for v in problem.v_sets]
-    starts = [_to_torch(torch, x) for x in problem.start_sets]
-    rope, lengths = _to_torch(torch, problem.rope), _to_torch(torch, problem.lengths)
+    dtypes = {"pool_dtype": s.pool_dtype_name if s.fp8 else ""}
 
-    def launch(pool, j: int) -> None:
-        cuda.launch(
-            k_delta=ks[j].data_ptr(), v_delta=vs[j].data_ptr(), pool=pool.data_ptr(),
-            rope_cos_sin=rope.data_ptr(), delta_start_positions=starts[j].data_ptr(),
-            delta_lengths=lengths.data_ptr(), dtype=_DTYPE_CODE[s.dtype], num_layers=s.layers,
-            batch=s.batch, delta_len=s.delta_len, num_kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim, num_pages=s.num_pages, page_size=s.page_size,
-            pages_per_slot=s.pages_per_slot, rotary_dim=s.rotary_dim, rope_batch=1,
-            rope_seq_len=problem.rope.shape[1], rope_per_layer=False, positions_per_layer=False,
-            stream=torch.cuda.current_stream().cuda_stream,
-        )
+    def slot(pool, j: int) -> None:
+        cuda.launch(k_delta=inputs.ks[j], v_delta=inputs.vs[j], pool=pool,
+                    rope_cos_sin=inputs.rope, delta_start_positions=inputs.starts[j],
+                    delta_lengths=inputs.lengths, **inputs.scales,
+                    pages_per_slot=s.pages_per_slot, **dtypes,
+                    stream=torch.cuda.current_stream().cuda_stream)
 
-    pool = _torch_pool(torch, problem)
+    def paged(pool, j: int) -> None:
+        cuda.launch_paged(k_delta=inputs.paged_ks[j], v_delta=inputs.paged_vs[j], pool=pool,
+                          rope_cos_sin=inputs.paged_ropes[j],
+                          delta_positions=inputs.positions[j],
+                          delta_token_to_sequence=inputs.owners, kv_page_table=inputs.table,
+                          **inputs.scales, **dtypes,
+                          stream=torch.cuda.current_stream().cuda_stream)
+
+    return {"slot": slot, "paged": paged}
+
+
+def _torch_mismatches(torch, a, b) -> int:
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return int((a.view(word) != b.view(word)).sum())
+
+
+def _prepare_raw_gpu(name: str, problem: Problem, settings: Settings, ctx: dict) -> Prepared:
+    torch = _torch()
+    s = problem.shape
+    if "torch_inputs" not in ctx:
+        ctx["torch_inputs"] = TorchInputs(torch, problem)
+    inputs = ctx["torch_inputs"]
+    launchers = _raw_launchers(problem, torch, inputs)
+    contract = "slot" if name == "ours_raw" else "paged"
+    launch = launchers[contract]
+    pool = _torch_pool(torch, problem, contract)
     launch(pool, 0)
     torch.cuda.synchronize()
-    check = compare_sample(_from_torch(pool[problem.sample_index()], s.np_dtype), problem,
+    check = compare_sample(_sample_array(pool, problem, contract), problem.expected(contract),
                            exact_required=True)
-    return _graph(torch, lambda i: launch(pool, i % len(ks)), settings.chain, {"check": check})
+    if contract == "paged":  # the whole pool, gathered in slot order, against the slot launcher's
+        twin = _torch_pool(torch, problem, "slot")
+        launchers["slot"](twin, 0)
+        k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).cuda()
+                            for p in problem.gather_order())
+        lead = len(s.lead)
+        gathered = torch.stack([pool.select(lead, 0).index_select(lead, k_pages),
+                                pool.select(lead, 1).index_select(lead, v_pages)], dim=lead)
+        mismatches = _torch_mismatches(torch, gathered, twin)
+        check["full_pool_bits_differing_vs_slot_op"] = mismatches
+        check["ok"] = check["ok"] and mismatches == 0
+        del twin, gathered
+    info = {"check": check}
+    return _graph(torch, lambda i: launch(pool, i % len(inputs.ks)), settings.chain, info)
 
 
 def _flashinfer():
@@ -567,15 +936,17 @@ def _flashinfer():
         import flashinfer
     except Exception as e:  # any import failure means: not available here
         raise Skip(f"flashinfer is not importable ({type(e).__name__}: {e}); install "
-                   "flashinfer-python==0.2.8 (see GPU_NOTES.md)") from e
+                   "flashinfer-python==0.2.8 (BENCHMARKS.md, Reproducing)") from e
     return flashinfer
 
 
 def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
+    s = problem.shape
+    if s.fp8:
+        raise Skip("FP8 pool: FlashInfer's append writes the cache in the key's dtype")
     torch = _torch()
     flashinfer = _flashinfer()
-    s = problem.shape
-    nnz = s.batch * s.delta_len
+    nnz = s.tokens
     tokens = (nnz, s.num_kv_heads, s.head_dim)
 
     def layers_of(array):  # one [nnz, H, D] tensor per layer
@@ -630,7 +1001,7 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
                           ("public API (1-head query)", rope_public)):
         for layer, k in enumerate(original):
             ks[0][layer].copy_(k)
-        candidate = _torch_pool(torch, problem)
+        candidate = _torch_pool(torch, problem, "slot")
         try:
             update(candidate, 0, rope_fn)
             torch.cuda.synchronize()
@@ -638,7 +1009,7 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
             errors.append(f"{name}: {type(e).__name__}: {e}")
             continue
         variant, pool = (name, rope_fn), candidate
-        check = compare_sample(_from_torch(pool[problem.sample_index()], s.np_dtype), problem,
+        check = compare_sample(_sample_array(pool, problem, "slot"), problem.expected("slot"),
                                exact_required=False)
         if check["ok"]:
             break
@@ -710,28 +1081,47 @@ def _host_loop(fn: Callable[[int], None], chain: int, info: dict) -> Prepared:
     return Prepared(run, chain, {**info, "chain": chain})
 
 
-def _prepare_raw_cpu(problem: Problem, settings: Settings) -> Prepared:
+def _raw_view(a: np.ndarray) -> np.ndarray:
+    """What the NumPy entries take: bfloat16 as uint16 bits, FP8 as uint8 bits."""
+    if a.dtype.name == "bfloat16":
+        return a.view(np.uint16)
+    if a.dtype.name.startswith("float8"):
+        return a.view(np.uint8)
+    return a
+
+
+def _prepare_raw_cpu(name: str, problem: Problem, settings: Settings) -> Prepared:
     from jax_dflash import _ext
 
     cpu = _ext.extension("cpu")
     s = problem.shape
-    bits = (lambda a: a.view(np.uint16)) if s.np_dtype.itemsize == 2 else (lambda a: a)
-    pool = np.full(s.pool_shape, POOL_FILL, dtype=s.np_dtype)
-    pool[problem.sample_index()] = problem.sample_init
-    pool_bits = bits(pool)
-    ks = [bits(k) for k in problem.k_sets]
-    vs = [bits(v) for v in problem.v_sets]
+    contract = "slot" if name == "ours_raw" else "paged"
+    pool = np.full(s.pool_shape, POOL_FILL, dtype=np.float32).astype(s.np_pool_dtype)
+    k_pages, v_pages = problem.sample_pages(contract)
+    layer = pool[0] if s.num_layers else pool
+    layer[0, k_pages] = problem.sample_init[0]
+    layer[1, v_pages] = problem.sample_init[1]
+    raw_pool = _raw_view(pool)
+    ks = [_raw_view(k) for k in problem.k_sets]
+    vs = [_raw_view(v) for v in problem.v_sets]
+    paged_ks = [k.reshape(s.paged_delta_shape) for k in ks]
+    paged_vs = [v.reshape(s.paged_delta_shape) for v in vs]
+    dtypes = {"delta_dtype": s.dtype, "pool_dtype": s.pool_dtype_name}
+    scales = problem.scales()
 
     def update(j: int) -> None:
-        # The NumPy entry takes one layer: stacked layers are one call each.
-        for layer in range(s.layers):
-            at = (layer,) if s.num_layers else ()
-            cpu.target_kv_cache_update(ks[j][at], vs[j][at], pool_bits[at], problem.rope,
-                                       problem.start_sets[j], problem.lengths, s.pages_per_slot,
-                                       s.dtype)
+        if contract == "slot":
+            cpu.target_kv_cache_update(ks[j], vs[j], raw_pool, problem.rope,
+                                       problem.start_sets[j], problem.lengths, **scales,
+                                       pages_per_slot=s.pages_per_slot, **dtypes)
+        else:
+            cpu.target_kv_cache_update_paged(paged_ks[j], paged_vs[j], raw_pool,
+                                             problem.paged_rope_sets[j], problem.position_sets[j],
+                                             problem.owners, problem.table, **scales, **dtypes)
 
     update(0)
-    check = compare_sample(pool[problem.sample_index()], problem, exact_required=True)
+    check = compare_sample(_sample_array(pool, problem, contract), problem.expected(contract),
+                           exact_required=True)
     return _host_loop(lambda i: update(i % len(ks)), settings.chain, {"check": check})
 
 
@@ -759,16 +1149,21 @@ def peak_copy_bandwidth_cpu() -> dict:
 # ---- one shape ----------------------------------------------------------------------------------
 
 
-def prepare_contender(name: str, problem: Problem, settings: Settings) -> Prepared | dict:
-    """The contender set up and checked, or its result when it cannot run (skipped / error)."""
+def prepare_contender(name: str, problem: Problem, settings: Settings,
+                      ctx: dict | None = None) -> Prepared | dict:
+    """The contender set up and checked, or its result when it does not run (skipped, error,
+    n/a). ``ctx`` holds what the contenders of one shape share (device copies of the inputs)."""
     backend = settings.backend
+    ctx = {} if ctx is None else ctx
     if name not in CONTENDERS:
         raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
     try:
-        if name in ("ours_jax", "jax_baseline"):
-            return _prepare_jax(name, problem, settings, _jax_device(backend))
-        if name == "ours_raw":
-            return (_prepare_raw_gpu if backend == "gpu" else _prepare_raw_cpu)(problem, settings)
+        if name.endswith("_jax"):
+            return _prepare_jax(name, problem, settings, ctx)
+        if name in ("ours_raw", "paged_raw"):
+            if backend == "gpu":
+                return _prepare_raw_gpu(name, problem, settings, ctx)
+            return _prepare_raw_cpu(name, problem, settings)
         if name == "flashinfer":
             if backend != "gpu":
                 raise Skip("GPU only")
@@ -784,30 +1179,38 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
     problem = make_problem(shape, settings.backend)
     entry = {
         "name": shape.name, "description": shape.describe(), "dtype": shape.dtype,
+        "pool_dtype": shape.pool_dtype_name,
         "num_layers": shape.num_layers, "batch": shape.batch, "delta_len": shape.delta_len,
-        "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+        "tokens": shape.tokens, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
         "rotary_dim": shape.rotary_dim, "page_size": shape.page_size,
         "pages_per_slot": shape.pages_per_slot, "slot_capacity": shape.slot_capacity,
-        "num_input_sets": problem.num_sets, "bytes": problem.bytes, "contenders": {},
+        "num_pages": shape.num_pages, "num_input_sets": problem.num_sets,
+        "bytes": problem.bytes, "contenders": {},
     }
     # Every contender is set up first and they are timed together, interleaved (time_interleaved).
-    prepared, results = {}, {}
+    prepared, results, ctx = {}, {}, {}
     for name in contenders:
         t0 = time.perf_counter()
-        ready = prepare_contender(name, problem, settings)
+        ready = prepare_contender(name, problem, settings, ctx)
         setup_s = round(time.perf_counter() - t0, 2)
         if isinstance(ready, Prepared):
             ready.info["setup_s"] = setup_s
             prepared[name] = ready
         else:
             results[name] = {**ready, "setup_s": setup_s}
+    del ctx  # the shared uploads stay alive as long as a prepared contender holds them
     results.update(time_interleaved(prepared, settings))
     del prepared  # frees this shape's buffers before the next shape's
+    if {"slot", "paged"} <= problem._expected.keys():  # both contracts' references agree
+        entry["references_agree"] = bool(np.array_equal(_bits(problem.expected("slot")),
+                                                        _bits(problem.expected("paged"))))
     for name in contenders:
         result = results[name]
-        if "check" in result:
+        if "check" in result and "us" in result:
             result["status"] = "ok" if result["check"]["ok"] else "wrong"
         entry["contenders"][name] = result
+        if result["status"] == "n/a":
+            continue
         shown = (f"{result['us']:.2f} us (min {result['us_min']:.2f}, max {result['us_max']:.2f})"
                  if "us" in result else result.get("reason", ""))
         print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}", flush=True)
@@ -820,11 +1223,14 @@ def _us(entry: dict, name: str) -> float | None:
     return c.get("us") if c.get("status") in ("ok", "wrong") else None
 
 
+OURS = ("ours_jax", "ours_raw", "paged_jax", "paged_raw", "knorm_jax")
+
+
 def _derived(entry: dict, peak_bw: float) -> dict:
     total = entry["bytes"]["total"]
     floor = _us(entry, "copy")
     out = {}
-    for name in ("ours_jax", "ours_raw"):
+    for name in OURS:
         t = _us(entry, name)
         if t is None:
             continue
@@ -836,7 +1242,7 @@ def _derived(entry: dict, peak_bw: float) -> dict:
     return out
 
 
-# ---- targets (issue 4) ---------------------------------------------------------------------------
+# ---- targets -------------------------------------------------------------------------------------
 
 
 def evaluate_targets(results: dict) -> list[dict]:
@@ -845,11 +1251,17 @@ def evaluate_targets(results: dict) -> list[dict]:
     targets = []
 
     def add(text, ok, measured):
-        targets.append({"target": text, "met": ok, "measured": measured})
+        targets.append({"target": text, "met": bool(ok), "measured": measured})
 
-    def best_ours(entry):
-        values = [v for v in (_us(entry, "ours_jax"), _us(entry, "ours_raw")) if v is not None]
-        return values
+    def bandwidth(e, who):
+        t = _us(e, who)
+        return None if t is None or not peak else e["bytes"]["total"] / (t * 1e-6) / peak
+
+    def ratio_target(e, who, other, limit, text):
+        a, b = _us(e, who), _us(e, other)
+        if a is not None and b is not None:
+            add(f"{e['name']}: {text}", a <= limit * b,
+                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)")
 
     if results["backend"] == "cpu":
         for e in results["shapes"]:
@@ -865,13 +1277,14 @@ def evaluate_targets(results: dict) -> list[dict]:
                 t = _us(shapes[name], who)
                 if t is not None:
                     add(f"{name}: {who} <= {limit} us", t <= limit, f"{t:.2f} us")
-    e = shapes.get("prefill_b8_l2048")
-    if e and peak:
-        for who in ("ours_jax", "ours_raw"):
-            t = _us(e, who)
-            if t is not None:
-                frac = e["bytes"]["total"] / (t * 1e-6) / peak
-                add(f"prefill_b8_l2048: {who} >= 90% of measured copy bandwidth", frac >= 0.9,
+    for name, whos in (("prefill_b8_l2048", ("ours_jax", "ours_raw", "paged_jax", "paged_raw")),
+                       ("prefill_b8_l2048_fp8", ("ours_jax", "ours_raw", "paged_jax",
+                                                 "paged_raw"))):
+        e = shapes.get(name)
+        for who in whos if e else ():
+            frac = bandwidth(e, who)
+            if frac is not None:
+                add(f"{name}: {who} >= 90% of measured copy bandwidth (its bytes)", frac >= 0.9,
                     f"{100 * frac:.1f}%")
     one, stacked = shapes.get("decode_b64"), shapes.get("decode_b64_5layers")
     if one and stacked:
@@ -887,10 +1300,33 @@ def evaluate_targets(results: dict) -> list[dict]:
             if fi is not None and t is not None:
                 add(f"{e['name']}: {who} faster than FlashInfer rope + append", t < fi,
                     f"{t:.2f} vs {fi:.2f} us")
-        jax_t, raw_t = _us(e, "ours_jax"), _us(e, "ours_raw")
-        if jax_t is not None and raw_t is not None:
-            add(f"{e['name']}: JAX path within 10% of the raw launcher", jax_t <= 1.1 * raw_t,
-                f"{jax_t:.2f} vs {raw_t:.2f} us ({100 * (jax_t / raw_t - 1):+.1f}%)")
+        ratio_target(e, "ours_jax", "ours_raw", 1.10, "JAX path within 10% of the raw launcher")
+        ratio_target(e, "paged_jax", "paged_raw", 1.05,
+                     "paged JAX path within 5% of the paged raw launcher")
+        ratio_target(e, "paged_jax", "ours_jax", 1.10, "paged op within 10% of the slot op (JAX)")
+        ratio_target(e, "paged_raw", "ours_raw", 1.10,
+                     "paged launcher within 10% of the slot launcher")
+        ratio_target(e, "knorm_jax", "paged_jax", 1.10,
+                     "fused k-norm at most +10% over the op without it")
+        fused, pair, norm = (_us(e, n) for n in ("knorm_jax", "unfused_jax", "rmsnorm_jax"))
+        if None not in (fused, pair, norm):
+            add(f"{e['name']}: fused k-norm faster than the unfused pair by at least the norm's "
+                f"own time", pair - fused >= norm,
+                f"pair {pair:.2f} - fused {fused:.2f} = {pair - fused:.2f} us, norm {norm:.2f} us")
+    for name in ("prefill_b8_l2048", "decode_b64"):
+        e, peer = shapes.get(name), EDGE_LLM_0_11_US.get(name)
+        for who in ("paged_jax", "paged_raw") if e else ():
+            t = _us(e, who)
+            if t is not None:
+                add(f"{name}: {who} >= 2.5x faster than Edge-LLM 0.11 (quoted {peer} us)",
+                    peer / t >= 2.5, f"{peer / t:.2f}x ({t:.2f} us)")
+    fp8, fp16 = shapes.get("decode_b64_fp8"), shapes.get("decode_b64")
+    if fp8 and fp16:
+        for who in ("ours_jax", "ours_raw", "paged_jax", "paged_raw"):
+            a, b = _us(fp8, who), _us(fp16, who)
+            if a is not None and b is not None:
+                add(f"decode_b64_fp8: {who} within 10% of the fp16-pool time", a <= 1.1 * b,
+                    f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)")
     e = shapes.get("prefill_b8_l2048")
     if e:
         base = _us(e, "jax_baseline")
@@ -922,28 +1358,36 @@ def _fmt_bytes(n: int) -> str:
 
 
 def format_table(results: dict) -> str:
+    """Times per update, then (second table) the fractions of the floor and of copy bandwidth."""
     names = results["contenders"]
+    peer = results["backend"] == "gpu"
     head = (["shape", "bytes"] + [f"{n} (us)" for n in names]
-            + ["% of floor (jax)", "% of floor (raw)", "% of copy BW (jax)",
-               "% of copy BW (raw)"])
+            + (["Edge-LLM 0.11, quoted (us)"] if peer else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in results["shapes"]:
+        row = [e["description"], _fmt_bytes(e["bytes"]["total"])] + [_fmt_us(e, n) for n in names]
+        if peer:
+            row.append(f"{EDGE_LLM_0_11_US[e['name']]}" if e["name"] in EDGE_LLM_0_11_US else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    ours = [n for n in OURS if n in names]
+    head = (["shape"] + [f"% of floor ({n})" for n in ours]
+            + [f"% of copy BW ({n})" for n in ours])
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in results["shapes"]:
         d = e["derived"]
 
         def pct(key, d=d):
             return f"{100 * d[key]:.0f}%" if key in d else "-"
 
-        row = ([e["description"], _fmt_bytes(e["bytes"]["total"])]
-               + [_fmt_us(e, n) for n in names]
-               + [pct("floor_over_ours_jax"), pct("floor_over_ours_raw"),
-                  pct("ours_jax_fraction_of_peak_copy_bw"),
-                  pct("ours_raw_fraction_of_peak_copy_bw")])
+        row = ([e["description"]] + [pct(f"floor_over_{n}") for n in ours]
+               + [pct(f"{n}_fraction_of_peak_copy_bw") for n in ours])
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> str | None:
-    """Time per update against bytes moved, log-log, one series per contender."""
+    """Time per update against bytes moved, log-log, one series per contender (and the quoted
+    Edge-LLM numbers)."""
     try:
         import matplotlib
 
@@ -951,14 +1395,22 @@ def plot(results: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         return f"no plot: matplotlib is not importable ({e})"
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    markers = dict(zip(CONTENDERS, "o^sDv"))
+    fig, ax = plt.subplots(figsize=(9, 6))
+    markers = dict(zip(CONTENDERS, "o^sv<>*Dph"))
     for name in results["contenders"]:
         points = sorted((e["bytes"]["total"], _us(e, name)) for e in results["shapes"]
                         if _us(e, name) is not None)
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker=markers.get(name, "x"), linestyle="none", label=name)
+            ax.plot(xs, ys, marker=markers.get(name, "x"), linestyle="none", label=name,
+                    alpha=0.8)
+    if results["backend"] == "gpu":
+        points = sorted((e["bytes"]["total"], EDGE_LLM_0_11_US[e["name"]])
+                        for e in results["shapes"] if e["name"] in EDGE_LLM_0_11_US)
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="X", color="gray", linestyle="none",
+                    label="Edge-LLM 0.11 (quoted)")
     peak = results.get("peak_copy_bandwidth", {}).get("bytes_per_s")
     sizes = [e["bytes"]["total"] for e in results["shapes"]]
     if peak and sizes:
@@ -966,7 +1418,7 @@ def plot(results: dict, path: Path) -> str | None:
         ax.plot(xs, xs / peak * 1e6, "k--", linewidth=0.8,
                 label=f"peak copy bandwidth ({peak / 1e12:.2f} TB/s)")
     for e in results["shapes"]:
-        t = _us(e, "ours_jax")
+        t = _us(e, "paged_jax") or _us(e, "ours_jax")
         if t is not None:
             ax.annotate(e["name"], (e["bytes"]["total"], t), fontsize=7, xytext=(4, -10),
                         textcoords="offset points")
@@ -976,7 +1428,7 @@ def plot(results: dict, path: Path) -> str | None:
     ax.set_ylabel("time per update (us)")
     ax.set_title(f"DFlash target KV-cache update, {results['device']}")
     ax.grid(True, which="both", linewidth=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -1018,27 +1470,56 @@ def _detect_backend() -> str:
 # ---- command line -------------------------------------------------------------------------------
 
 
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        return value
+
+    parse.__name__ = flag
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, "
+                                         f"got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
+    return value
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Times the DFlash target KV-cache update against the straightforward JAX "
-        "version, FlashInfer and a device copy; prints a table, writes JSON and a PNG plot.")
+        description="Times the DFlash target KV-cache update (slot and paged contracts, FP8 "
+        "pools, the fused k-norm) against the straightforward JAX version, FlashInfer and a "
+        "device copy; prints a table, writes JSON and a PNG plot.")
     p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
                    help="gpu when JAX sees one (auto), else cpu with scaled-down shapes")
     p.add_argument("--shapes", default="",
                    help="comma-separated subset of shape names (default: all for the backend)")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated subset of {','.join(CONTENDERS)}")
-    p.add_argument("--iters", type=int, default=None,
-                   help="updates per jitted call / CUDA graph (default 512 GPU, so that JAX's "
-                   "per-call dispatch stays hidden behind the GPU at decode sizes; 16 CPU); the "
-                   "straightforward JAX version uses at most 32 on GPU (compile time)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="measurements per contender, interleaved with the other contenders' "
-                   "(median; default 10 GPU, 5 CPU, 3 with --quick)")
-    p.add_argument("--min-time", type=float, default=None,
-                   help="seconds per measurement at least (default 0.05 GPU, 0.1 CPU)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where JSON and PNG go (default: the current directory)")
+    p.add_argument("--iters", type=_positive_int("iters"), default=None,
+                   help="updates per jitted call / CUDA graph, >= 1 (default 512 GPU, so that "
+                   "JAX's per-call dispatch stays hidden behind the GPU at decode sizes; 16 "
+                   "CPU); the straightforward JAX version uses at most 32 on GPU (compile time)")
+    p.add_argument("--repeats", type=_positive_int("repeats"), default=None,
+                   help="measurements per contender, >= 1, interleaved with the other "
+                   "contenders' (median; default 10 GPU, 5 CPU, 3 with --quick)")
+    p.add_argument("--min-time", type=_positive_seconds, default=None,
+                   help="seconds per measurement at least, finite and > 0 (default 0.05 GPU, "
+                   "0.1 CPU, 0.01 with --quick)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="directory for the JSON and PNG, created if missing (default: the "
+                   "current directory)")
     p.add_argument("--quick", action="store_true",
                    help="fewer, shorter measurements (a smoke run, not for publishing)")
     p.add_argument("--list-shapes", action="store_true", help="print the shapes and exit")
@@ -1047,32 +1528,53 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def _settings(args, backend: str) -> Settings:
     gpu = backend == "gpu"
-    chain = args.iters or (512 if gpu else 16)
-    if chain < 1:
-        raise SystemExit(f"--iters: expected an int >= 1, got {chain}")
+    chain = args.iters or ((64 if gpu else 4) if args.quick else (512 if gpu else 16))
     repeats = args.repeats or (3 if args.quick else 10 if gpu else 5)
-    if repeats < 1:
-        raise SystemExit(f"--repeats: expected an int >= 1, got {repeats}")
     min_time = args.min_time if args.min_time is not None else (
-        (0.01 if args.quick else 0.05) if gpu else (0.01 if args.quick else 0.1))
-    if args.quick and not args.iters:
-        chain = 64 if gpu else 4
+        0.01 if args.quick else 0.05 if gpu else 0.1)
     baseline_chain = min(chain, 32) if gpu else chain
     return Settings(backend, chain, baseline_chain, repeats, min_time)
+
+
+def _check_out_dir(out: Path) -> str | None:
+    """None when ``out`` is (now) a writable directory, else why not."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create it ({e.strerror or e})"
+    if not out.is_dir():
+        return "it is not a directory"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return "it is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # JAX must not grab most of the GPU: torch (raw launcher, FlashInfer, copy) shares it.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_args(argv)  # bad --iters/--repeats/--min-time exit 2 here
+    contenders = [n for n in args.contenders.split(",") if n]
+    if bad := [n for n in contenders if n not in CONTENDERS]:
+        print(f"--contenders: unknown {bad}; expected names from {list(CONTENDERS)}",
+              file=sys.stderr)
+        return 2
+    if not contenders:
+        print(f"--contenders: expected at least one of {list(CONTENDERS)}, got none",
+              file=sys.stderr)
+        return 2
+    if not args.list_shapes and (why := _check_out_dir(args.out)):
+        print(f"--out: expected a writable directory, got {str(args.out)!r}: {why}",
+              file=sys.stderr)
+        return 2
     backend = _detect_backend() if args.backend == "auto" else args.backend
     if backend == "gpu" and _detect_backend() != "gpu":
-        print("--backend gpu: JAX sees no GPU here", file=sys.stderr)
+        print("--backend gpu: expected JAX to see a GPU, it sees none here", file=sys.stderr)
         return 2
     available = {s.name: s for s in shapes_for(backend)}
     if args.list_shapes:
         for s in available.values():
-            print(f"{s.name:<24} {s.describe()}, pages_per_slot={s.pages_per_slot}")
+            print(f"{s.name:<24} {s.describe()}, M = pages_per_slot = {s.pages_per_slot}, "
+                  f"{s.num_pages} pages{', unfused pair' if s.unfused else ''}")
         return 0
     wanted = [n for n in args.shapes.split(",") if n] or list(available)
     unknown = [n for n in wanted if n not in available]
@@ -1080,17 +1582,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"--shapes: unknown {unknown} for backend {backend}; expected names from "
               f"{list(available)}", file=sys.stderr)
         return 2
-    contenders = [n for n in args.contenders.split(",") if n]
-    if bad := [n for n in contenders if n not in CONTENDERS]:
-        print(f"--contenders: unknown {bad}; expected names from {list(CONTENDERS)}",
-              file=sys.stderr)
-        return 2
     settings = _settings(args, backend)
 
     device = _device_name(backend)
     print(f"DFlash KV-update benchmark: backend {backend}, device {device}; "
           f"{settings.chain} updates per call (baseline {settings.baseline_chain}), "
-          f"{settings.repeats} interleaved measurements of >= {settings.min_time} s per contender", flush=True)
+          f"{settings.repeats} interleaved measurements of >= {settings.min_time} s per "
+          f"contender", flush=True)
     try:
         peak = peak_copy_bandwidth_gpu() if backend == "gpu" else peak_copy_bandwidth_cpu()
     except Skip as e:
@@ -1108,7 +1606,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "env": {k: os.environ[k] for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
                                            "CUDA_VISIBLE_DEVICES") if k in os.environ},
         "settings": dataclasses.asdict(settings), "quick": args.quick,
-        "contenders": contenders, "peak_copy_bandwidth": peak, "shapes": [],
+        "contenders": contenders, "peak_copy_bandwidth": peak,
+        "edge_llm_0_11_quoted_us": EDGE_LLM_0_11_US if backend == "gpu" else {},
+        "shapes": [],
     }
     for name in wanted:
         results["shapes"].append(run_shape(available[name], settings, contenders,
@@ -1124,6 +1624,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     wrong = [(e["name"], n) for e in results["shapes"] for n, c in e["contenders"].items()
              if c.get("status") == "wrong"]
     for e in results["shapes"]:
+        if e.get("references_agree") is False:
+            print(f"  WRONG REFERENCE: slot and paged references differ at {e['name']}")
+            wrong.append((e["name"], "reference"))
         for n, c in e["contenders"].items():
             if c.get("status") == "wrong":
                 print(f"  WRONG RESULT: {n} at {e['name']}: {c['check']}")
@@ -1132,7 +1635,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if c.get("status") in ("skipped", "error"):
                 print(f"  {c['status']}: {n} at {e['name']}: {c['reason']}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"kv_update_{backend}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {json_path}")
