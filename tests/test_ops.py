@@ -1,4 +1,5 @@
-"""The op against the NumPy reference, on every available backend (CPU always; CUDA on a GPU)."""
+"""The slot op against the NumPy reference, on every available backend (CPU always; CUDA on a
+GPU). ``run_op``/``expected`` serve the other op test modules too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, Problem, assert_bits_equal, device_of, make_problem
+from conftest import DTYPES, PagedProblem, Problem, assert_bits_equal, device_of, make_problem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,22 +17,46 @@ import jax_dflash
 from jax_dflash import reference
 
 
+def _split_kwargs(problem):
+    """(static keywords, names of the array keywords, the arrays) of a problem's kwargs()."""
+    kwargs = problem.kwargs()
+    names = tuple(sorted(k for k, v in kwargs.items() if isinstance(v, np.ndarray)))
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    return static, names, [kwargs[n] for n in names]
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted(pages_per_slot, donate):
-    fn = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=pages_per_slot)
+def _jitted(paged, static, array_names, donate):
+    op = (jax_dflash.target_kv_cache_update_paged if paged
+          else jax_dflash.target_kv_cache_update)
+    base = 7 if paged else 6
+
+    def fn(*operands):
+        extras = dict(zip(array_names, operands[base:]))
+        return op(*operands[:base], **dict(static), **extras)
+
     return jax.jit(fn, donate_argnums=(2,) if donate else ())
 
 
-def run_op(problem: Problem, backend: str, donate: bool = True):
+def jitted_op(problem: Problem | PagedProblem, donate: bool = True):
+    """``(jitted function, its operands)`` for a problem: the extras travel as operands."""
+    static, names, arrays = _split_kwargs(problem)
+    return (_jitted(isinstance(problem, PagedProblem), static, names, donate),
+            [*problem.args(), *arrays])
+
+
+def run_op(problem: Problem | PagedProblem, backend: str, donate: bool = True):
     device = device_of(backend)
-    args = [jax.device_put(a, device) for a in problem.args()]
-    out = _jitted(problem.pages_per_slot, donate)(*args)
+    fn, operands = jitted_op(problem, donate)
+    out = fn(*[jax.device_put(a, device) for a in operands])
     assert out.devices() == {device}
     return np.asarray(out)
 
 
-def expected(problem: Problem):
-    return reference.target_kv_cache_update(*problem.args(), pages_per_slot=problem.pages_per_slot)
+def expected(problem: Problem | PagedProblem):
+    if isinstance(problem, PagedProblem):
+        return reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
+    return reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -258,7 +283,8 @@ def test_eager_call_works():
 
 
 def test_cpu_extension_numpy_entry_point_matches_reference():
-    """The nanobind module's NumPy entry runs the same kernel (the ONNX reference uses it)."""
+    """The nanobind module's NumPy entry runs the same kernel, in place (the ONNX reference uses
+    it); bfloat16 travels as a uint16 view named by delta_dtype / pool_dtype."""
     from jax_dflash import _dflash_cpu
 
     rng = np.random.default_rng(11)
@@ -268,7 +294,8 @@ def test_cpu_extension_numpy_entry_point_matches_reference():
         as_bits = (lambda a: a.view(np.uint16)) if dtype.itemsize == 2 else (lambda a: a)
         _dflash_cpu.target_kv_cache_update(
             as_bits(problem.k_delta), as_bits(problem.v_delta), as_bits(pool), problem.rope_cos_sin,
-            problem.delta_start_positions, problem.delta_lengths, problem.pages_per_slot, str(dtype))
+            problem.delta_start_positions, problem.delta_lengths,
+            pages_per_slot=problem.pages_per_slot, delta_dtype=str(dtype), pool_dtype=str(dtype))
         assert_bits_equal(pool, expected(problem))
 
 
