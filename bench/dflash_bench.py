@@ -1538,6 +1538,8 @@ def _settings(args, backend: str) -> Settings:
 
 def _check_out_dir(out: Path) -> str | None:
     """None when ``out`` is (now) a writable directory, else why not."""
+    if out.exists() and not out.is_dir():
+        return "it exists and is not a directory"
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
