@@ -63,8 +63,21 @@ def _extract(wheel: Path, dest: Path) -> list[str]:
 
 
 def _download_with_pip(tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--timeout",
-           str(TIMEOUT_S), "--retries", "1", PACKAGE, "-d", str(tmp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "--timeout",
+        str(TIMEOUT_S),
+        "--retries",
+        "1",
+        PACKAGE,
+        "-d",
+        str(tmp),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * TIMEOUT_S)
     wheels = sorted(tmp.glob("kernel_lens-*.whl"))
     if result.returncode != 0 or not wheels:
@@ -114,15 +127,21 @@ def fetch(dest: Path, force: bool = False, quiet: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST,
-                        help=f"where the headers go (default {DEFAULT_DEST})")
+    parser.add_argument(
+        "--dest",
+        type=Path,
+        default=DEFAULT_DEST,
+        help=f"where the headers go (default {DEFAULT_DEST})",
+    )
     parser.add_argument("--force", action="store_true", help="download again even if present")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if os.environ.get("TENSORRT_ROOT"):
         if not args.quiet:
-            print(f"fetch_trt_headers: TENSORRT_ROOT={os.environ['TENSORRT_ROOT']} is set; "
-                  "nothing to fetch")
+            print(
+                f"fetch_trt_headers: TENSORRT_ROOT={os.environ['TENSORRT_ROOT']} is set; "
+                "nothing to fetch"
+            )
         return 0
     try:
         fetch(args.dest, force=args.force, quiet=args.quiet)
