@@ -135,7 +135,8 @@ def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
             )
         if attribute.type != _ATTRIBUTE_TYPES[name]:
             wanted = AttributeProto.AttributeType.Name(_ATTRIBUTE_TYPES[name])
-            raise TypeError(f"{name}: expected a {wanted} attribute, got {_attribute_text(attribute)}")
+            raise TypeError(
+                f"{name}: expected an attribute of type {wanted}, got {_attribute_text(attribute)}")
         value = onnx.helper.get_attribute_value(attribute)
         values[name] = value.decode() if isinstance(value, bytes) else value
 
