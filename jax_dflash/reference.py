@@ -20,7 +20,9 @@ _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 # Canonical quiet NaN bits of each pool dtype (SPEC.md, "NaN").
-CANONICAL_NAN = {_FLOAT16: 0x7E00, _BFLOAT16: 0x7FC0, _FLOAT32: 0x7FC00000, _E4M3: 0x7F, _E5M2: 0x7F}
+CANONICAL_NAN = {
+    _FLOAT16: 0x7E00, _BFLOAT16: 0x7FC0, _FLOAT32: 0x7FC00000, _E4M3: 0x7F, _E5M2: 0x7F,
+}
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 # FP8 formats: (mantissa bits, exponent bias, code of the largest finite magnitude).
@@ -57,7 +59,8 @@ def round_to(y: np.ndarray, dtype) -> np.ndarray:
         u = y.view(np.uint32).astype(np.uint64)
         out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(_BFLOAT16)
     elif dtype in (_FLOAT16, _FLOAT32):
-        out = y.astype(dtype)  # IEEE nearest even, subnormals kept
+        with np.errstate(all="ignore"):  # overflow to infinity is the rule
+            out = y.astype(dtype)  # IEEE nearest even, subnormals kept
     else:
         raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
     return _with_canonical_nan(np.array(out, copy=True), y)
@@ -73,10 +76,10 @@ def round_fp8(w: np.ndarray, dtype) -> np.ndarray:
     mant, bias, max_code = FP8_FORMATS[dtype]
     w = np.asarray(w, np.float32)
     sign = ((w.view(np.uint32) >> 24) & 0x80).astype(np.int64)
-    a = np.abs(w).astype(np.float64)  # exact; so is every step below until np.rint
     min_exp = 1 - bias  # of the smallest normal; subnormals share its quantum
     largest = 2.0 ** ((max_code >> mant) - bias) * (1 + (max_code & ((1 << mant) - 1)) / 2**mant)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(all="ignore"):  # NaN and infinite inputs are data here
+        a = np.abs(w).astype(np.float64)  # exact; so is every step below until np.rint
         exp = np.maximum(np.frexp(a)[1] - 1, min_exp)
         quantum = np.ldexp(1.0, exp - mant)
         r = np.minimum(np.rint(a / quantum) * quantum, largest)  # nearest even, then saturate
@@ -84,7 +87,8 @@ def round_fp8(w: np.ndarray, dtype) -> np.ndarray:
         exp = np.where(r > 0, np.maximum(np.frexp(r)[1] - 1, min_exp), min_exp)
         # ((exp + bias - 1) << mant) + r / 2^(exp - mant): for normals the implicit 1 carries
         # into the exponent field; for subnormals (exp = min_exp) the first term is zero.
-        magnitude = ((exp + bias - 1) << mant) + np.where(np.isnan(r), 0, r / np.ldexp(1.0, exp - mant)).astype(np.int64)
+        steps = np.where(np.isnan(r), 0, r / np.ldexp(1.0, exp - mant)).astype(np.int64)
+        magnitude = ((exp + bias - 1) << mant) + steps
     code = np.where(np.isnan(a), CANONICAL_NAN[dtype], sign | magnitude)
     return code.astype(np.uint8).view(dtype)
 
@@ -110,7 +114,8 @@ def sum_of_squares(x: np.ndarray) -> np.ndarray:
     chunks = -(-head_dim // NORM_CHUNK)
     q = x * x
     # Zero channels after the last one: adding +0 to a sum of squares (never -0) is exact.
-    q = np.concatenate([q, np.zeros((*x.shape[:-1], chunks * NORM_CHUNK - head_dim), np.float32)], -1)
+    pad = np.zeros((*x.shape[:-1], chunks * NORM_CHUNK - head_dim), np.float32)
+    q = np.concatenate([q, pad], -1)
     q = q.reshape(*x.shape[:-1], chunks, NORM_CHUNK)
     s = q[..., 0]
     for k in range(1, NORM_CHUNK):
@@ -255,14 +260,15 @@ def target_kv_cache_update(
             return _layer_slice(x, layered and per_layer, layer)
 
         ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
-        _slot_layer(
-            at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 4),
-            at(starts, starts.ndim == 2), at(lengths, lengths.ndim == 2), pages_per_slot,
-            pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
-            inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
-            inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-            k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
-        )
+        with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
+            _slot_layer(
+                at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 4),
+                at(starts, starts.ndim == 2), at(lengths, lengths.ndim == 2), pages_per_slot,
+                pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
+                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+                k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
+            )
     return out
 
 
@@ -310,13 +316,14 @@ def target_kv_cache_update_paged(
             return _layer_slice(x, layered and per_layer, layer)
 
         ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
-        _paged_layer(
-            at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 3),
-            at(positions, positions.ndim == 2), at(owners, owners.ndim == 2),
-            at(table, table.ndim == 4), bool(ring),
-            pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
-            inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
-            inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-            k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
-        )
+        with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
+            _paged_layer(
+                at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 3),
+                at(positions, positions.ndim == 2), at(owners, owners.ndim == 2),
+                at(table, table.ndim == 4), bool(ring),
+                pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
+                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+                k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
+            )
     return out

@@ -114,7 +114,8 @@ def _make_extras(rng, *, dtype, pool_dtype, heads, head_dim, layers, hostile, k_
         if norm_weight_per_layer and layers is None:
             raise ValueError("norm_weight_per_layer: expected layers to be set, got layers=None")
         lead = (layers,) if norm_weight_per_layer else ()
-        extras.k_norm_weight = rng.standard_normal((*lead, head_dim), dtype=np.float32).astype(dtype)
+        weight = rng.standard_normal((*lead, head_dim), dtype=np.float32)
+        extras.k_norm_weight = weight.astype(dtype)
     elif norm_weight_per_layer:
         raise ValueError("norm_weight_per_layer: expected k_norm=True, got k_norm=False")
     return extras
@@ -311,8 +312,9 @@ def make_paged_problem(
             f"batch={batch}"
         )
     lead = () if layers is None else (layers,)
-    for flag, name in ((rope_per_layer, "rope_per_layer"), (positions_per_layer, "positions_per_layer"),
-                       (table_per_layer, "table_per_layer")):
+    per_layer = {"rope_per_layer": rope_per_layer, "positions_per_layer": positions_per_layer,
+                 "table_per_layer": table_per_layer}
+    for name, flag in per_layer.items():
         if flag and layers is None:
             raise ValueError(f"{name}: expected layers to be set, got layers=None")
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: backends; the problem builders and bitwise checks come from jax_dflash.testing."""
+"""Shared fixtures: backends; the problem builders and bitwise checks are jax_dflash.testing's."""
 
 from __future__ import annotations
 
@@ -23,12 +23,8 @@ DTYPES = DELTA_DTYPES
 
 def _backend_param(name):
     if name == "gpu":
-        return pytest.param(
-            name,
-            marks=pytest.mark.skipif(
-                not gpu_devices(), reason="no GPU backend in this JAX: the CUDA suite runs on the H200"
-            ),
-        )
+        reason = "no GPU backend in this JAX: the CUDA suite runs on the H200"
+        return pytest.param(name, marks=pytest.mark.skipif(not gpu_devices(), reason=reason))
     return name
 
 
