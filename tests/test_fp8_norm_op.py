@@ -1,0 +1,205 @@
+"""Both ops with the extras: every delta x pool dtype pair, FP8 pools with per-tensor and
+per-head scales (saturating ones included), the fused k/v RMS norms, NaN/inf inputs and zero
+rows, against the NumPy reference bit for bit, plus the SPEC.md rules checked directly."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import (
+    DELTA_DTYPES,
+    FP8_DTYPES,
+    POOL_DTYPES,
+    assert_bits_equal,
+    device_of,
+    make_paged_problem,
+    make_problem,
+)
+from test_ops import expected, run_op
+
+import jax_dflash
+from jax_dflash import reference
+
+E4M3, E5M2 = FP8_DTYPES
+# Largest finite magnitude's byte (saturation) and the NaN byte of each FP8 format.
+SATURATED = {E4M3: 0x7E, E5M2: 0x7B}
+FP8_NAN = 0x7F
+
+
+def _both(contract, rng, **kw):
+    if contract == "slot":
+        return make_problem(rng, batch=3, max_batch=4, delta_len=4, heads=2, head_dim=12,
+                            rotary_dim=8, page_size=3, pages_per_slot=2, **kw)
+    return make_paged_problem(rng, tokens=9, batch=3, heads=2, head_dim=12, rotary_dim=8,
+                              num_pages=8, page_size=3, table_pages=2, **kw)
+
+
+CONTRACTS = ["slot", "paged"]
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DELTA_DTYPES, ids=str)
+def test_dtype_pairs_match_reference(backend, contract, dtype, pool_dtype):
+    problem = _both(contract, np.random.default_rng(1), dtype=dtype, pool_dtype=pool_dtype)
+    assert_bits_equal(run_op(problem, backend), expected(problem))
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+@pytest.mark.parametrize("norms", [(True, False), (False, True), (True, True)],
+                         ids=["k_norm", "v_norm", "both"])
+@pytest.mark.parametrize("pool_dtype", [np.float32, ml_dtypes.bfloat16, E4M3, E5M2], ids=str)
+@pytest.mark.parametrize("dtype", DELTA_DTYPES, ids=str)
+def test_norms_match_reference(backend, contract, dtype, pool_dtype, norms):
+    k_norm, v_norm = norms
+    problem = _both(contract, np.random.default_rng(2), dtype=dtype, pool_dtype=pool_dtype,
+                    k_norm=k_norm, v_norm=v_norm, norm_eps=1e-5)
+    assert_bits_equal(run_op(problem, backend), expected(problem))
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+@pytest.mark.parametrize("scale_shape", [(), (2,)], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("pool_dtype", FP8_DTYPES, ids=str)
+def test_hostile_scales_match_reference(backend, contract, pool_dtype, scale_shape):
+    """The builder's hostile scales reach past the format's range (saturation) and into its
+    subnormals."""
+    problem = _both(contract, np.random.default_rng(3), pool_dtype=pool_dtype,
+                    scale_shape=scale_shape, k_norm=True, hostile=True)
+    assert_bits_equal(run_op(problem, backend), expected(problem))
+
+
+def _written_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """[2, N, P] mask of the pool rows whose bytes changed."""
+    lead = before.shape[:3]
+    return (before.view(np.uint8) != after.view(np.uint8)).reshape(*lead, -1).any(-1)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8_DTYPES, ids=str)
+def test_tiny_scale_saturates(backend, pool_dtype):
+    """``y * (1 / 1e-30)`` is past every finite FP8 value: each stored byte is the largest
+    finite magnitude of its sign, never NaN or a wrapped value."""
+    problem = make_problem(np.random.default_rng(4), batch=2, delta_len=3, heads=2, head_dim=8,
+                           pool_dtype=pool_dtype, scale_shape=(), hostile=False)
+    problem.k_scale = np.float32(1e-30)
+    problem.v_scale = np.float32(1e-30)
+    out = run_op(problem, backend)
+    assert_bits_equal(out, expected(problem))
+    rows = _written_rows(problem.past_key_value, out)
+    assert rows.sum() == 2 * 2 * 3  # both planes of every token
+    stored = out.view(np.uint8)[rows]
+    assert set(np.unique(stored & 0x7F)) == {SATURATED[np.dtype(pool_dtype)]}
+
+
+def _poison(rng, x: np.ndarray) -> np.ndarray:
+    """Puts NaNs (with a payload, both signs) and infinities at random places of x."""
+    x = x.copy()
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=max(4, flat.size // 6), replace=False)
+    kinds = np.array([np.nan, -np.inf, np.inf, -np.nan], np.float32)
+    flat[picks] = kinds[np.arange(len(picks)) % 4].astype(x.dtype)
+    if x.dtype == np.float16:  # a NaN payload, to show copies keep their bits
+        bits = flat.view(np.uint16)
+        bits[picks[::4]] = 0x7D55
+    return x
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+@pytest.mark.parametrize("pool_dtype", [np.float16, np.float32, E4M3, E5M2], ids=str)
+def test_nan_and_inf_inputs(backend, contract, pool_dtype):
+    rng = np.random.default_rng(5)
+    problem = _both(contract, rng, dtype=np.float16, pool_dtype=pool_dtype, k_norm=True,
+                    hostile=False)
+    problem.k_delta = _poison(rng, problem.k_delta)
+    problem.v_delta = _poison(rng, problem.v_delta)
+    out = run_op(problem, backend)
+    assert_bits_equal(out, expected(problem))
+    rows = _written_rows(problem.past_key_value, out)
+    if np.dtype(pool_dtype) in FP8_DTYPES:
+        # NaN is 0x7F (positive), infinities saturate: no other NaN or infinity byte.
+        stored = out.view(np.uint8)[rows]
+        magnitude = stored & 0x7F
+        special = magnitude == 0x7F if np.dtype(pool_dtype) == E4M3 else magnitude >= 0x7C
+        assert FP8_NAN in stored
+        assert (stored[special] == FP8_NAN).all()
+    elif np.dtype(pool_dtype) == np.float16:
+        # Values are copied (same dtype, no v-norm): the payload NaN survives, bit for bit.
+        assert np.isin(out[1].view(np.uint16)[rows[1]], [0x7D55]).any()
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+@pytest.mark.parametrize("pool_dtype", [np.float16, E4M3], ids=str)
+def test_zero_rows_stay_zero_under_norms(backend, contract, pool_dtype):
+    """eps > 0 keeps 1 / rms finite: a zero head is stored as zero, not NaN."""
+    problem = _both(contract, np.random.default_rng(6), dtype=np.float16, pool_dtype=pool_dtype,
+                    k_norm=True, v_norm=True, hostile=False)
+    problem.k_delta[..., 0, :] = 0
+    problem.v_delta[..., 1, :] = 0
+    out = run_op(problem, backend)
+    assert_bits_equal(out, expected(problem))
+    rows = _written_rows(problem.past_key_value, out)
+    as_f32 = out.astype(np.float32)
+    assert (as_f32[0][rows[0]][:, 0] == 0).all()  # keys, head 0
+    assert (as_f32[1][rows[1]][:, 1] == 0).all()  # values, head 1
+    assert not np.isnan(as_f32[:, rows.any(0)]).any()
+
+
+def test_scalar_python_scale_is_a_per_tensor_scale(backend):
+    problem = make_problem(np.random.default_rng(7), pool_dtype=E4M3, scale_shape=(),
+                           hostile=False)
+    device = device_of(backend)
+    op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2,
+                           k_scale=float(problem.k_scale), v_scale=float(problem.v_scale))
+    out = jax.jit(op)(*[jax.device_put(a, device) for a in problem.args()])
+    assert_bits_equal(out, expected(problem))
+
+
+# ---- vmap with per-layer extras ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_vmap_with_per_layer_scales_and_weight(backend, contract):
+    """Mapped scalar scales become [layers, 1], a mapped weight [layers, D]; one launch equals
+    the per-layer loop."""
+    layers = 3
+    rng = np.random.default_rng(8)
+    problems = [_both(contract, rng, pool_dtype=E4M3, scale_shape=(), k_norm=True, v_norm=True)
+                for _ in range(layers)]
+    # Shared rope and index operands (layer 0's); per-layer k, v, pool, scales and weight.
+    shared = problems[0].args()[3:]
+    stacked = [np.stack([p.args()[i] for p in problems]) for i in range(3)]
+    scales = [np.stack([getattr(p, n) for p in problems]) for n in ("k_scale", "v_scale")]
+    weight = np.stack([p.k_norm_weight for p in problems])
+    if contract == "slot":
+        def op(k, v, pool, *rest, k_scale, v_scale, w):
+            return jax_dflash.target_kv_cache_update(
+                k, v, pool, *rest, pages_per_slot=2, k_scale=k_scale, v_scale=v_scale,
+                k_norm_weight=w, v_norm=True)
+        ref = functools.partial(reference.target_kv_cache_update, pages_per_slot=2)
+        primitive = jax_dflash.target_kv_cache_update_p
+    else:
+        def op(k, v, pool, *rest, k_scale, v_scale, w):
+            return jax_dflash.target_kv_cache_update_paged(
+                k, v, pool, *rest, k_scale=k_scale, v_scale=v_scale, k_norm_weight=w,
+                v_norm=True)
+        ref = reference.target_kv_cache_update_paged
+        primitive = jax_dflash.target_kv_cache_update_paged_p
+
+    def batched(k, v, pool, ks, vs, w, *rest):
+        return jax.vmap(lambda k_, v_, p_, ks_, vs_, w_: op(k_, v_, p_, *rest, k_scale=ks_,
+                                                             v_scale=vs_, w=w_))(k, v, pool, ks,
+                                                                                 vs, w)
+
+    operands = [*stacked, *scales, weight, *shared]
+    jaxpr = jax.make_jaxpr(batched)(*operands)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is primitive]
+    extra_shapes = [tuple(x.aval.shape) for x in eqn.invars[-3:]]
+    assert extra_shapes == [(layers, 1), (layers, 1), (layers, problems[0].k_delta.shape[-1])]
+    device = device_of(backend)
+    out = jax.jit(batched)(*[jax.device_put(a, device) for a in operands])
+    want = np.stack([ref(*p.args()[:3], *shared, k_scale=p.k_scale, v_scale=p.v_scale,
+                         k_norm_weight=p.k_norm_weight, v_norm=True) for p in problems])
+    assert_bits_equal(out, want)
