@@ -5,7 +5,9 @@ per layer, k/v projections of target features, the k-norm, then the update. What
 and how:
 
 * The update stage, bit for bit: fed the same k/v, the JAX op on CPU, the ONNX node on the
-  reference evaluator (this project's CPU kernel) and the NumPy reference write identical pools.
+  reference evaluator (this project's CPU kernel) and the NumPy reference write identical pools,
+  for the slot contract (with its FP8 and norm extensions) and for the paged draft's
+  Edge-LLM 0.11 node.
 * The projection stage (matmul, RMSNorm), within a bound: JAX (XLA) and the ONNX reference
   (NumPy) sum in different orders, so their k/v may differ by rounding. The bound is the
   standard floating-point error model of float32 arithmetic, plus one unit in the last place of
@@ -25,16 +27,21 @@ import sys
 import jax
 import ml_dtypes
 import numpy as np
-import onnx
 import pytest
-from conftest import DTYPES, assert_bits_equal, gpu_devices, make_problem
 
-import jax_dflash
-from jax_dflash.interop import onnx as dflash_onnx
-from jax_dflash import reference
-from jax_dflash.interop import trt
-from jax_dflash._shapes import ARG_NAMES
-from jax_dflash.interop.onnx_reference import reference_evaluator, run_update_kernel
+onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
+
+import jax_dflash  # noqa: E402
+from jax_dflash import reference  # noqa: E402
+from jax_dflash.interop import onnx as dflash_onnx  # noqa: E402
+from jax_dflash.interop import trt  # noqa: E402
+from jax_dflash.interop.onnx_reference import reference_evaluator, run_update_kernel  # noqa: E402
+from jax_dflash.testing import DELTA_DTYPES as DTYPES  # noqa: E402
+from jax_dflash.testing import assert_bits_equal, gpu_devices, make_problem  # noqa: E402
+
+ARG_NAMES = dflash_onnx.SLOT_INPUTS
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+P = dflash_onnx.TRT_TOKENS_PER_PAGE  # TensorRT's tokens per page
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,7 +69,7 @@ _ONNX_ELEM_TYPE = {
 
 def _needs_jax2onnx():
     pytest.importorskip(
-        "jax2onnx", reason="jax2onnx is not installed (the 'export' extra; `make test` installs it)"
+        "jax2onnx", reason="jax2onnx is not installed (the 'export' extra: pip install -e \".[export]\")"
     )
     from jax_dflash.interop import export
 
@@ -82,19 +89,15 @@ def _single_node_model(args, pages_per_slot, attribute_overrides=None):
         node.attribute.extend(kept)
         if value is not None:
             node.attribute.append(onnx.helper.make_attribute(key, value))
-    inputs = [onnx.helper.make_tensor_value_info(n, _ONNX_ELEM_TYPE[a.dtype], a.shape)
-              for n, a in zip(ARG_NAMES, args)]
-    pool = args[2]
-    output = onnx.helper.make_tensor_value_info(
-        dflash_onnx.OUTPUT_NAME, _ONNX_ELEM_TYPE[pool.dtype], pool.shape)
-    graph = onnx.helper.make_graph([node], "update", inputs, [output])
-    return onnx.helper.make_model(graph, opset_imports=[
-        onnx.helper.make_opsetid("", 23), onnx.helper.make_opsetid(dflash_onnx.PLUGIN_DOMAIN, 1)])
+    return dflash_onnx.make_node_model(node, args, opset=23)
 
 
-def _run_jax_cpu(args, pages_per_slot):
+def _run_jax_cpu(args, pages_per_slot, **kwargs):
     cpu = jax.devices("cpu")[0]
-    fn = jax.jit(lambda *a: jax_dflash.target_kv_cache_update(*a, pages_per_slot=pages_per_slot))
+    kwargs = {k: jax.device_put(v, cpu) if isinstance(v, np.ndarray) else v
+              for k, v in kwargs.items()}
+    fn = jax.jit(lambda *a: jax_dflash.target_kv_cache_update(
+        *a, pages_per_slot=pages_per_slot, **kwargs))
     return np.asarray(fn(*[jax.device_put(a, cpu) for a in args]))
 
 
@@ -103,8 +106,9 @@ def _run_jax_cpu(args, pages_per_slot):
 def test_reference_node_matches_numpy_and_jax(dtype, seed):
     # Hostile positions: padding, pass-through past S, drops past the slot, negative starts.
     problem = make_problem(np.random.default_rng(seed), dtype=dtype, batch=3, delta_len=5,
-                           heads=2, head_dim=12, rotary_dim=8, page_size=4, pages_per_slot=3,
-                           max_batch=4, rope_batch=3 if seed == 1 else 1, rope_seq_len=10)
+                           heads=2, head_dim=12, rotary_dim=8, page_size=P, pages_per_slot=3,
+                           max_batch=4, rope_batch=3 if seed == 1 else 1,
+                           rope_seq_len=10)
     pool_before = problem.past_key_value.copy()
     model = _single_node_model(problem.args(), problem.pages_per_slot)
     (onnx_out,) = reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
@@ -115,25 +119,58 @@ def test_reference_node_matches_numpy_and_jax(dtype, seed):
     assert not np.array_equal(onnx_out.view(np.uint8), pool_before.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype, options", [
+    (np.float16, dict(pool_dtype=FP8, scale_shape=())),
+    (ml_dtypes.bfloat16, dict(pool_dtype=FP8, k_norm=True)),  # per-head scales
+    (np.float32, dict(k_norm=True, v_norm=True, norm_eps=1e-5)),
+], ids=["fp8", "fp8+k_norm", "k_norm+v_norm"])
+def test_reference_slot_node_with_extensions_matches_numpy_and_jax(dtype, options):
+    problem = make_problem(np.random.default_rng(7), dtype=dtype, batch=3, delta_len=5, heads=2,
+                           head_dim=16, rotary_dim=8, page_size=P, pages_per_slot=2,
+                           max_batch=3, **options)
+    kwargs = problem.kwargs()
+    node = dflash_onnx.make_update_node(
+        pages_per_slot=problem.pages_per_slot, fp8_pool=problem.k_scale is not None,
+        k_norm=problem.k_norm_weight is not None, v_norm=problem.v_norm,
+        **({"norm_eps": problem.norm_eps} if "norm_eps" in kwargs else {}))
+    operands = list(problem.args())
+    if problem.k_scale is not None:  # TensorRT's per-tensor scale is [1]
+        operands += [s.reshape(1) if s.shape == () else s for s in (problem.k_scale, problem.v_scale)]
+    if problem.k_norm_weight is not None:
+        operands.append(problem.k_norm_weight)
+    model = dflash_onnx.make_node_model(node, operands)
+    (onnx_out,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
+    expected = reference.target_kv_cache_update(*problem.args(), **kwargs)
+    assert_bits_equal(onnx_out, expected)
+    extras = {k: v for k, v in kwargs.items() if k != "pages_per_slot"}
+    assert_bits_equal(_run_jax_cpu(problem.args(), problem.pages_per_slot, **extras), onnx_out)
+    assert not np.array_equal(onnx_out.view(np.uint8), problem.past_key_value.view(np.uint8))
+
+
+def _trt_problem(**overrides):
+    options = dict(dtype=np.float16, page_size=P)
+    return make_problem(np.random.default_rng(0), **{**options, **overrides})
+
+
 def test_reference_node_requires_pages_per_slot():
-    problem = make_problem(np.random.default_rng(0), dtype=np.float16)
+    problem = _trt_problem()
     model = _single_node_model(problem.args(), problem.pages_per_slot, {"pages_per_slot": None})
     with pytest.raises(ValueError, match="expected the attribute pages_per_slot"):
         reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
 
 
 def test_reference_node_rejects_other_plugin_version():
-    problem = make_problem(np.random.default_rng(0), dtype=np.float16)
+    problem = _trt_problem()
     model = _single_node_model(problem.args(), problem.pages_per_slot, {"plugin_version": "2"})
-    with pytest.raises(ValueError, match=r"plugin_version '1', got '2'"):
+    with pytest.raises(ValueError, match=r"plugin_version: expected '1', got '2'"):
         reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
 
 
 def test_kernel_errors_name_the_argument():
-    problem = make_problem(np.random.default_rng(0), dtype=np.float16)
+    problem = _trt_problem()
     args = list(problem.args())
     args[1] = args[1].astype(np.float32)
-    with pytest.raises(TypeError, match="v_delta: expected the pool's dtype float16"):
+    with pytest.raises(TypeError, match="v_delta"):
         run_update_kernel(*args, pages_per_slot=problem.pages_per_slot)
 
 
@@ -264,6 +301,53 @@ def test_export_parity_jax_onnx_numpy(dtype):
         assert_bits_equal(after, before)  # neither runtime wrote into the caller's arrays
 
 
+def _export_paged(export, dtype):
+    fn = draft.make_draft_context_update_paged(draft.random_weights(CONFIG, dtype), CONFIG)
+    model = export.to_onnx(fn, draft.paged_input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
+                           input_names=draft.paged_input_names(CONFIG),
+                           output_names=draft.output_names(CONFIG))
+    return fn, model
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_export_emits_edge_llm_nodes_and_matches_the_slot_draft(dtype):
+    """The paged draft exports to Edge-LLM 0.11's node, one per layer; its update stage is bit
+    exact against the NumPy reference (fed the ONNX run's own k/v), and, through the identity
+    page table, the pools equal the slot draft's."""
+    export = _needs_jax2onnx()
+    dtype = np.dtype(dtype)
+    _, model = _export_paged(export, dtype)
+    onnx.checker.check_model(model, full_check=False)
+    nodes = _plugin_nodes(model)
+    assert len(nodes) == CONFIG.num_layers
+    for layer, node in enumerate(nodes):
+        assert (node.domain, list(node.attribute)) == (dflash_onnx.EDGE_LLM_DOMAIN, [])
+        assert node.input[2] == f"past_key_value_{layer}"
+        assert list(node.input[3:]) == draft.paged_input_names(CONFIG)[1:5]
+        assert node.output[0] == f"present_key_value_{layer}"
+    imports = {o.domain: o.version for o in model.opset_import}
+    assert imports == {"": export.OPSET, dflash_onnx.EDGE_LLM_DOMAIN: 23}
+
+    slot_inputs = draft.random_inputs(CONFIG, BATCH, DELTA_LEN, dtype)
+    inputs = draft.paged_inputs(CONFIG, slot_inputs)
+    _, rope, positions, owners, table, *pools = inputs
+    wanted = [name for node in nodes for name in node.input[:2]] + draft.output_names(CONFIG)
+    results = reference_evaluator(model).run(wanted, dict(zip(draft.paged_input_names(CONFIG),
+                                                               inputs)))
+    for layer, pool in enumerate(pools):
+        k_onnx, v_onnx = results[2 * layer], results[2 * layer + 1]
+        expected = reference.target_kv_cache_update_paged(k_onnx, v_onnx, pool, rope, positions,
+                                                          owners, table)
+        assert_bits_equal(results[2 * len(nodes) + layer], expected)
+        # The same k/v through the slot contract: the identity table writes what slots do.
+        _, slot_rope, starts, lengths, *_ = slot_inputs
+        heads_shape = (BATCH, DELTA_LEN, *k_onnx.shape[1:])
+        slot_pool = reference.target_kv_cache_update(
+            k_onnx.reshape(heads_shape), v_onnx.reshape(heads_shape), pool, slot_rope, starts,
+            lengths, pages_per_slot=CONFIG.pages_per_slot)
+        assert_bits_equal(expected, slot_pool)
+
+
 def test_export_of_a_jitted_function_leaves_it_runnable():
     # jax2onnx traces with jnp patched; the export must not leave those traces in JAX's caches.
     export = _needs_jax2onnx()
@@ -284,7 +368,7 @@ def test_export_of_a_jitted_function_leaves_it_runnable():
 def test_export_rejects_the_layer_batched_form():
     export = _needs_jax2onnx()
     # k, v and the pool per layer; rope, starts and lengths shared.
-    problem = make_problem(np.random.default_rng(0), dtype=np.float16, layers=2)
+    problem = _trt_problem(layers=2)
     update = lambda *a: jax_dflash.target_kv_cache_update(*a, pages_per_slot=problem.pages_per_slot)
     fn = jax.vmap(update, in_axes=(0, 0, 0, None, None, None))
     with pytest.raises(NotImplementedError, match="unbatched form"):
@@ -356,7 +440,7 @@ def test_trt_engine_runs_the_exported_graph():
         trt.trt_plugin_library_path()
     except FileNotFoundError as e:
         pytest.skip(f"the TensorRT plugin library was not built: {e}")
-    config = draft.DraftConfig(page_size=dflash_onnx.TRT_TOKENS_PER_PAGE, max_batch=2)
+    config = draft.DraftConfig(max_batch=2)
     dtype = np.dtype(np.float16)
     fn = draft.make_draft_context_update(draft.random_weights(config, dtype), config)
     model = export.to_onnx(fn, draft.input_specs(config, BATCH, DELTA_LEN, dtype),
