@@ -183,6 +183,8 @@ def run_case(case: Case, devices) -> dict:
 
 def check(case: Case, record: dict) -> str | None:
     """None when ``record`` is what ``case`` expects, else why not."""
+    if record.get("before_sharded_run"):  # an expected error must come from the sharded run
+        return "failed before the sharded run: " + record["error"].splitlines()[0][:200]
     if case.expect == "error":
         if "error" not in record:
             return "expected an error, the case ran"
@@ -238,7 +240,7 @@ def main() -> int:
         try:
             record = run_case(case, devices)
         except Exception as e:  # noqa: BLE001 - e.g. the unsharded run itself: report, go on
-            record = {"error": f"{type(e).__name__}: {e}"}
+            record = {"error": f"{type(e).__name__}: {e}", "before_sharded_run": True}
         seconds = time.perf_counter() - start
         why = check(case, record)
         failed += why is not None
