@@ -70,23 +70,19 @@ class _Aval:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
 
-def _node_for(eqn, *, paged: bool, inputs: list[str], output: str, name: str):
+def _node_for(eqn, names: tuple[str, ...], *, paged: bool, fp8_pool: bool, inputs: list[str],
+              output: str, name: str):
     """The ONNX node of one update equation, after the plugin's build-time checks."""
     params = eqn.params
     avals = [var.aval for var in eqn.invars]
-    pool = avals[2]
-    if len(pool.shape) != 5:
+    if len(avals[2].shape) != 5:
         raise NotImplementedError(
             "jax_dflash.interop.export: the TensorRT plugin node takes the unbatched form, "
             "past_key_value [2, numPages, P, H, D]; got past_key_value of shape "
-            f"{tuple(pool.shape)} (the layer-batched form). Export one update per layer (a "
+            f"{tuple(avals[2].shape)} (the layer-batched form). Export one update per layer (a "
             "Python loop over layers) instead of jax.vmap over layers."
         )
     k_norm = bool(params.get("k_norm", False))
-    options = dict(k_norm=k_norm, v_norm=bool(params.get("v_norm", False)),
-                   norm_eps=params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS))
-    fp8_pool = np.dtype(pool.dtype).name in dflash_onnx.FP8_POOL_DTYPES
-    names = dflash_onnx.node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
     # The plugin takes scales of shape [1] or [H]; a [] scale is exported reshaped to [1].
     checked = [_Aval((1,), a.dtype) if n in dflash_onnx.SCALE_INPUTS and not a.shape else a
                for n, a in zip(names, avals)]
@@ -96,21 +92,21 @@ def _node_for(eqn, *, paged: bool, inputs: list[str], output: str, name: str):
     except (TypeError, ValueError) as e:
         raise type(e)(f"jax_dflash.interop.export: the update cannot be a TensorRT plugin node: "
                       f"{e}") from e
+    options = dict(fp8_pool=fp8_pool, k_norm=k_norm, v_norm=bool(params.get("v_norm", False)),
+                   norm_eps=params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS), name=name)
     if paged:
-        return dflash_onnx.make_paged_update_node(
-            inputs, output, ring=bool(params.get("ring", False)), fp8_pool=fp8_pool, name=name,
-            **options)
-    return dflash_onnx.make_update_node(
-        inputs, output, pages_per_slot=params["pages_per_slot"], fp8_pool=fp8_pool, name=name,
-        **options)
+        return dflash_onnx.make_paged_update_node(inputs, output,
+                                                  ring=bool(params.get("ring", False)), **options)
+    return dflash_onnx.make_update_node(inputs, output, pages_per_slot=params["pages_per_slot"],
+                                        **options)
 
 
 def _lower(ctx: Any, eqn: Any, *, paged: bool) -> None:
     _, ir, _ = _jax2onnx()
     pool_aval = eqn.invars[2].aval
-    k_norm = bool(eqn.params.get("k_norm", False))
     fp8_pool = np.dtype(pool_aval.dtype).name in dflash_onnx.FP8_POOL_DTYPES
-    names = dflash_onnx.node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
+    names = dflash_onnx.node_inputs(paged, fp8_pool=fp8_pool,
+                                    k_norm=bool(eqn.params.get("k_norm", False)))
     if len(names) != len(eqn.invars):
         raise ValueError(
             f"jax_dflash.interop.export: expected {len(names)} operands {list(names)}, got "
@@ -121,17 +117,18 @@ def _lower(ctx: Any, eqn: Any, *, paged: bool) -> None:
     out_spec = ctx.get_value_for_var(eqn.outvars[0],
                                      name_hint=ctx.fresh_name(dflash_onnx.OUTPUT_NAME))
     output_name = out_spec.name or ctx.fresh_name(dflash_onnx.OUTPUT_NAME)
-    node_name = ctx.fresh_name(dflash_onnx.PLUGIN_NAME)
-    # Checks first (before any node is added), then the node from onnx.py, copied: one source.
-    node = _node_for(eqn, paged=paged, inputs=[v.name or "" for v in inputs], output=output_name,
-                     name=node_name)
+    # Checked before any node is added; the node is onnx.py's, copied: one source for both.
+    node = _node_for(eqn, names, paged=paged, fp8_pool=fp8_pool,
+                     inputs=[v.name or "" for v in inputs], output=output_name,
+                     name=ctx.fresh_name(dflash_onnx.PLUGIN_NAME))
     for i, (name, var) in enumerate(zip(names, eqn.invars)):
         if name in dflash_onnx.SCALE_INPUTS and not var.aval.shape:
             inputs[i] = _as_vector(ctx, ir, inputs[i], name)
+    version = dflash_onnx.domain_version(node.domain)
     result = getattr(ctx.builder, node.op_type)(
         *inputs,
         _domain=node.domain,
-        _version=dflash_onnx.domain_version(node.domain),
+        _version=version,
         _outputs=[output_name],
         **_node_attributes(node),
     )
@@ -139,7 +136,7 @@ def _lower(ctx: Any, eqn: Any, *, paged: bool) -> None:
     result.type = ir.TensorType(inputs[2].dtype)
     result.shape = ir.Shape([int(d) for d in pool_aval.shape])
     ctx.bind_value_for_var(eqn.outvars[0], result)
-    ctx.builder.graph.opset_imports.setdefault(node.domain, dflash_onnx.domain_version(node.domain))
+    ctx.builder.graph.opset_imports.setdefault(node.domain, version)
 
 
 def _as_vector(ctx, ir, scalar, name: str):

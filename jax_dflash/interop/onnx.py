@@ -33,6 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_dflash import _shapes
+
 PLUGIN_NAME = "DFlashTargetKVCacheUpdate"
 PLUGIN_VERSION = "1"
 PLUGIN_DOMAIN = "trt.plugins"  # custom-op domain; TensorRT's parser matches the op type
@@ -158,12 +160,10 @@ def make_update_node(
     _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
     inputs = _input_list(inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"),
                                              k_norm=k_norm))
-    from jax_dflash._shapes import check_pages_per_slot
-
     attributes = dict(
         plugin_version=PLUGIN_VERSION,
         plugin_namespace=_namespace(plugin_namespace),
-        pages_per_slot=check_int32_attribute(check_pages_per_slot(pages_per_slot),
+        pages_per_slot=check_int32_attribute(_shapes.check_pages_per_slot(pages_per_slot),
                                              "pages_per_slot", minimum=1),
     )
     attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
@@ -318,8 +318,6 @@ def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = Fal
                     f"{name}: expected shape [1] or [H] = [{heads}], got {list(_dims(scale))}")
             if _dims(scale) == (1,):
                 extras[name] = _Aval((), scale.dtype)  # per tensor
-
-    from jax_dflash import _shapes
 
     if paged:
         return _shapes.check_update_paged(*operands[:len(base)], **extras)

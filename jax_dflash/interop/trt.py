@@ -1,8 +1,8 @@
 """The TensorRT side: where the plugin library is, and building an engine that uses it.
 
 The plugin library (``libdflash_trt_plugin.so``, built where a CUDA toolkit and TensorRT headers
-are found; see BUILD.md) implements ``DFlashTargetKVCacheUpdate`` version ``"1"`` as an
-``IPluginV3`` on the same CUDA kernel as the JAX op. It links no TensorRT library: load it into
+are found; see BUILD.md) implements ``DFlashTargetKVCacheUpdate`` version ``"1"`` (both contracts, told apart by
+their inputs) as an ``IPluginV3`` on the same CUDA kernel as the JAX ops. It links no TensorRT library: load it into
 TensorRT with ``IPluginRegistry::loadLibrary`` (Python: ``registry.load_library(path)``), with
 ``trtexec --dynamicPlugins=PATH``, or register it under a namespace with its C function
 ``initDFlashPlugin(logger, namespace)``.
@@ -103,7 +103,8 @@ def build_engine(
     """Builds a serialized TensorRT engine from an ONNX graph that uses the plugin.
 
     ``onnx_path_or_model``: a path, serialized bytes or an ``onnx.ModelProto`` (for example
-    :func:`jax_dflash.interop.onnx.make_update_model`). ``input_shapes`` maps each input with dynamic
+    :func:`jax_dflash.interop.onnx.make_update_model` or ``make_paged_update_model``, or an export
+    of :mod:`jax_dflash.interop.export`). ``input_shapes`` maps each input with dynamic
     dimensions to its ``(min, opt, max)`` shapes (one optimization profile). The plugin library is
     loaded into the registry first, and the aliased-plugin-I/O preview feature is enabled so that
     ``present_key_value`` is ``past_key_value`` updated in place. Strongly typed by default, so the
