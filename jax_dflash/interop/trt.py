@@ -3,9 +3,9 @@
 The plugin library (``libdflash_trt_plugin.so``, built where a CUDA toolkit and TensorRT headers
 are found; see BUILD.md) implements ``DFlashTargetKVCacheUpdate`` version ``"1"`` (both
 contracts, told apart by their inputs) as an ``IPluginV3`` on the same CUDA kernel as the JAX
-ops. It links no TensorRT library: load it into TensorRT with ``IPluginRegistry::loadLibrary`` (Python: ``registry.load_library(path)``), with
-``trtexec --dynamicPlugins=PATH``, or register it under a namespace with its C function
-``initDFlashPlugin(logger, namespace)``.
+ops. It links no TensorRT library: load it into TensorRT with ``IPluginRegistry::loadLibrary``
+(Python: ``registry.load_library(path)``), with ``trtexec --dynamicPlugins=PATH``, or register
+it under a namespace with its C function ``initDFlashPlugin(logger, namespace)``.
 
 Only :func:`build_engine` needs the ``tensorrt`` package; the rest is plain Python.
 """
