@@ -360,6 +360,13 @@ def _needs_partitioning(axis_context, op_name: str) -> bool:
 # ---- the pool's sharding where lowering already knows it ----------------------------------------
 
 
+def _is_block_argument(value) -> bool:
+    if isinstance(value, _ir.BlockArgument):
+        return True
+    check = getattr(_ir.BlockArgument, "isinstance", None)  # older MLIR bindings
+    return bool(check and check(value))
+
+
 def _visible_pool_dims(value, ndim: int) -> list[tuple[str, ...]] | None:
     """The mesh axes of each dim of the pool's Shardy sharding, when the pool value is a
     function argument carrying one or a sharding constraint's result; None otherwise."""
@@ -371,8 +378,8 @@ def _visible_pool_dims(value, ndim: int) -> list[tuple[str, ...]] | None:
             if len(value) != 1:
                 return None
             value = value[0]
-        if _ir.BlockArgument.isinstance(value):
-            arg = _ir.BlockArgument(value)
+        if _is_block_argument(value):
+            arg = value if isinstance(value, _ir.BlockArgument) else _ir.BlockArgument(value)
             func = arg.owner.owner
             if "arg_attrs" not in func.attributes:
                 return None
@@ -457,4 +464,9 @@ def register_lowerings(
                 return lower_partitioned(ctx, *operands, params=tuple(sorted(params.items())))
             return lower_local(ctx, *operands, **params)
 
-        mlir.register_lowering(primitive, rule, platform=platform)
+        try:
+            # Lowered inline, not in a function cached per avals: the pool operand is then the
+            # program's own argument (or constraint), whose sharding the check above can read.
+            mlir.register_lowering(primitive, rule, platform=platform, cacheable=False)
+        except TypeError:  # pragma: no cover - a jax without the flag
+            mlir.register_lowering(primitive, rule, platform=platform)

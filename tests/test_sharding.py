@@ -35,16 +35,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import make_problem
+from conftest import make_paged_problem, make_problem
 
 import jax_dflash
-from jax_dflash._shapes import check_update
-from jax_dflash.sharding import partition_specs, plan_split
+from jax_dflash._shapes import check_update, check_update_paged
+from jax_dflash.sharding import paged_partition_specs, partition_specs, plan_split
 
 CPU_DEVICES = 4
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
 _COLLECTIVE_RE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_BASE_RANKS = (4, 4, 5, 3, 1, 1)  # operand ranks of the unbatched form
+# Operand ranks of the unbatched forms (extras: scales [] / [1] / [H], weight [D]).
+_BASE_RANKS = {"slot": (4, 4, 5, 3, 1, 1), "paged": (3, 3, 5, 2, 1, 1, 3)}
+_EXTRA_RANKS = {"k_scale": 1, "v_scale": 1, "k_norm_weight": 1}
+_EXTRA_ORDER = ("k_scale", "v_scale", "k_norm_weight")  # SPEC.md's operand order
+_TARGET_RE = re.compile(r'custom_call_target="dflash_target_kv_cache_update(_paged)?"')
 R = P()  # replicated
 
 
@@ -53,10 +57,17 @@ class Case:
     name: str
     mesh: tuple[tuple[str, int], ...]  # (axis name, size), major to minor
     problem: dict
-    specs: tuple  # the six operands' PartitionSpecs
+    specs: tuple  # every operand's PartitionSpec (the extras included, in SPEC.md's order)
     expect: str = "exact"  # "exact", "warn" (exact, plus warnings) or "error"
     match: tuple[str, ...] = ()  # substrings the warning / error text must hold
-    mode: str = "jit"  # "jit", "nodonate", "eager", "shard_map", "partial_manual", "gspmd"
+    # "jit", "nodonate", "eager", "shard_map", "partial_manual", "gspmd", "constraint" (the
+    # pool's sharding set inside the program by with_sharding_constraint), "computed" (the pool
+    # an intermediate value of the program)
+    mode: str = "jit"
+    contract: str = "slot"
+    # Error cases: whether the ValueError reaches the caller as itself (raised while lowering,
+    # where the pool's sharding is visible) rather than inside XLA's error text.
+    plain_error: bool = True
 
     @property
     def num_devices(self) -> int:
@@ -130,6 +141,63 @@ def cases(num_devices: int) -> list[Case]:
         Case("warn_batch_split_pool_replicated", x, dict(batch=n, heads=2),
              (P("x"), P("x"), R, R, P("x"), P("x")), expect="warn",
              match=("k_delta", "v_delta", "delta_start_positions", "delta_lengths")),
+        # The pool's sharding set inside the program: still reported while lowering.
+        Case("error_constraint_page_rows", x, dict(batch=2, heads=2, page_size=2 * n),
+             (R, R, P(None, None, "x"), R, R, R), expect="error", mode="constraint",
+             match=("past_key_value", "dim 2 (P)")),
+        # A pool computed inside the program: its sharding is known only to the partitioner,
+        # whose error XLA wraps; the message is still there.
+        Case("error_computed_pool_page_rows", x, dict(batch=2, heads=2, page_size=2 * n),
+             (R, R, P(None, None, "x"), R, R, R), expect="error", mode="computed",
+             match=("past_key_value", "dim 2 (P)"), plain_error=False),
+        # FP8 pools: per-head scales follow the heads, per-tensor ones are replicated.
+        Case("fp8_per_head_scales_heads", x,
+             dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,), k_norm=True),
+             partition_specs(head_axis="x", scales="head", k_norm=True)),
+        Case("fp8_per_tensor_scales_slots", x,
+             dict(batch=n, heads=2, pool_dtype="float8_e5m2", scale_shape=(), v_norm=True),
+             partition_specs(batch_axis="x", scales="tensor")),
+        Case("warn_scale_split_pool_replicated", x,
+             dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,)),
+             (R, R, R, R, R, R, P("x"), P("x")), expect="warn",
+             match=("k_scale", "v_scale", "does not follow past_key_value")),
+        # The paged contract: KV heads and layers only.
+        Case("paged_heads", x, dict(tokens=9, batch=2, heads=n, num_pages=6, table_pages=3),
+             paged_partition_specs(head_axis="x"), contract="paged"),
+        Case("paged_hostile_ring_heads", x,
+             dict(tokens=9, batch=2, heads=n, num_pages=6, table_pages=3, hostile=True,
+                  ring=True, dtype=np.float32, pool_dtype="bfloat16"),
+             paged_partition_specs(head_axis="x"), contract="paged"),
+        Case("paged_fp8_per_head_scales_heads", x,
+             dict(tokens=7, batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,),
+                  k_norm=True, v_norm=True),
+             paged_partition_specs(head_axis="x", scales="head", k_norm=True), contract="paged"),
+        Case("paged_layered_heads", x, dict(layers=3, tokens=6, batch=2, heads=n),
+             paged_partition_specs(head_axis="x", layered=True), contract="paged"),
+        Case("paged_layered_layers", x,
+             dict(layers=n, tokens=6, batch=2, heads=2, rope_per_layer=True,
+                  positions_per_layer=True, table_per_layer=True, pool_dtype="float8_e5m2",
+                  scale_shape=(n, 2), k_norm=True, norm_weight_per_layer=True),
+             paged_partition_specs(layer_axis="x", layered=True, rope_per_layer=True,
+                                   positions_per_layer=True, table_per_layer=True,
+                                   scales="head", scales_per_layer=True, k_norm=True,
+                                   norm_weight_per_layer=True), contract="paged"),
+        Case("paged_eager", x, dict(tokens=5, batch=2, heads=n),
+             paged_partition_specs(head_axis="x"), mode="eager", contract="paged"),
+        Case("paged_shard_map", x, dict(tokens=5, batch=2, heads=n),
+             paged_partition_specs(head_axis="x"), mode="shard_map", contract="paged"),
+        Case("error_paged_pages", x, dict(tokens=6, batch=2, heads=2, num_pages=2 * n),
+             (R, R, P(None, "x"), R, R, R, R), expect="error", contract="paged",
+             match=("past_key_value", "dim 1 (numPages)", "page table",
+                    "only the KV heads (dim 3)")),
+        Case("error_paged_layered_page_rows", x,
+             dict(layers=2, tokens=6, batch=2, heads=2, page_size=n),
+             (R, R, P(None, None, None, "x"), R, R, R, R), expect="error", contract="paged",
+             match=("past_key_value", "dim 3 (P)", "the layers (dim 0)")),
+        Case("warn_paged_table_split", x, dict(tokens=6, batch=n, heads=2, num_pages=2 * n,
+                                               table_pages=2),
+             (*paged_partition_specs()[:6], P("x")), expect="warn", contract="paged",
+             match=("kv_page_table", "does not follow past_key_value")),
     ]
     if n >= 4:
         tp = (("dp", 2), ("tp", 2))
@@ -159,18 +227,36 @@ def cases(num_devices: int) -> list[Case]:
 # ---- the worker: runs cases on real (or forced host) devices -------------------------------
 
 
-def _in_axes(args):
-    return tuple(0 if a.ndim > r else None for a, r in zip(args, _BASE_RANKS))
+def _problem(case: Case, seed: int = 0):
+    build = make_paged_problem if case.contract == "paged" else make_problem
+    return build(np.random.default_rng(seed), **{"hostile": False, **case.problem})
 
 
-def _op(case: Case, args, pages_per_slot):
-    fn = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=pages_per_slot)
+def _operands(problem):
+    """(operands with the array extras in SPEC.md's order, their names, the static keywords)."""
+    kwargs = problem.kwargs()
+    extras = [n for n in _EXTRA_ORDER if n in kwargs]
+    static = {k: v for k, v in kwargs.items() if k not in extras}
+    return [*problem.args(), *(kwargs[n] for n in extras)], extras, static
+
+
+def _op(case: Case, operands, extras, static):
+    base = len(_BASE_RANKS[case.contract])
+    op = (jax_dflash.target_kv_cache_update_paged if case.contract == "paged"
+          else jax_dflash.target_kv_cache_update)
+
+    def fn(*ops):
+        return op(*ops[:base], **static, **dict(zip(extras, ops[base:])))
+
     if "layers" in case.problem:
-        fn = jax.vmap(fn, in_axes=_in_axes(args))
-    return fn
+        ranks = _BASE_RANKS[case.contract] + tuple(_EXTRA_RANKS[n] for n in extras)
+        fn = jax.vmap(fn, in_axes=tuple(0 if a.ndim > r else None
+                                        for a, r in zip(operands, ranks)))
+    return fn, op, base
 
 
-_HLO_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+_HLO_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32",
+               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
 
 
 def _buffers(array) -> dict:
@@ -187,37 +273,58 @@ def _bit_mismatches(actual, expected) -> int:
     return int(np.any(a != e, axis=-1).sum())
 
 
-def _slots_written(pool: np.ndarray, updated: np.ndarray, pages_per_slot: int) -> int:
-    """How many (layer, slot) pairs the update changed."""
+def _written(case: Case, problem, updated: np.ndarray) -> tuple[int, int]:
+    """(what the update changed, what it must change when every token is valid): (layer, slot)
+    pairs in the slot contract, K rows in the paged one."""
+    pool = problem.past_key_value
     lead = pool.shape[:-5]
-    num_pages = pool.shape[-4]
-    per_slot = (*lead, 2, num_pages // pages_per_slot, -1)
-    changed = (pool.view(np.uint8) != updated.view(np.uint8)).reshape(per_slot)
-    return int(changed.any(axis=-1).any(axis=-2).sum())
+    changed = pool.view(np.uint8) != updated.view(np.uint8)
+    if case.contract == "paged":
+        rows = changed.reshape(*lead, 2, pool.shape[-4] * pool.shape[-3], -1).any(-1)
+        return int(rows[..., 0, :].sum()), int(np.prod(problem.k_delta.shape[:-2]))
+    per_slot = (*lead, 2, pool.shape[-4] // problem.pages_per_slot, -1)
+    slots = int(changed.reshape(per_slot).any(axis=-1).any(axis=-2).sum())
+    return slots, int(np.prod(problem.k_delta.shape[:-3]))  # B, or layers * B
 
 
 def run_case(case: Case, devices) -> dict:
     # Not hostile unless asked: every sequence then writes, so a wrong slot cannot hide.
-    problem = make_problem(np.random.default_rng(zlib.crc32(case.name.encode())),
-                           **{"hostile": False, **case.problem})
-    args = problem.args()
-    pps = problem.pages_per_slot
-    fn = _op(case, args, pps)
-    expected = np.asarray(jax.jit(fn)(*[jax.device_put(a, devices[0]) for a in args]))
+    problem = _problem(case, zlib.crc32(case.name.encode()))
+    args, extras, static = _operands(problem)
+    fn, op, base = _op(case, args, extras, static)
+    if case.expect == "error":
+        expected = None  # nothing to compare with
+    else:
+        try:
+            expected = np.asarray(jax.jit(fn)(*[jax.device_put(a, devices[0]) for a in args]))
+        except Exception as e:  # noqa: BLE001 - the record carries it to the judge
+            return {"error": f"unsharded run: {type(e).__name__}: {e}"}
 
     names = tuple(name for name, _ in case.mesh)
     sizes = tuple(size for _, size in case.mesh)
     mesh = Mesh(np.asarray(devices[: case.num_devices]).reshape(sizes), names)
+    assert len(case.specs) == len(args), (case.name, len(case.specs), len(args))
     shardings = [NamedSharding(mesh, s) for s in case.specs]
+    if case.mode == "constraint":
+        pool_sharding = shardings[2]
+        shardings = [NamedSharding(mesh, R)] * len(args)
+        inner = fn
+
+        def fn(*ops):
+            pool = jax.lax.with_sharding_constraint(ops[2], pool_sharding)
+            return inner(*ops[:2], pool, *ops[3:])
+    if case.mode == "computed":
+        inner_op = fn
+
+        def fn(*ops):
+            return inner_op(*ops[:2], ops[2] * jnp.ones((), ops[2].dtype), *ops[3:])
     sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
     # A pool in buffers of XLA's own (device_put of a NumPy array may borrow the host memory,
     # which donation then cannot reuse).
     sharded[2] = jax.jit(jnp.copy, out_shardings=shardings[2])(sharded[2])
-    record: dict = {
-        "local_pool_shape": list(sharded[2].addressable_shards[0].data.shape),
-        "slots_written": _slots_written(problem.past_key_value, expected, pps),
-        "slots_in_use": int(np.prod(problem.k_delta.shape[:-3])),  # B, or layers * B
-    }
+    record: dict = {"local_pool_shape": list(sharded[2].addressable_shards[0].data.shape)}
+    if expected is not None:
+        record["written"], record["must_write"] = _written(case, problem, expected)
 
     if case.mode in ("shard_map", "partial_manual"):
         axis_names = {"dp"} if case.mode == "partial_manual" else set(names)
@@ -234,7 +341,7 @@ def run_case(case: Case, devices) -> dict:
             compiled = jitted.lower(*sharded).compile()
             pool_buffers = _buffers(sharded[2])
             if case.mode == "eager":
-                out = jax_dflash.target_kv_cache_update(*sharded, pages_per_slot=pps)
+                out = op(*sharded[:base], **static, **dict(zip(extras, sharded[base:])))
             else:
                 out = compiled(*sharded)
             out.block_until_ready()
@@ -247,8 +354,7 @@ def run_case(case: Case, devices) -> dict:
     hlo = compiled.as_text()
     record["collectives"] = sorted({m.group(1) for m in _COLLECTIVE_RE.finditer(hlo)})
     record["program_aliases_pool"] = "input_output_alias={ {}: (2, {}" in hlo
-    calls = [line for line in hlo.splitlines()
-             if 'custom_call_target="dflash_target_kv_cache_update"' in line]
+    calls = [line for line in hlo.splitlines() if _TARGET_RE.search(line)]
     record["shard_calls"] = len(calls)
     record["shard_calls_alias_pool"] = bool(calls) and all(
         "output_to_operand_aliasing={{}: (2, {})}" in line for line in calls)
@@ -258,7 +364,8 @@ def run_case(case: Case, devices) -> dict:
                                 if re.search(r"\bcopy(-start)?\(", line) and local_pool in line)
     # Donated: every shard's output is the shard's own pool buffer, updated in place.
     record["in_place"] = _buffers(out) == pool_buffers
-    record["out_has_pool_sharding"] = out.sharding.is_equivalent_to(shardings[2], expected.ndim)
+    record["out_has_pool_sharding"] = out.sharding.is_equivalent_to(
+        NamedSharding(mesh, case.specs[2]), expected.ndim)
     record["out_sharding"] = str(out.sharding)
     record["mismatches"] = _bit_mismatches(out, expected)
     return record
@@ -280,10 +387,13 @@ def check(case: Case, record: dict) -> None:
         assert "error" in record, f"expected a compile error, got {record}"
         for text in case.match:
             assert text in record["error"], f"{text!r} not in the error: {record['error']}"
+        if case.plain_error:
+            # The ValueError itself, first: not buried in an XLA error's Python traceback.
+            assert record["error"].startswith("ValueError: past_key_value: "), record["error"]
         return
     assert "error" not in record, record.get("error")
     if not case.problem.get("hostile"):
-        assert record["slots_written"] == record["slots_in_use"], "the case writes too little"
+        assert record["written"] == record["must_write"], "the case writes too little"
     assert record["mismatches"] == 0, f"{record['mismatches']} elements differ from unsharded"
     assert record["out_has_pool_sharding"], f"output sharding {record['out_sharding']}"
     if case.expect == "warn":
@@ -304,7 +414,7 @@ def check(case: Case, record: dict) -> None:
 
 
 def _pool_shape(case: Case) -> tuple[int, ...]:
-    return make_problem(np.random.default_rng(0), **case.problem).past_key_value.shape
+    return _problem(case).past_key_value.shape
 
 
 # ---- the tests -------------------------------------------------------------------------------
@@ -400,6 +510,49 @@ def test_partition_specs():
     assert rope == P(None, None, None) and starts == P("pp", None)
     with pytest.raises(ValueError, match="layer_axis"):
         partition_specs(layer_axis="pp")
+
+
+def _paged_shape(**kwargs):
+    problem = make_paged_problem(np.random.default_rng(0), **kwargs)
+    extras = {k: v for k, v in problem.kwargs().items()
+              if k in ("k_scale", "v_scale", "k_norm_weight")}
+    return check_update_paged(*problem.args(), **extras)
+
+
+def test_paged_plan_allows_heads_and_layers_only():
+    mesh = _abstract(dp=2, tp=2)
+    shape = _paged_shape(layers=2, heads=4)
+    split = plan_split(shape, mesh, NamedSharding(mesh, P("dp", None, None, None, "tp")))
+    assert (split.layers, split.heads, split.slots) == (("dp",), ("tp",), ())
+    with pytest.raises(ValueError) as info:
+        plan_split(_paged_shape(heads=2), mesh, NamedSharding(mesh, P(None, "dp")))
+    message = str(info.value)
+    for text in ("past_key_value: sharding P(None, 'dp', None, None, None)", "dim 1 (numPages)",
+                 "page table", "only the KV heads (dim 3)", "replicate dim 1"):
+        assert text in message, (text, message)
+
+
+def test_operand_specs_follow_heads_and_layers():
+    from jax_dflash.sharding import Split, operand_specs
+
+    split = Split(layers=("pp",), heads=("tp",))
+    shape = _paged_shape(layers=2, heads=2, pool_dtype="float8_e4m3fn", scale_shape=(2, 2),
+                         k_norm=True, norm_weight_per_layer=True, table_per_layer=True)
+    specs = operand_specs(shape, split)
+    assert len(specs) == 10  # 7 base operands, k_scale, v_scale, k_norm_weight
+    assert specs[2] == P("pp", None, None, None, "tp", None)
+    assert specs[6] == P("pp", None, None, None)  # the table: per layer, never split on pages
+    assert specs[7] == specs[8] == P("pp", "tp")  # per-layer, per-head scales
+    assert specs[9] == P("pp")  # the per-layer weight
+    shared = _paged_shape(heads=2, pool_dtype="float8_e5m2", scale_shape=(), k_norm=True)
+    specs = operand_specs(shared, Split(heads=("tp",)))
+    assert specs[7] == specs[8] == P() and specs[9] == P()
+    assert specs == paged_partition_specs(head_axis="tp", scales="tensor", k_norm=True)
+    fp8 = make_problem(np.random.default_rng(0), heads=2, batch=2, pool_dtype="float8_e4m3fn",
+                       scale_shape=(2,))
+    slot_shape = check_update(*fp8.args(), 2, k_scale=fp8.k_scale, v_scale=fp8.v_scale)
+    assert operand_specs(slot_shape, Split(slots=("dp",), heads=("tp",))) == partition_specs(
+        batch_axis="dp", head_axis="tp", scales="head")
 
 
 def _main(argv):
