@@ -1,0 +1,97 @@
+"""jnp helpers that build the paged contract's inputs from slot-style ones, as Edge-LLM does:
+token positions and owners from per-sequence (start, length), token-aligned rope rows from a
+``[Rb, S, R]`` table, and the identity page table (slot b's pages). Under these the paged op
+writes exactly what the slot op writes for positions below S. All are jit-able (the sizes are
+static Python ints)."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _static_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a static Python int, got {type(value).__name__} "
+                        f"{value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def _int32_array(name, x, rank=None):
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else None
+    if dtype != np.int32:
+        raise TypeError(f"{name}: expected an int32 array, got "
+                        f"{dtype if dtype is not None else type(x).__name__}")
+    if rank is not None and len(x.shape) != rank:
+        raise ValueError(f"{name}: expected rank {rank}, got shape {tuple(x.shape)}")
+    return jnp.asarray(x)
+
+
+def token_positions(start_positions, lengths, width: int) -> tuple[jax.Array, jax.Array]:
+    """``(delta_positions, delta_token_to_sequence)``, int32 ``[B * width]``, from int32
+    ``start_positions`` and ``lengths`` ``[B]`` (or ``[..., B]``, giving ``[..., B * width]``):
+    token ``b * width + t`` is at position ``start_positions[b] + t`` of sequence ``b`` when
+    ``t < lengths[b]``; otherwise both entries are -1 (padding). A position past the int32 range
+    is marked -1 too (it cannot be written)."""
+    width = _static_int("width", width, 0)
+    starts = _int32_array("start_positions", start_positions)
+    lengths = _int32_array("lengths", lengths)
+    if starts.ndim < 1 or lengths.shape != starts.shape:
+        raise ValueError(f"lengths: expected start_positions' shape {tuple(starts.shape)} (rank "
+                         f">= 1), got {tuple(lengths.shape)}")
+    batch = starts.shape[-1]
+    t = jnp.arange(width, dtype=jnp.int32)
+    owner = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, width))
+    valid = (t < lengths[..., None]) & (starts[..., None] <= _INT32_MAX - t)
+    positions = jnp.where(valid, starts[..., None] + t, -1)
+    owners = jnp.where(valid, owner, -1)
+    flat = (*starts.shape[:-1], batch * width)
+    return positions.reshape(flat), owners.reshape(flat)
+
+
+def gather_rope(rope_cos_sin, delta_positions, delta_token_to_sequence) -> jax.Array:
+    """Token-aligned rope rows ``[T, R]`` float32 from a ``[Rb, S, R]`` table: row
+    ``rope_cos_sin[0 if Rb == 1 else owner, position]``, or zeros where the position is negative
+    or ``>= S``, or the token is padding (owner < 0, or owner >= Rb when Rb > 1)."""
+    rope = jnp.asarray(rope_cos_sin)
+    if rope.dtype != jnp.float32 or rope.ndim != 3:
+        raise TypeError(f"rope_cos_sin: expected a float32 [Rb, S, R] array, got {rope.dtype} "
+                        f"of shape {tuple(rope.shape)}")
+    positions = _int32_array("delta_positions", delta_positions, 1)
+    owners = _int32_array("delta_token_to_sequence", delta_token_to_sequence, 1)
+    if owners.shape != positions.shape:
+        raise ValueError(f"delta_token_to_sequence: expected delta_positions' shape "
+                         f"{tuple(positions.shape)}, got {tuple(owners.shape)}")
+    rope_batch, seq_len, rotary_dim = rope.shape
+    valid = (owners >= 0) & (positions >= 0) & (positions < seq_len)
+    if rope_batch > 1:
+        valid &= owners < rope_batch
+    if rope_batch == 0 or seq_len == 0:
+        return jnp.zeros((positions.shape[0], rotary_dim), jnp.float32)
+    rb = jnp.zeros_like(owners) if rope_batch == 1 else jnp.where(valid, owners, 0)
+    rows = rope[rb, jnp.where(valid, positions, 0)]
+    return jnp.where(valid[:, None], rows, jnp.float32(0))
+
+
+def identity_page_table(batch: int, pages_per_slot: int, num_pages: int) -> jax.Array:
+    """``[batch, 2, pages_per_slot]`` int32: sequence ``b``'s K pages are the slot contract's
+    ``b * pages_per_slot + i``, its V ids the same plus ``num_pages`` (the paged contract's V
+    offset)."""
+    batch = _static_int("batch", batch, 0)
+    pages_per_slot = _static_int("pages_per_slot", pages_per_slot, 1)
+    num_pages = _static_int("num_pages", num_pages, 1)
+    if batch * pages_per_slot > num_pages:
+        raise ValueError(f"num_pages: expected at least batch * pages_per_slot = "
+                         f"{batch * pages_per_slot} pages, got {num_pages}")
+    if 2 * num_pages > _INT32_MAX + 1:
+        raise ValueError(f"num_pages: expected V ids (up to 2 * num_pages - 1) to fit int32, got "
+                         f"{num_pages}")
+    pages = jnp.arange(batch * pages_per_slot, dtype=jnp.int32).reshape(batch, pages_per_slot)
+    return jnp.stack([pages, pages + num_pages], axis=1)
