@@ -45,7 +45,7 @@ def test_params_key_the_cache():
 
     assert_bits_equal(out, reference.target_kv_cache_update(*problem.args(), **kwargs))
     assert ops._jitted.cache_info().misses == 2
-    # 2 and 2.0 as norm_eps-like values are one key: ints are normalised to float.
+    # norm_eps=1 and norm_eps=1.0 are one key: the value is normalised to a float.
     jax_dflash.target_kv_cache_update(*problem.args(), **dict(kwargs, norm_eps=1))
     jax_dflash.target_kv_cache_update(*problem.args(), **dict(kwargs, norm_eps=1.0))
     assert ops._jitted.cache_info().misses == 3

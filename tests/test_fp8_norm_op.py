@@ -19,7 +19,7 @@ from conftest import (
     make_paged_problem,
     make_problem,
 )
-from test_ops import expected, run_op
+from test_ops import expected, jitted_op, run_op
 
 import jax_dflash
 from jax_dflash import reference
@@ -203,3 +203,37 @@ def test_vmap_with_per_layer_scales_and_weight(backend, contract):
     want = np.stack([ref(*p.args()[:3], *shared, k_scale=p.k_scale, v_scale=p.v_scale,
                          k_norm_weight=p.k_norm_weight, v_norm=True) for p in problems])
     assert_bits_equal(out, want)
+
+
+# ---- the FFI ABI (SPEC.md, "The XLA FFI custom calls"), read from the lowered program ------------
+
+
+def _custom_call_line(text: str, target: str) -> str:
+    (line,) = [ln for ln in text.splitlines() if f"stablehlo.custom_call @{target}(" in ln]
+    return line
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_lowering_follows_the_ffi_abi(contract):
+    """Operands: the base ones, k_scale, v_scale, then k_norm_weight; typed attributes; the
+    result aliases operand 2."""
+    problem = _both(contract, np.random.default_rng(9), dtype=ml_dtypes.bfloat16,
+                    pool_dtype=E5M2, k_norm=True, v_norm=True, norm_eps=1e-5)
+    fn, operands = jitted_op(problem)
+    line = _custom_call_line(fn.lower(*operands).as_text(),
+                             "dflash_target_kv_cache_update" + ("_paged" if contract == "paged"
+                                                                else ""))
+    signature = line.split(" : (", 1)[1].split(") -> ", 1)[0]
+    types = [t.strip() for t in signature.split("tensor<")[1:]]
+    base = 7 if contract == "paged" else 6
+    assert len(types) == base + 3
+    heads, head_dim = problem.k_delta.shape[-2:]
+    assert types[base].startswith(f"{heads}xf32>") and types[base + 1].startswith(f"{heads}xf32>")
+    assert types[base + 2].startswith(f"{head_dim}xbf16>")
+    assert "operand_index = 2" in line
+    assert "k_norm = true" in line and "v_norm = true" in line
+    assert "norm_eps = 9.99999974E-6 : f32" in line
+    if contract == "slot":
+        assert "pages_per_slot = 2 : i64" in line and "ring" not in line
+    else:
+        assert "ring = false" in line and "pages_per_slot" not in line
