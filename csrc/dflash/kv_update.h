@@ -1,12 +1,13 @@
-// The DFlash target KV-cache update: parameters, layout math, RoPE step and guards.
+// The DFlash target KV-cache update: parameters, layout math, guards (docs/SPEC.md).
 //
-// This header is the one place that says where token t of sequence b lands in the paged pool
-// and what is written there (docs/SPEC.md, mirrored in jax_dflash/reference.py). The CPU
-// implementation, the CUDA kernel, the XLA FFI handlers and the TensorRT plugin all include it.
+// This header is the one place that says where token t lands in the paged pool, for both
+// contracts (slot and paged), mirrored in jax_dflash/reference.py. The arithmetic of what is
+// stored there (RoPE, norms, FP8) is numerics.h. The CPU implementation, the CUDA kernel, the XLA
+// FFI handlers and the TensorRT plugin all include it; operands.h turns tensor shapes into these
+// parameters, once, for every runtime.
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #if defined(__CUDACC__)
 #define DFLASH_HOST_DEVICE __host__ __device__ __forceinline__
@@ -16,59 +17,124 @@
 
 namespace dflash {
 
-enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+// Element types the operands can have. The ones past kFloat8E5M2 only name what was given in
+// error messages.
+enum class DType : int32_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat8E4M3 = 3,  // float8_e4m3fn
+  kFloat8E5M2 = 4,
+  kInt32 = 5,
+  kInt64 = 6,
+  kOther = 7,
+};
 
-inline int64_t dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+inline int64_t dtype_bytes(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2: return 1;
+    case DType::kInt64: return 8;
+    default: return 0;
+  }
+}
 
 inline char const* dtype_name(DType dtype) {
   switch (dtype) {
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat32: return "float32";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
+    case DType::kFloat8E5M2: return "float8_e5m2";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    default: return "another dtype";
   }
-  return "unknown";
 }
 
-// Everything one launch needs. Shapes (without the optional leading layer axis):
-//   k_delta, v_delta        [B, L, H, D]            dtype
-//   pool                    [2, numPages, P, H, D]  dtype, updated in place
-//   rope_cos_sin            [Rb, S, R]              fp32 (Rb is 1 or B)
-//   delta_start_positions   [B]                     int32
-//   delta_lengths           [B]                     int32
-// With num_layers > 1, k/v/pool carry a leading layer axis; rope and positions carry one only
-// when rope_per_layer / positions_per_layer say so (otherwise they are shared by every layer).
+inline bool is_delta_dtype(DType d) {
+  return d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32;
+}
+inline bool is_fp8(DType d) { return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2; }
+inline bool is_pool_dtype(DType d) { return is_delta_dtype(d) || is_fp8(d); }
+
+// How tokens are addressed (SPEC.md): slot b owns a fixed range of pages (batch-major deltas),
+// or each token names its sequence and position and a page table maps pages (token-major).
+enum class Contract : int32_t { kSlot = 0, kPaged = 1 };
+
+// Everything one launch needs. Shapes without the optional leading layer axis:
+//   k_delta, v_delta   slot [B, L, H, D] | paged [T, H, D]         delta_dtype
+//   pool               [2, N, P, H, D]                              pool_dtype, updated in place
+//   rope_cos_sin       slot [Rb, S, R]   | paged [T, R]             float32
+//   slot:  delta_start_positions [B], delta_lengths [B]             int32
+//   paged: delta_positions [T], token_to_sequence [T], page_table [B, 2, M]   int32
+//   k_scale, v_scale   [] or [H] (FP8 pools only)                   float32
+//   k_norm_weight      [D] (k_norm only)                            delta_dtype
+// With num_layers > 1, k/v/pool carry a leading layer axis; the others carry one only when the
+// *_per_layer flags say so (otherwise every layer shares them).
 struct KVUpdateParams {
+  Contract contract = Contract::kSlot;
+
   void const* k_delta = nullptr;
   void const* v_delta = nullptr;
   void* pool = nullptr;
   float const* rope_cos_sin = nullptr;
-  int32_t const* delta_start_positions = nullptr;
-  int32_t const* delta_lengths = nullptr;
+  int32_t const* delta_start_positions = nullptr;  // slot
+  int32_t const* delta_lengths = nullptr;          // slot
+  int32_t const* delta_positions = nullptr;        // paged
+  int32_t const* token_to_sequence = nullptr;      // paged
+  int32_t const* page_table = nullptr;             // paged
+  float const* k_scale = nullptr;                  // FP8 pools
+  float const* v_scale = nullptr;
+  void const* k_norm_weight = nullptr;  // k_norm
 
-  DType dtype = DType::kFloat16;
+  DType delta_dtype = DType::kFloat16;
+  DType pool_dtype = DType::kFloat16;
+
   int64_t num_layers = 1;
-  int64_t batch = 0;          // B
-  int64_t delta_len = 0;      // L
-  int64_t num_kv_heads = 0;   // H
-  int64_t head_dim = 0;       // D
-  int64_t num_pages = 0;      // pool dim 1
-  int64_t page_size = 0;      // P, tokens per page
-  int64_t pages_per_slot = 0;
-  int64_t rotary_dim = 0;     // R
-  int64_t rope_batch = 1;     // Rb
-  int64_t rope_seq_len = 0;   // S
+  int64_t batch = 0;         // B: slot sequences, or page-table rows (paged)
+  int64_t delta_len = 0;     // L (slot)
+  int64_t num_tokens = 0;    // T (paged)
+  int64_t num_kv_heads = 0;  // H
+  int64_t head_dim = 0;      // D
+  int64_t num_pages = 0;     // N, pool dim 1
+  int64_t page_size = 0;     // P, tokens per page
+  int64_t pages_per_slot = 0;  // slot
+  int64_t table_pages = 0;     // M (paged)
+  int64_t rotary_dim = 0;      // R
+  int64_t rope_batch = 1;      // Rb (slot)
+  int64_t rope_seq_len = 0;    // S (slot); T (paged: token-aligned rows)
+  int64_t scale_heads = 1;     // 1 (per tensor) or H (per head)
   bool rope_per_layer = false;
-  bool positions_per_layer = false;
+  bool positions_per_layer = false;  // slot: starts + lengths; paged: positions + owners
+  bool table_per_layer = false;
+  bool scale_per_layer = false;
+  bool weight_per_layer = false;
+  bool ring = false;  // paged: page index (p / P) % M instead of dropping p / P >= M
+  bool k_norm = false;
+  bool v_norm = false;
+  float norm_eps = 1e-6f;
 };
 
+DFLASH_HOST_DEVICE bool fp8_pool(KVUpdateParams const& p) {
+  return p.pool_dtype == DType::kFloat8E4M3 || p.pool_dtype == DType::kFloat8E5M2;
+}
 DFLASH_HOST_DEVICE int64_t max_batch(KVUpdateParams const& p) {
   return p.num_pages / p.pages_per_slot;
 }
 DFLASH_HOST_DEVICE int64_t slot_capacity(KVUpdateParams const& p) {
   return p.pages_per_slot * p.page_size;
 }
+// Tokens of one layer's deltas: B * L (slot) or T (paged).
+DFLASH_HOST_DEVICE int64_t tokens_per_layer(KVUpdateParams const& p) {
+  return p.contract == Contract::kSlot ? p.batch * p.delta_len : p.num_tokens;
+}
 
-// ---- layout math: slot -> page -> row --------------------------------------------------------
+// ---- layout math ------------------------------------------------------------------------------
 
 // Elements between consecutive tokens (rows) of one pool plane, and of one delta.
 DFLASH_HOST_DEVICE int64_t token_stride(KVUpdateParams const& p) {
@@ -81,35 +147,19 @@ DFLASH_HOST_DEVICE int64_t pool_plane_elems(KVUpdateParams const& p) {
 DFLASH_HOST_DEVICE int64_t pool_layer_elems(KVUpdateParams const& p) {
   return 2 * pool_plane_elems(p);
 }
-DFLASH_HOST_DEVICE int64_t delta_layer_elems(KVUpdateParams const& p) {
-  return p.batch * p.delta_len * token_stride(p);
-}
 
-// Offset (elements) of pool[0, page, row, 0, 0] within one layer's pool, for the token at
-// position `pos` of slot `slot`: page = slot * pages_per_slot + pos / P, row = pos % P. Slot b
-// owns pages [b * pages_per_slot, (b + 1) * pages_per_slot), so page * P + row is simply
-// slot * cap + pos (the pool is [2, maxBatch, cap, H, D] in memory): no division on the hot path.
-// Only valid when written_position() said yes.
-DFLASH_HOST_DEVICE int64_t pool_token_offset(KVUpdateParams const& p, int64_t slot, int64_t pos) {
-  return (slot * slot_capacity(p) + pos) * token_stride(p);
-}
+// Both contracts see one layer's pool as rows [2N * P] of [H, D]: K rows first, then V rows.
+// A written token has a K row and a V row; everything else about addressing is which rows.
+struct PoolRows {
+  int64_t k_row = -1;  // -1: nothing is written for this token
+  int64_t v_row = -1;
+};
 
-// Offset (elements) of k_delta[layer, b, t, 0, 0].
-DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b,
-                                              int64_t t) {
-  return ((layer * p.batch + b) * p.delta_len + t) * token_stride(p);
-}
-
-// Index into delta_start_positions / delta_lengths.
-DFLASH_HOST_DEVICE int64_t position_index(KVUpdateParams const& p, int64_t layer, int64_t b) {
-  return (p.positions_per_layer ? layer * p.batch : 0) + b;
-}
-
-// ---- guards -----------------------------------------------------------------------------------
-
-// The position token t of a sequence lands at, or -1 when nothing is written for it: padding
-// (t >= length, negative lengths included), dropped (pos >= slot capacity) or a negative position.
-// Arithmetic is 64-bit so that no int32 start can wrap around into the slot.
+// Slot contract: token t of sequence `slot` with start and length. Nothing is written for
+// padding (t >= length, negative lengths included), positions past the slot capacity or negative
+// ones. Slot b owns pages [b * pages_per_slot, (b + 1) * pages_per_slot), so page * P + row is
+// simply slot * cap + pos (the pool is [2, maxBatch, cap, H, D] in memory): no division on the
+// hot path. Arithmetic is 64-bit so that no int32 start can wrap around into the slot.
 DFLASH_HOST_DEVICE int64_t written_position(int64_t start, int64_t length, int64_t t,
                                             int64_t capacity) {
   if (t >= length) return -1;
@@ -117,75 +167,73 @@ DFLASH_HOST_DEVICE int64_t written_position(int64_t start, int64_t length, int64
   if (pos < 0 || pos >= capacity) return -1;
   return pos;
 }
+DFLASH_HOST_DEVICE PoolRows slot_rows(KVUpdateParams const& p, int64_t slot, int64_t pos) {
+  PoolRows rows;
+  if (pos < 0) return rows;
+  rows.k_row = slot * slot_capacity(p) + pos;
+  rows.v_row = p.num_pages * p.page_size + rows.k_row;
+  return rows;
+}
 
-// ---- RoPE -------------------------------------------------------------------------------------
+// Paged contract, step 1: the page-table entry index of a token, or -1 when nothing is written
+// (owner outside [0, B), negative position, page index past M without ring).
+DFLASH_HOST_DEVICE int64_t page_table_index(KVUpdateParams const& p, int64_t layer, int64_t owner,
+                                            int64_t pos) {
+  if (owner < 0 || owner >= p.batch || pos < 0 || p.table_pages <= 0) return -1;
+  int64_t page = pos / p.page_size;
+  if (page >= p.table_pages) {
+    if (!p.ring) return -1;
+    page %= p.table_pages;
+  }
+  int64_t const table_layer = p.table_per_layer ? layer : 0;
+  return ((table_layer * p.batch + owner) * 2) * p.table_pages + page;  // [.., b, 0, page]
+}
+// Step 2, given the K and V page ids read at that index (V at index + M): K ids must lie in
+// [0, N) and V ids in [N, 2N), else neither plane is written. V ids index the [2N, P, H, D]
+// view directly, which is why they carry the +N offset.
+DFLASH_HOST_DEVICE PoolRows paged_rows(KVUpdateParams const& p, int64_t k_page, int64_t v_page,
+                                       int64_t pos) {
+  PoolRows rows;
+  if (k_page < 0 || k_page >= p.num_pages || v_page < p.num_pages || v_page >= 2 * p.num_pages)
+    return rows;
+  int64_t const row = pos % p.page_size;
+  rows.k_row = k_page * p.page_size + row;
+  rows.v_row = v_page * p.page_size + row;
+  return rows;
+}
 
-// Offset (floats) of cos_sin[layer?, rb, pos, 0]. rb is 0 when the table is shared by the batch.
+// Offset (elements) of the first delta element of token t of sequence b (slot), or of token t
+// (paged: b ignored), in layer `layer`.
+DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b,
+                                              int64_t t) {
+  int64_t const token = p.contract == Contract::kSlot ? b * p.delta_len + t : t;
+  return (layer * tokens_per_layer(p) + token) * token_stride(p);
+}
+
+// Index into the per-sequence (slot) or per-token (paged) int32 arrays.
+DFLASH_HOST_DEVICE int64_t position_index(KVUpdateParams const& p, int64_t layer, int64_t i) {
+  int64_t const per_layer = p.contract == Contract::kSlot ? p.batch : p.num_tokens;
+  return (p.positions_per_layer ? layer * per_layer : 0) + i;
+}
+
+// Offset (floats) of the rope row: slot cos_sin[layer?, rb, pos] (rb = 0 when the table is
+// shared by the batch); paged cos_sin[layer?, t] (token-aligned, `row` = t).
 DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t layer, int64_t b,
-                                           int64_t pos) {
-  int64_t const rb = p.rope_batch == 1 ? 0 : b;
+                                           int64_t row) {
   int64_t const rl = p.rope_per_layer ? layer : 0;
-  return ((rl * p.rope_batch + rb) * p.rope_seq_len + pos) * p.rotary_dim;
+  if (p.contract == Contract::kPaged) return (rl * p.num_tokens + row) * p.rotary_dim;
+  int64_t const rb = p.rope_batch == 1 ? 0 : b;
+  return ((rl * p.rope_batch + rb) * p.rope_seq_len + row) * p.rotary_dim;
 }
 
-// Products and sums rounded separately (never fused into an FMA), so that the CPU, the GPU and
-// the NumPy reference produce the same bits.
-DFLASH_HOST_DEVICE float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-DFLASH_HOST_DEVICE float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
+// Index of head h's scale in k_scale / v_scale.
+DFLASH_HOST_DEVICE int64_t scale_index(KVUpdateParams const& p, int64_t layer, int64_t h) {
+  return (p.scale_per_layer ? layer * p.scale_heads : 0) + (p.scale_heads == 1 ? 0 : h);
 }
 
-// Rotate-half RoPE for one channel j < R of a key:
-//   j <  R/2: y[j] = x[j] * c - x[j + R/2] * s
-//   j >= R/2: y[j] = x[j] * c + x[j - R/2] * s
-// with c = cos_sin[.., j mod R/2] and s = cos_sin[.., R/2 + j mod R/2]; `partner` is the other
-// channel of the pair.
-DFLASH_HOST_DEVICE float rope_channel(float x, float partner, float c, float s, bool first_half) {
-  float const rotated = mul_rn(partner, s);
-  return add_rn(mul_rn(x, c), first_half ? -rotated : rotated);
-}
-
-// ---- validation (shared by both runtimes) -----------------------------------------------------
-
-// Empty when the parameters describe a valid update, else what was expected and what was given.
-inline std::string check_params(KVUpdateParams const& p) {
-  auto str = [](int64_t v) { return std::to_string(v); };
-  if (p.num_layers < 1) return "num_layers must be >= 1, got " + str(p.num_layers);
-  if (p.batch < 0 || p.delta_len < 0 || p.num_kv_heads < 0 || p.head_dim < 0)
-    return "k_delta dimensions must be non-negative";
-  if (p.page_size <= 0) return "past_key_value page size (dim 2) must be > 0, got " + str(p.page_size);
-  if (p.pages_per_slot <= 0) return "pages_per_slot must be > 0, got " + str(p.pages_per_slot);
-  if (p.num_pages % p.pages_per_slot != 0)
-    return "past_key_value numPages (dim 1) must be divisible by pages_per_slot=" +
-           str(p.pages_per_slot) + ", got numPages=" + str(p.num_pages);
-  if (p.batch > max_batch(p))
-    return "k_delta batch B must be <= the pool's slots numPages/pages_per_slot=" +
-           str(max_batch(p)) + ", got B=" + str(p.batch);
-  if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim)
-    return "rope_cos_sin rotary dim R must be even and <= head dim D=" + str(p.head_dim) +
-           ", got R=" + str(p.rotary_dim);
-  if (p.rope_batch != 1 && p.rope_batch != p.batch)
-    return "rope_cos_sin batch must be 1 or B=" + str(p.batch) + ", got " + str(p.rope_batch);
-  if (p.rope_seq_len < 0 || p.rope_seq_len > slot_capacity(p))
-    return "rope_cos_sin length S must be <= slot capacity pages_per_slot*P=" +
-           str(slot_capacity(p)) + ", got S=" + str(p.rope_seq_len);
-  bool const any_work = p.batch * p.delta_len * p.num_kv_heads * p.head_dim > 0;
-  if (any_work && (p.k_delta == nullptr || p.v_delta == nullptr || p.pool == nullptr ||
-                   p.delta_start_positions == nullptr || p.delta_lengths == nullptr))
-    return "null tensor pointer";
-  if (any_work && p.rotary_dim > 0 && p.rope_seq_len > 0 && p.rope_cos_sin == nullptr)
-    return "null rope_cos_sin pointer";
-  return {};
+// Offset (elements) of the k-norm weight row of a layer.
+DFLASH_HOST_DEVICE int64_t weight_offset(KVUpdateParams const& p, int64_t layer) {
+  return p.weight_per_layer ? layer * p.head_dim : 0;
 }
 
 }  // namespace dflash

@@ -1,115 +1,104 @@
-// _dflash_cpu: the XLA FFI handler of the update on CPU, and the same kernel for NumPy callers
-// (the ONNX reference runtime uses it).
+// _dflash_cpu: the XLA FFI handlers of both contracts on CPU, and the same kernel for NumPy
+// callers (the ONNX reference runtime uses it).
 #include <cstring>
 
+#include "array_operands.h"
 #include "dflash/kv_update_cpu.h"
-#include "ffi_params.h"
-#include "nanobind/nanobind.h"
-#include "nanobind/ndarray.h"
-#include "nanobind/stl/string.h"
-
-namespace nb = nanobind;
+#include "ffi_operands.h"
 
 namespace dflash::jax {
 namespace {
 
-ffi::Error target_kv_cache_update_cpu_impl(ffi::AnyBuffer k_delta, ffi::AnyBuffer v_delta,
-                                           ffi::AnyBuffer past_key_value,
-                                           ffi::Buffer<ffi::F32> rope_cos_sin,
-                                           ffi::Buffer<ffi::S32> delta_start_positions,
-                                           ffi::Buffer<ffi::S32> delta_lengths,
-                                           ffi::Result<ffi::AnyBuffer> present_key_value,
-                                           int64_t pages_per_slot) {
+ffi::Error run_cpu(Contract contract, std::vector<ffi::AnyBuffer> const& base, ffi::RemainingArgs extras,
+                   ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
   KVUpdateParams p;
-  if (ffi::Error e = params_from_buffers(k_delta, v_delta, past_key_value, rope_cos_sin,
-                                         delta_start_positions, delta_lengths, pages_per_slot, &p);
-      e.failure())
-    return e;
-  // The output aliases the pool; should XLA ever hand us two buffers, start from the pool.
-  if (present_key_value->untyped_data() != past_key_value.untyped_data())
-    std::memcpy(present_key_value->untyped_data(), past_key_value.untyped_data(),
-                past_key_value.size_bytes());
-  p.pool = present_key_value->untyped_data();
+  if (ffi::Error e = decode_call(contract, base, extras, *result, attrs, &p); e.failure()) return e;
+  // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked
+  // dims and dtype), start from the pool.
+  if (result->untyped_data() != base[2].untyped_data())
+    std::memcpy(result->untyped_data(), base[2].untyped_data(), base[2].size_bytes());
   target_kv_cache_update_cpu(p);
   return ffi::Error::Success();
 }
 
+ffi::Error slot_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
+                    ffi::AnyBuffer starts, ffi::AnyBuffer lengths, ffi::RemainingArgs extras,
+                    ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+  return run_cpu(Contract::kSlot, {k, v, pool, rope, starts, lengths}, extras, result, attrs);
+}
+
+ffi::Error paged_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
+                     ffi::AnyBuffer positions, ffi::AnyBuffer owners, ffi::AnyBuffer table,
+                     ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+  return run_cpu(Contract::kPaged, {k, v, pool, rope, positions, owners, table}, extras, result, attrs);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, target_kv_cache_update_cpu_impl,
-                              bind_update_operands(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, slot_cpu, bind_slot_call(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCpu, paged_cpu, bind_paged_call(ffi::Ffi::Bind()));
 
 namespace {
 
-using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
-
-DType dtype_from_name(std::string const& name) {
-  if (name == "float16") return DType::kFloat16;
-  if (name == "bfloat16") return DType::kBFloat16;
-  if (name == "float32") return DType::kFloat32;
-  throw nb::value_error(("dtype must be float16, bfloat16 or float32, got " + name).c_str());
-}
-
-// In-place update of a NumPy pool [2, numPages, P, H, D] (16-bit dtypes passed as uint16 views,
-// with `dtype` naming the real type). Same kernel as the custom call.
-void update_numpy(Array k_delta, Array v_delta, Array pool, Array rope_cos_sin,
-                  Array delta_start_positions, Array delta_lengths, int64_t pages_per_slot,
-                  std::string const& dtype) {
-  if (pool.ndim() != 5 || k_delta.ndim() != 4 || v_delta.ndim() != 4 || rope_cos_sin.ndim() != 3 ||
-      delta_start_positions.ndim() != 1 || delta_lengths.ndim() != 1)
-    throw nb::value_error("expected ranks k/v 4, pool 5, rope 3, positions/lengths 1");
-  KVUpdateParams p;
-  p.dtype = dtype_from_name(dtype);
-  int64_t const elem = dtype_bytes(p.dtype) * 8;
-  for (Array const* a : {&k_delta, &v_delta, &pool})
-    if (a->dtype().bits != elem) throw nb::type_error("k/v/pool element size does not match dtype");
-  if (rope_cos_sin.dtype() != nb::dtype<float>())
-    throw nb::type_error("rope_cos_sin must be float32");
-  if (delta_start_positions.dtype() != nb::dtype<int32_t>() ||
-      delta_lengths.dtype() != nb::dtype<int32_t>())
-    throw nb::type_error("delta_start_positions and delta_lengths must be int32");
-  p.batch = int64_t(k_delta.shape(0));
-  p.delta_len = int64_t(k_delta.shape(1));
-  p.num_kv_heads = int64_t(pool.shape(3));
-  p.head_dim = int64_t(pool.shape(4));
-  p.num_pages = int64_t(pool.shape(1));
-  p.page_size = int64_t(pool.shape(2));
-  p.pages_per_slot = pages_per_slot;
-  p.rope_batch = int64_t(rope_cos_sin.shape(0));
-  p.rope_seq_len = int64_t(rope_cos_sin.shape(1));
-  p.rotary_dim = int64_t(rope_cos_sin.shape(2));
-  for (size_t i = 0; i < 4; ++i)
-    if (k_delta.shape(i) != v_delta.shape(i)) throw nb::value_error("k_delta and v_delta differ in shape");
-  if (pool.shape(0) != 2 || int64_t(k_delta.shape(2)) != p.num_kv_heads ||
-      int64_t(k_delta.shape(3)) != p.head_dim)
-    throw nb::value_error("pool must be [2, numPages, P, H, D] with k_delta's H and D");
-  if (int64_t(delta_start_positions.shape(0)) != p.batch ||
-      int64_t(delta_lengths.shape(0)) != p.batch)
-    throw nb::value_error("delta_start_positions and delta_lengths must have B entries");
-  p.k_delta = k_delta.data();
-  p.v_delta = v_delta.data();
-  p.pool = pool.data();
-  p.rope_cos_sin = static_cast<float const*>(rope_cos_sin.data());
-  p.delta_start_positions = static_cast<int32_t const*>(delta_start_positions.data());
-  p.delta_lengths = static_cast<int32_t const*>(delta_lengths.data());
-  if (std::string const error = check_params(p); !error.empty()) throw nb::value_error(error.c_str());
+void run_numpy(KVUpdateParams const& p) {
   nb::gil_scoped_release release;
   target_kv_cache_update_cpu(p);
+}
+
+void update_slot_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
+                       nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale,
+                       nb::handle v_scale, nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm,
+                       float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kSlot;
+  attrs.pages_per_slot = pages_per_slot;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  std::vector<nb::ndarray<>> keep;
+  run_numpy(params_from_arrays<nb::device::cpu>(
+      attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale, v_scale,
+      k_norm_weight, delta_dtype, pool_dtype, keep));
+}
+
+void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
+                        nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
+                        nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
+                        float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kPaged;
+  attrs.ring = ring;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  std::vector<nb::ndarray<>> keep;
+  run_numpy(params_from_arrays<nb::device::cpu>(
+      attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
+      k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep));
 }
 
 }  // namespace
 }  // namespace dflash::jax
 
 NB_MODULE(_dflash_cpu, m) {
+  namespace nb = nanobind;
+  using namespace nb::literals;
   m.def("registrations", []() {
     nb::dict targets;
     targets["dflash_target_kv_cache_update"] =
         nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdateCpu));
+    targets["dflash_target_kv_cache_update_paged"] =
+        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCpu));
     return targets;
   });
-  m.def("target_kv_cache_update", &dflash::jax::update_numpy, nb::arg("k_delta"),
-        nb::arg("v_delta"), nb::arg("pool"), nb::arg("rope_cos_sin"),
-        nb::arg("delta_start_positions"), nb::arg("delta_lengths"), nb::arg("pages_per_slot"),
-        nb::arg("dtype"),
-        "Updates `pool` in place with the CPU kernel (16-bit dtypes as uint16 views).");
+  m.def("target_kv_cache_update", &dflash::jax::update_slot_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
+        "rope_cos_sin"_a, "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(),
+        "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a,
+        "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "",
+        "Updates `pool` in place with the CPU kernel (slot contract, docs/SPEC.md). bfloat16 and FP8\n"
+        "arrays are passed as uint16/uint8 views with delta_dtype/pool_dtype naming them.");
+  m.def("target_kv_cache_update_paged", &dflash::jax::update_paged_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
+        "rope_cos_sin"_a, "delta_positions"_a, "delta_token_to_sequence"_a, "kv_page_table"_a,
+        "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
+        "ring"_a = false, "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "",
+        "Updates `pool` in place with the CPU kernel (paged contract, docs/SPEC.md). bfloat16 and FP8\n"
+        "arrays are passed as uint16/uint8 views with delta_dtype/pool_dtype naming them.");
 }

@@ -1,104 +1,120 @@
-// _dflash_cuda: the XLA FFI handler of the update on CUDA. It translates the buffers into
-// KVUpdateParams and calls the launcher the TensorRT plugin calls too. Safe to capture into a
-// CUDA graph (XLA command buffers): it only enqueues work on XLA's stream.
+// _dflash_cuda: the XLA FFI handlers of both contracts on CUDA. They translate the buffers into
+// KVUpdateParams (operands.h) and call the launcher the TensorRT plugin calls too. Safe to capture
+// into a CUDA graph (XLA command buffers): they only enqueue work on XLA's stream. Also the raw
+// launcher over DLPack arrays (jax, torch, cupy), for benchmarks and the TensorRT parity tests.
 #include <cuda_runtime_api.h>
 
+#include "array_operands.h"
 #include "dflash/kv_update_cuda.h"
-#include "ffi_params.h"
-#include "nanobind/nanobind.h"
-
-namespace nb = nanobind;
+#include "ffi_operands.h"
 
 namespace dflash::jax {
 namespace {
 
-ffi::Error cuda_error(cudaError_t status) {
-  return ffi::Error::Internal(std::string("dflash_target_kv_cache_update: CUDA error: ") +
-                              cudaGetErrorString(status));
+ffi::Error cuda_error(Contract contract, cudaError_t status) {
+  return ffi::Error::Internal(std::string(target_name(contract)) + ": CUDA error: " + cudaGetErrorString(status));
 }
 
-ffi::Error target_kv_cache_update_cuda_impl(cudaStream_t stream, ffi::AnyBuffer k_delta,
-                                            ffi::AnyBuffer v_delta, ffi::AnyBuffer past_key_value,
-                                            ffi::Buffer<ffi::F32> rope_cos_sin,
-                                            ffi::Buffer<ffi::S32> delta_start_positions,
-                                            ffi::Buffer<ffi::S32> delta_lengths,
-                                            ffi::Result<ffi::AnyBuffer> present_key_value,
-                                            int64_t pages_per_slot) {
+ffi::Error run_cuda(Contract contract, cudaStream_t stream, std::vector<ffi::AnyBuffer> const& base,
+                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
   KVUpdateParams p;
-  if (ffi::Error e = params_from_buffers(k_delta, v_delta, past_key_value, rope_cos_sin,
-                                         delta_start_positions, delta_lengths, pages_per_slot, &p);
-      e.failure())
-    return e;
-  if (present_key_value->untyped_data() != past_key_value.untyped_data()) {
-    cudaError_t const copied = cudaMemcpyAsync(
-        present_key_value->untyped_data(), past_key_value.untyped_data(),
-        past_key_value.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    if (copied != cudaSuccess) return cuda_error(copied);
+  if (ffi::Error e = decode_call(contract, base, extras, *result, attrs, &p); e.failure()) return e;
+  // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked dims
+  // and dtype), start from the pool.
+  if (result->untyped_data() != base[2].untyped_data()) {
+    cudaError_t const copied = cudaMemcpyAsync(result->untyped_data(), base[2].untyped_data(), base[2].size_bytes(),
+                                               cudaMemcpyDeviceToDevice, stream);
+    if (copied != cudaSuccess) return cuda_error(contract, copied);
   }
-  p.pool = present_key_value->untyped_data();
   if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)
-    return cuda_error(status);
+    return cuda_error(contract, status);
   return ffi::Error::Success();
+}
+
+ffi::Error slot_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
+                     ffi::AnyBuffer starts, ffi::AnyBuffer lengths, ffi::RemainingArgs extras,
+                     ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+  return run_cuda(Contract::kSlot, stream, {k, v, pool, rope, starts, lengths}, extras, result, attrs);
+}
+
+ffi::Error paged_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool,
+                      ffi::AnyBuffer rope, ffi::AnyBuffer positions, ffi::AnyBuffer owners, ffi::AnyBuffer table,
+                      ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+  return run_cuda(Contract::kPaged, stream, {k, v, pool, rope, positions, owners, table}, extras, result, attrs);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCuda, target_kv_cache_update_cuda_impl,
-                              bind_update_operands(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCuda, slot_cuda,
+                              bind_slot_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCuda, paged_cuda,
+                              bind_paged_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-// The launcher over raw device pointers, for benchmarks and the TensorRT parity harness (callers
-// bring their own allocations, e.g. torch or cupy). Raises on invalid parameters or launch errors.
-void launch_raw(uintptr_t k_delta, uintptr_t v_delta, uintptr_t pool, uintptr_t rope_cos_sin,
-                uintptr_t delta_start_positions, uintptr_t delta_lengths, int32_t dtype,
-                int64_t num_layers, int64_t batch, int64_t delta_len, int64_t num_kv_heads,
-                int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t pages_per_slot,
-                int64_t rotary_dim, int64_t rope_batch, int64_t rope_seq_len, bool rope_per_layer,
-                bool positions_per_layer, uintptr_t stream) {
-  KVUpdateParams p;
-  p.k_delta = reinterpret_cast<void const*>(k_delta);
-  p.v_delta = reinterpret_cast<void const*>(v_delta);
-  p.pool = reinterpret_cast<void*>(pool);
-  p.rope_cos_sin = reinterpret_cast<float const*>(rope_cos_sin);
-  p.delta_start_positions = reinterpret_cast<int32_t const*>(delta_start_positions);
-  p.delta_lengths = reinterpret_cast<int32_t const*>(delta_lengths);
-  if (dtype < 0 || dtype > 2) throw nb::value_error("dtype code must be 0 (f16), 1 (bf16) or 2 (f32)");
-  p.dtype = static_cast<DType>(dtype);
-  p.num_layers = num_layers;
-  p.batch = batch;
-  p.delta_len = delta_len;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.num_pages = num_pages;
-  p.page_size = page_size;
-  p.pages_per_slot = pages_per_slot;
-  p.rotary_dim = rotary_dim;
-  p.rope_batch = rope_batch;
-  p.rope_seq_len = rope_seq_len;
-  p.rope_per_layer = rope_per_layer;
-  p.positions_per_layer = positions_per_layer;
-  if (std::string const error = check_params(p); !error.empty()) throw nb::value_error(error.c_str());
+namespace {
+
+void enqueue(KVUpdateParams const& p, uintptr_t stream) {
   cudaError_t const status = launch_target_kv_cache_update(p, reinterpret_cast<cudaStream_t>(stream));
-  if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
+  if (status != cudaSuccess) throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(status));
 }
 
+void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
+                 nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale, nb::handle v_scale,
+                 nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm, float norm_eps,
+                 std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kSlot;
+  attrs.pages_per_slot = pages_per_slot;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  std::vector<nb::ndarray<>> keep;
+  enqueue(params_from_arrays<nb::device::cuda>(
+              attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale,
+              v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
+          stream);
+}
+
+void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
+                  nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
+                  nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
+                  float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kPaged;
+  attrs.ring = ring;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  std::vector<nb::ndarray<>> keep;
+  enqueue(params_from_arrays<nb::device::cuda>(
+              attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
+              k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
+          stream);
+}
+
+}  // namespace
 }  // namespace dflash::jax
 
 NB_MODULE(_dflash_cuda, m) {
-  m.def("launch", &dflash::jax::launch_raw, nb::kw_only(), nb::arg("k_delta"), nb::arg("v_delta"),
-        nb::arg("pool"), nb::arg("rope_cos_sin"), nb::arg("delta_start_positions"),
-        nb::arg("delta_lengths"), nb::arg("dtype"), nb::arg("num_layers"), nb::arg("batch"),
-        nb::arg("delta_len"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("num_pages"),
-        nb::arg("page_size"), nb::arg("pages_per_slot"), nb::arg("rotary_dim"),
-        nb::arg("rope_batch"), nb::arg("rope_seq_len"), nb::arg("rope_per_layer") = false,
-        nb::arg("positions_per_layer") = false, nb::arg("stream") = 0,
-        "Enqueues the update kernel over raw device pointers (the launcher the JAX handler and "
-        "the TensorRT plugin call).");
+  namespace nb = nanobind;
+  using namespace nb::literals;
   m.def("registrations", []() {
     nb::dict targets;
     targets["dflash_target_kv_cache_update"] =
         nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdateCuda));
+    targets["dflash_target_kv_cache_update_paged"] =
+        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCuda));
     return targets;
   });
+  m.def("launch", &dflash::jax::launch_slot, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
+        "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
+        "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a, "v_norm"_a = false, "norm_eps"_a = 1e-6f,
+        "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
+        "Enqueues the slot-contract update on `stream` over CUDA arrays (DLPack: jax, torch, cupy); the\n"
+        "pool is updated in place. FP8 pools as uint8 views with pool_dtype naming them.");
+  m.def("launch_paged", &dflash::jax::launch_paged, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
+        "delta_positions"_a, "delta_token_to_sequence"_a, "kv_page_table"_a, "k_scale"_a = nb::none(),
+        "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(), "ring"_a = false,
+        "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
+        "Enqueues the paged-contract update on `stream` over CUDA arrays (DLPack: jax, torch, cupy); the\n"
+        "pool is updated in place. FP8 pools as uint8 views with pool_dtype naming them.");
 }

@@ -1,0 +1,447 @@
+// The CUDA kernel of the update, for both contracts, every delta/pool dtype pair and the fused
+// norms; included by the instantiation units kv_update_cuda_<pool>.cu. What is stored is
+// numerics.h, where it lands is kv_update.h.
+//
+// One thread owns one work item of one head of one token, for K and V alike: a rotate-half pair
+// of VEC-channel vectors (channels c and c + R/2, so each key element is read once and each
+// cos/sin entry once per head), or one pass-through vector past R. A block is (items of one head,
+// heads, tokens): threadIdx.x walks a head's items, threadIdx.y heads, threadIdx.z tokens;
+// grid.y is the slot (slot contract) and grid.z the layer, so no thread divides to find its token:
+// at decode sizes the index math before the first load is a visible part of the kernel's time.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "dflash/kv_update_cuda.h"
+#include "dflash/numerics.h"
+
+// Tuning knobs, set with -D (bench/kernel_variants builds variants this way).
+#ifndef DFLASH_BLOCK_THREADS
+#define DFLASH_BLOCK_THREADS 128  // ties 256 at decode sizes, best at the bandwidth-bound ones
+#endif
+#ifndef DFLASH_STREAMING_STORES
+#define DFLASH_STREAMING_STORES 1  // pool rows are not read again by this kernel
+#endif
+#ifndef DFLASH_MAX_VEC_BYTES
+#define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
+#endif
+
+namespace dflash {
+namespace kernel {
+
+// Element types, as tags with their storage bits and conversions.
+struct F16 {
+  using Bits = uint16_t;
+  static constexpr DType kDType = DType::kFloat16;
+  static __device__ __forceinline__ float decode(Bits b) { return float16_bits_to_float(b); }
+  static __device__ __forceinline__ Bits encode(float f) { return float_to_float16_bits(f); }
+};
+struct BF16 {
+  using Bits = uint16_t;
+  static constexpr DType kDType = DType::kBFloat16;
+  static __device__ __forceinline__ float decode(Bits b) { return bfloat16_bits_to_float(b); }
+  static __device__ __forceinline__ Bits encode(float f) { return float_to_bfloat16_bits(f); }
+};
+struct F32 {
+  using Bits = uint32_t;
+  static constexpr DType kDType = DType::kFloat32;
+  static __device__ __forceinline__ float decode(Bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ Bits encode(float f) { return float_to_float32_bits(f); }
+};
+struct E4M3 {
+  using Bits = uint8_t;
+  static constexpr DType kDType = DType::kFloat8E4M3;
+  static __device__ __forceinline__ Bits encode(float f) { return float_to_e4m3_bits(f); }
+};
+struct E5M2 {
+  using Bits = uint8_t;
+  static constexpr DType kDType = DType::kFloat8E5M2;
+  static __device__ __forceinline__ Bits encode(float f) { return float_to_e5m2_bits(f); }
+};
+template <typename T>
+inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+// VEC elements moved as one or two aligned words (at most 16 bytes per memory instruction).
+template <typename Bits, int VEC>
+struct alignas(sizeof(Bits) * VEC > 16 ? 16 : sizeof(Bits) * VEC) Pack {
+  Bits v[VEC];
+};
+
+template <int BYTES> struct Word;
+template <> struct Word<16> { using type = uint4; };
+template <> struct Word<8> { using type = uint2; };
+template <> struct Word<4> { using type = unsigned int; };
+template <> struct Word<2> { using type = unsigned short; };
+template <> struct Word<1> { using type = unsigned char; };
+
+template <typename P>
+__device__ __forceinline__ P load_pack(void const* ptr) {
+  constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
+  using W = typename Word<kBytes>::type;
+  P pack;
+  W const* src = static_cast<W const*>(ptr);
+  W* dst = reinterpret_cast<W*>(&pack);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(P)) / kBytes; ++i) dst[i] = src[i];
+  return pack;
+}
+
+template <typename P>
+__device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
+  constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
+  using W = typename Word<kBytes>::type;
+  W* dst = static_cast<W*>(ptr);
+  W const* src = reinterpret_cast<W const*>(&pack);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(P)) / kBytes; ++i) {
+#if DFLASH_STREAMING_STORES
+    __stcs(dst + i, src[i]);
+#else
+    dst[i] = src[i];
+#endif
+  }
+}
+
+// Launch geometry. A head row of D channels is cut into work items of VEC channels: the first
+// R / (2 VEC) items each own a rotate-half pair, the rest one pass-through vector.
+struct Geometry {
+  uint32_t head_items;   // R / (2 VEC) + (D - R) / VEC
+  uint32_t pair_items;   // R / (2 VEC)
+  uint32_t item_chunks;  // blocks along one head's items (1 unless a head is very wide)
+  uint32_t head_groups;  // blocks along (heads x item chunks) per token chunk
+  uint32_t slot_base;    // first slot of this launch (grids are at most 65535 slots tall)
+  uint32_t layer_base;   // first layer of this launch (and 65535 layers deep)
+  bool rope_float4;      // cos/sin rows can be read 16 bytes at a time
+  // The fused norms' sum of squares by a butterfly over the head's items (each owning chunks c
+  // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
+  bool norm_butterfly;
+};
+
+template <int VEC>
+__device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin, bool float4_ok,
+                                             float (&c)[VEC], float (&s)[VEC]) {
+  if constexpr (VEC % 4 == 0) {
+    if (float4_ok) {
+#pragma unroll
+      for (int i = 0; i < VEC; i += 4) {
+        float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
+        float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
+        c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+        s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
+}
+
+// The inverse RMS of one head for the fused norms. Butterfly: this thread's own chunks (its pair
+// of VEC = 8 channel vectors: chunks c and c + G of 2G) summed, then an xor butterfly over the G
+// lanes of the head; every lane ends with the canonical sum (float addition commutes exactly).
+// Otherwise: the whole row, read again from memory, in the same order.
+template <typename Delta, int VEC>
+__device__ __forceinline__ float head_inverse_rms(KVUpdateParams const& p, Geometry const& g,
+                                                  float const (&x0)[VEC], float const (&x1)[VEC],
+                                                  typename Delta::Bits const* row) {
+  float sum;
+  if (g.norm_butterfly) {
+    auto own = [](float const (&x)[VEC]) {
+      float s = mul_rn(x[0], x[0]);
+#pragma unroll
+      for (int i = 1; i < VEC; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
+      return s;
+    };
+    sum = add_rn(own(x0), own(x1));
+    uint32_t const lanes = g.head_items;  // a power of two <= 32, aligned within the warp
+    uint32_t const lane = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
+    uint32_t const mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~(lanes - 1u));
+    for (uint32_t offset = lanes / 2; offset > 0; offset /= 2)
+      sum = add_rn(sum, __shfl_xor_sync(mask, sum, offset));
+  } else {
+    sum = sum_squares([row](int64_t j) { return Delta::decode(row[j]); }, p.head_dim);
+  }
+  return inverse_rms(sum, p.head_dim, p.norm_eps);
+}
+
+// x[i] <- the normed value of channel `channel + i` (SPEC.md "Fused norms" 4-5).
+template <typename Delta, int VEC>
+__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const* weight) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    float u = Delta::decode(Delta::encode(mul_rn(x[i], inv_rms)));
+    if (weight != nullptr) u = Delta::decode(Delta::encode(mul_rn(u, Delta::decode(weight[i]))));
+    x[i] = u;
+  }
+}
+
+template <typename Pool, int VEC>
+__device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC], float inv_scale) {
+  Pack<typename Pool::Bits, VEC> out;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    if constexpr (kIsFp8<Pool>)
+      out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
+    else
+      out.v[i] = Pool::encode(y[i]);
+  }
+  return out;
+}
+
+// NORM: either fused norm is on (a template parameter so that the plain kernels carry none of
+// its registers or its stack).
+template <Contract C, typename Delta, typename Pool, int VEC, bool NORM>
+__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Geometry g) {
+  using DBits = typename Delta::Bits;
+  using PBits = typename Pool::Bits;
+  using DPack = Pack<DBits, VEC>;
+  constexpr bool kSame = std::is_same_v<Delta, Pool>;
+  constexpr bool kSlot = C == Contract::kSlot;
+
+  uint32_t const b = kSlot ? g.slot_base + blockIdx.y : 0;
+  uint32_t const layer = g.layer_base + blockIdx.z;
+  uint32_t token_chunk = blockIdx.x, group = 0;
+  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
+    token_chunk = blockIdx.x / g.head_groups;
+    group = blockIdx.x - token_chunk * g.head_groups;
+  }
+  uint32_t const t = token_chunk * blockDim.z + threadIdx.z;
+
+  // The addressing data first: every store waits for it, so its loads leave before anything else.
+  int64_t start = 0, length = 0, owner = -1, pos = -1;
+  if constexpr (kSlot) {
+    start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+    length = __ldg(p.delta_lengths + position_index(p, layer, b));
+  }
+  uint32_t const tokens = uint32_t(kSlot ? p.delta_len : p.num_tokens);
+  if constexpr (!kSlot) {
+    if (t < tokens) {
+      owner = __ldg(p.token_to_sequence + position_index(p, layer, t));
+      pos = __ldg(p.delta_positions + position_index(p, layer, t));
+    }
+  }
+
+  uint32_t h = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
+  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
+    h = group / g.item_chunks;
+    head_item += (group - h * g.item_chunks) * blockDim.x;
+  }
+  if (t >= tokens || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items) return;
+  bool const pair = head_item < g.pair_items;
+  int64_t const half = p.rotary_dim / 2;
+  // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
+  int64_t const channel =
+      pair ? int64_t(head_item) * VEC : p.rotary_dim + int64_t(head_item - g.pair_items) * VEC;
+  int64_t const head_start = delta_token_offset(p, layer, b, t) + int64_t(h) * p.head_dim;
+  int64_t const src = head_start + channel;
+
+  DBits const* k_delta = static_cast<DBits const*>(p.k_delta);
+  DBits const* v_delta = static_cast<DBits const*>(p.v_delta);
+  // Every load that does not depend on the addressing data is issued before waiting for it: the
+  // delta rows are always in bounds. Plain (cached) loads: at decode the deltas were just written
+  // by the projection and are likely still in L2.
+  DPack k0 = load_pack<DPack>(k_delta + src);
+  DPack const v0 = load_pack<DPack>(v_delta + src);
+  DPack k1, v1;
+  if (pair) {
+    k1 = load_pack<DPack>(k_delta + src + half);
+    v1 = load_pack<DPack>(v_delta + src + half);
+  }
+  // Paged rope rows are token-aligned: known before the page table is read.
+  float c[VEC], s[VEC];
+  if (!kSlot && pair) {
+    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, 0, t) + channel;
+    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+  }
+
+  PoolRows rows;
+  if constexpr (kSlot) {
+    pos = written_position(start, length, t, slot_capacity(p));
+    rows = slot_rows(p, b, pos);
+  } else {
+    int64_t const entry = page_table_index(p, layer, owner, pos);
+    if (entry >= 0)
+      rows = paged_rows(p, __ldg(p.page_table + entry), __ldg(p.page_table + entry + p.table_pages), pos);
+  }
+  // Uniform over a head's items (one token), so a butterfly below never loses lanes.
+  if (rows.k_row < 0) return;
+
+  bool const rotate = pair && (kSlot ? pos < p.rope_seq_len : true);
+  if (kSlot && rotate) {
+    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
+    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+  }
+
+  PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+  int64_t const stride = token_stride(p);
+  PBits* const k_dst = layer_pool + rows.k_row * stride + int64_t(h) * p.head_dim + channel;
+  PBits* const v_dst = layer_pool + rows.v_row * stride + int64_t(h) * p.head_dim + channel;
+  float inv_k = 1.0f, inv_v = 1.0f;
+  if constexpr (kIsFp8<Pool>) {
+    inv_k = div_rn(1.0f, __ldg(p.k_scale + scale_index(p, layer, h)));
+    inv_v = div_rn(1.0f, __ldg(p.v_scale + scale_index(p, layer, h)));
+  }
+
+  // ---- keys ----
+  bool const k_norm = NORM && p.k_norm, v_norm = NORM && p.v_norm;
+  bool const k_copy = kSame && !k_norm && !rotate;
+  if (k_copy) {
+    store_pack(k_dst, *reinterpret_cast<Pack<PBits, VEC> const*>(&k0));
+    if (pair) store_pack(k_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&k1));
+  } else {
+    float x0[VEC], x1[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x0[i] = Delta::decode(k0.v[i]), x1[i] = pair ? Delta::decode(k1.v[i]) : 0.0f;
+    if constexpr (NORM) {
+      if (k_norm) {
+        float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, k_delta + head_start);
+        DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
+        apply_norm<Delta, VEC>(x0, inv_rms, weight);
+        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, weight + half);
+      }
+    }
+    if (rotate) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        float const a = x0[i], b1 = x1[i];
+        x0[i] = rope_channel(a, b1, c[i], s[i], /*first_half=*/true);
+        x1[i] = rope_channel(b1, a, c[i], s[i], /*first_half=*/false);
+      }
+    }
+    store_pack(k_dst, encode_pack<Pool, VEC>(x0, inv_k));
+    if (pair) store_pack(k_dst + half, encode_pack<Pool, VEC>(x1, inv_k));
+  }
+
+  // ---- values ----
+  if (kSame && !v_norm) {
+    store_pack(v_dst, *reinterpret_cast<Pack<PBits, VEC> const*>(&v0));
+    if (pair) store_pack(v_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&v1));
+  } else {
+    float x0[VEC], x1[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x0[i] = Delta::decode(v0.v[i]), x1[i] = pair ? Delta::decode(v1.v[i]) : 0.0f;
+    if constexpr (NORM) {
+      if (v_norm) {
+        float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, v_delta + head_start);
+        apply_norm<Delta, VEC>(x0, inv_rms, nullptr);
+        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, nullptr);
+      }
+    }
+    store_pack(v_dst, encode_pack<Pool, VEC>(x0, inv_v));
+    if (pair) store_pack(v_dst + half, encode_pack<Pool, VEC>(x1, inv_v));
+  }
+}
+
+inline bool aligned(void const* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+inline int multiprocessor_count() {
+  static int const count = [] {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      sms = 132;
+    return sms;
+  }();
+  return count;
+}
+
+// Whether the fused norms can use the butterfly: VEC = 8 = the norm chunk, every channel in a
+// rotate-half pair (R = D), D = 8 * 2G with G a power of two <= 32 (so a head's G items are lanes
+// of one warp, aligned).
+inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
+  if (vec != kNormChunk || p.rotary_dim != p.head_dim || p.head_dim % (2 * kNormChunk) != 0) return false;
+  int64_t const lanes = p.head_dim / (2 * kNormChunk);
+  return lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
+}
+
+template <Contract C, typename Delta, typename Pool, int VEC>
+cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
+  bool const norm = p.k_norm || p.v_norm;
+  constexpr int64_t kBlockThreads = DFLASH_BLOCK_THREADS;
+  constexpr int64_t kMaxGridYZ = 65535;
+  int64_t const head_items = p.rotary_dim / (2 * VEC) + (p.head_dim - p.rotary_dim) / VEC;
+  Geometry g;
+  g.head_items = uint32_t(head_items);
+  g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
+  g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
+  g.norm_butterfly = (p.k_norm || p.v_norm) && butterfly_fits(p, VEC);
+  int64_t const items_x = std::min(head_items, kBlockThreads);
+  int64_t const item_chunks = (head_items + items_x - 1) / items_x;
+  int64_t const heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;
+  int64_t const head_groups = (p.num_kv_heads + heads_y - 1) / heads_y * item_chunks;
+  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
+  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
+  // Several tokens per block when a token has few items, but small updates (decode) spread over
+  // every multiprocessor: there, latency, not bandwidth, sets the time.
+  int64_t const max_tokens = std::max<int64_t>(1, kBlockThreads / (items_x * heads_y));
+  int64_t const blocks_wanted = 2 * int64_t(multiprocessor_count());
+  int64_t const token_blocks = p.num_layers * sequences * tokens * head_groups;
+  int64_t const spread = (token_blocks + blocks_wanted - 1) / blocks_wanted;
+  int64_t const tokens_z = std::max<int64_t>(1, std::min({max_tokens, spread, tokens}));
+  int64_t const grid_x = (tokens + tokens_z - 1) / tokens_z * head_groups;
+  if (grid_x >= (int64_t(1) << 31) || sequences >= (int64_t(1) << 31) || p.num_layers >= (int64_t(1) << 31) ||
+      tokens >= (int64_t(1) << 32))
+    return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
+  g.item_chunks = uint32_t(item_chunks);
+  g.head_groups = uint32_t(head_groups);
+  dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
+  // Slots and layers beyond a grid's 65535 go to further launches.
+  for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {
+    for (int64_t slot = 0; slot < sequences; slot += kMaxGridYZ) {
+      g.slot_base = uint32_t(slot);
+      g.layer_base = uint32_t(layer);
+      dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
+                      unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
+      if (norm)
+        update_kernel<C, Delta, Pool, VEC, true><<<grid, block, 0, stream>>>(p, g);
+      else
+        update_kernel<C, Delta, Pool, VEC, false><<<grid, block, 0, stream>>>(p, g);
+      if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
+    }
+  }
+  return cudaSuccess;
+}
+
+// The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
+// divides the head and the rotary half and that every tensor's alignment allows.
+template <Contract C, typename Delta, typename Pool>
+cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
+  auto fits = [&](int vec) {
+    auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
+    int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
+    return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
+           aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) && aligned(p.pool, bytes(pool));
+  };
+  if (fits(8)) return launch<C, Delta, Pool, 8>(p, stream);
+  if (fits(2)) return launch<C, Delta, Pool, 2>(p, stream);
+  return launch<C, Delta, Pool, 1>(p, stream);
+}
+
+}  // namespace kernel
+}  // namespace dflash
+
+// The dispatcher (kv_update_cuda.cu) only declares these; the units below define them.
+#define DFLASH_DECLARE_POOL(POOL)                                                                            \
+  namespace dflash::kernel {                                                                                   \
+  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
+  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t); \
+  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
+  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t); \
+  }
+
+// Explicit instantiations for one pool type (one translation unit per pool type keeps the build
+// parallel).
+#define DFLASH_INSTANTIATE_POOL(POOL)                                                                          \
+  namespace dflash::kernel {                                                                                   \
+  template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);         \
+  template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t);        \
+  template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);         \
+  template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t);        \
+  template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t);       \
+  template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t);        \
+  }

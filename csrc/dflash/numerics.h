@@ -1,0 +1,227 @@
+// What is stored: RoPE, the fused norms' arithmetic, conversions to the pool dtypes with the
+// canonical NaN, and FP8 rounding with saturation (docs/SPEC.md, "What is stored", "Fused norms",
+// "FP8 pools"). Host and device share every function here, so the CPU kernel, the CUDA kernel and
+// the NumPy reference (jax_dflash/reference.py) produce the same bits.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "dflash/kv_update.h"
+
+#include <cmath>
+
+#include "dflash/float_bits.h"  // the host conversions (the device uses the intrinsics)
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace dflash {
+
+// ---- bits ---------------------------------------------------------------------------------------
+
+DFLASH_HOST_DEVICE uint32_t bits_of(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+DFLASH_HOST_DEVICE float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+DFLASH_HOST_DEVICE bool is_nan(float f) { return (bits_of(f) & 0x7fffffffu) > 0x7f800000u; }
+
+// Canonical quiet NaNs: what every computed or converted NaN is stored as (x86 keeps payloads,
+// CUDA makes its own; without this the runtimes would disagree on NaN inputs).
+inline constexpr uint16_t kFloat16NaN = 0x7e00u;
+inline constexpr uint16_t kBFloat16NaN = 0x7fc0u;
+inline constexpr uint32_t kFloat32NaN = 0x7fc00000u;
+inline constexpr uint8_t kFloat8NaN = 0x7fu;
+
+// ---- float32 arithmetic, each operation rounded on its own ----------------------------------------
+// Never fused into an FMA (the CPU code is built with -ffp-contract=off, the CUDA code with
+// --fmad=false, and these say so explicitly on the device).
+
+DFLASH_HOST_DEVICE float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+DFLASH_HOST_DEVICE float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+DFLASH_HOST_DEVICE float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+DFLASH_HOST_DEVICE float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------------
+
+// Rotate-half RoPE for one channel j < R of a key:
+//   j <  R/2: y[j] = x[j] * c - x[j + R/2] * s
+//   j >= R/2: y[j] = x[j] * c + x[j - R/2] * s
+// with c = cos_sin[.., j mod R/2] and s = cos_sin[.., R/2 + j mod R/2]; `partner` is the other
+// channel of the pair.
+DFLASH_HOST_DEVICE float rope_channel(float x, float partner, float c, float s, bool first_half) {
+  float const rotated = mul_rn(partner, s);
+  return add_rn(mul_rn(x, c), first_half ? -rotated : rotated);
+}
+
+// ---- 16/32-bit storage --------------------------------------------------------------------------
+
+DFLASH_HOST_DEVICE float float16_bits_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  return float16_to_float(h);
+#endif
+}
+DFLASH_HOST_DEVICE float bfloat16_bits_to_float(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
+DFLASH_HOST_DEVICE uint16_t float_to_float16_bits(float f) {
+  if (is_nan(f)) return kFloat16NaN;
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  return float_to_float16(f);
+#endif
+}
+DFLASH_HOST_DEVICE uint16_t float_to_bfloat16_bits(float f) {
+  if (is_nan(f)) return kBFloat16NaN;
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+  return float_to_bfloat16(f);
+#endif
+}
+DFLASH_HOST_DEVICE uint32_t float_to_float32_bits(float f) {
+  return is_nan(f) ? kFloat32NaN : bits_of(f);
+}
+
+// The float32 value after a rounding to `dtype` (a delta dtype), with the canonical NaN: the
+// fused norms' intermediate values live in the delta dtype.
+DFLASH_HOST_DEVICE float round_to(DType dtype, float f) {
+  switch (dtype) {
+    case DType::kFloat16: return float16_bits_to_float(float_to_float16_bits(f));
+    case DType::kBFloat16: return bfloat16_bits_to_float(float_to_bfloat16_bits(f));
+    default: return float_of(float_to_float32_bits(f));
+  }
+}
+
+// ---- FP8: round to nearest even, saturate to the largest finite value, NaN -> 0x7F ---------------
+
+// MANT mantissa bits, exponent bias BIAS, MAX_CODE the largest finite magnitude's code.
+template <int MANT, int BIAS, uint32_t MAX_CODE>
+DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
+  constexpr uint32_t kMantMask = (1u << MANT) - 1u;
+  constexpr uint32_t kShift = 23 - MANT;
+  // MAX_CODE's value and the smallest normal, as float32 bits.
+  constexpr uint32_t kMaxBits = (((MAX_CODE >> MANT) - BIAS + 127u) << 23) | ((MAX_CODE & kMantMask) << kShift);
+  constexpr uint32_t kMinNormalBits = uint32_t(1 - BIAS + 127) << 23;
+  // Adding 2^(23 + 1 - BIAS - MANT) to a magnitude below the smallest normal rounds it (to nearest
+  // even, by the float add) to a multiple of the subnormal step 2^(1 - BIAS - MANT).
+  constexpr uint32_t kSubnormalMagicBits = uint32_t(23 + 1 - BIAS - MANT + 127) << 23;
+  uint32_t const u = bits_of(f);
+  uint32_t const sign = (u >> 24) & 0x80u;
+  uint32_t const a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return kFloat8NaN;
+  // Anything at or above the largest finite value (infinity included) saturates; below it,
+  // rounding cannot go past it.
+  if (a >= kMaxBits) return uint8_t(sign | MAX_CODE);
+  if (a >= kMinNormalBits) {
+    uint32_t const r = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
+    uint32_t const exponent = (r >> 23) - 127u + BIAS;
+    return uint8_t(sign | (exponent << MANT) | ((r >> kShift) & kMantMask));
+  }
+  float const rounded = add_rn(float_of(a), float_of(kSubnormalMagicBits));
+  return uint8_t(sign | (bits_of(rounded) - kSubnormalMagicBits));
+}
+DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits(float f) { return float_to_fp8_bits<3, 7, 0x7eu>(f); }
+DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits(float f) { return float_to_fp8_bits<2, 15, 0x7bu>(f); }
+
+// ---- fused norms --------------------------------------------------------------------------------
+
+inline constexpr int64_t kNormChunk = 8;  // channels summed left to right before the tree
+
+// Sum of x(j)^2 for j in [8c, min(8c + 8, D)): the chunk's squares, left to right. `x` is any
+// callable giving channel j's float32 value (an array, or a decoding load from memory).
+template <typename Values>
+DFLASH_HOST_DEVICE float chunk_sum_squares(Values const& x, int64_t chunk, int64_t head_dim) {
+  int64_t const begin = chunk * kNormChunk;
+  int64_t const end = begin + kNormChunk < head_dim ? begin + kNormChunk : head_dim;
+  float const first = x(begin);
+  float s = mul_rn(first, first);
+  for (int64_t j = begin + 1; j < end; ++j) {
+    float const v = x(j);
+    s = add_rn(s, mul_rn(v, v));
+  }
+  return s;
+}
+
+// The number of chunk sums the tree works on: ceil(D / 8) rounded up to a power of two.
+DFLASH_HOST_DEVICE int64_t norm_tree_leaves(int64_t head_dim) {
+  int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
+  int64_t leaves = 1;
+  while (leaves < chunks) leaves *= 2;
+  return leaves;
+}
+
+// The sum of squares of x(0 .. D) in SPEC.md's order: chunk sums s[c] (zero past the last chunk),
+// then halving, s[c] += s[c + h] for h = leaves/2 .. 1. That tree is evaluated here leaf by leaf in
+// bit-reversed order with a binary-counter stack (no array of chunk sums): the same additions on
+// the same operands, for any D, with log2(leaves) + 1 floats of state. (The CUDA kernel's fast path
+// gets the same tree from a warp butterfly.)
+template <typename Values>
+DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
+  int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
+  int64_t const leaves = norm_tree_leaves(head_dim);
+  int levels = 0;
+  while ((int64_t(1) << levels) < leaves) ++levels;
+  float stack[64];
+  int top = 0;
+  for (int64_t k = 0; k < leaves; ++k) {
+    int64_t chunk = 0;  // k bit-reversed over `levels` bits
+    for (int i = 0; i < levels; ++i) chunk |= ((k >> i) & 1) << (levels - 1 - i);
+    stack[top++] = chunk < chunks ? chunk_sum_squares(x, chunk, head_dim) : 0.0f;
+    for (int64_t m = k + 1; (m & 1) == 0; m >>= 1) {
+      float const right = stack[--top];
+      float const left = stack[--top];
+      stack[top++] = add_rn(left, right);
+    }
+  }
+  return stack[0];
+}
+
+// 1 / sqrt(sum / D + eps), each operation rounded.
+DFLASH_HOST_DEVICE float inverse_rms(float sum, int64_t head_dim, float eps) {
+  return div_rn(1.0f, sqrt_rn(add_rn(div_rn(sum, float(head_dim)), eps)));
+}
+
+}  // namespace dflash

@@ -1,0 +1,398 @@
+#include "dflash/operands.h"
+
+#include <cmath>
+#include <string>
+
+namespace dflash {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+bool known(int64_t d) { return d != kUnknownDim; }
+// Equal, or one side not known yet.
+bool same(int64_t a, int64_t b) { return !known(a) || !known(b) || a == b; }
+
+std::string dims_text(TensorDesc const& t) {
+  std::string text = "[";
+  for (int32_t i = 0; i < t.rank && i < kMaxRank; ++i)
+    text += (i ? ", " : "") + (known(t.dims[i]) ? str(t.dims[i]) : std::string("?"));
+  return text + "]";
+}
+
+char const* const kSlotNames[] = {"k_delta",      "v_delta",              "past_key_value",
+                                  "rope_cos_sin", "delta_start_positions", "delta_lengths"};
+char const* const kPagedNames[] = {"k_delta",         "v_delta",
+                                   "past_key_value",  "rope_cos_sin",
+                                   "delta_positions", "delta_token_to_sequence",
+                                   "kv_page_table"};
+
+// Operand indices shared by both contracts.
+constexpr int32_t kKDelta = 0, kVDelta = 1, kPool = 2, kRope = 3;
+
+// Whether the operands carry k_scale and v_scale: decided by the count (the pool's dtype must
+// then agree). -1 when the count fits no layout.
+int32_t scale_operands(UpdateAttrs const& attrs, int32_t count) {
+  int32_t const extras = count - base_operand_count(attrs.contract) - (attrs.k_norm ? 1 : 0);
+  return extras == 0 || extras == 2 ? extras : -1;
+}
+
+// The checks of one operand: a small fluent helper that records the first failure.
+class Checker {
+ public:
+  Checker(TensorDesc const* operands, UpdateAttrs const& attrs, int32_t count)
+      : ops_(operands), attrs_(attrs), count_(count) {}
+
+  bool ok() const { return error_.empty(); }
+  std::string const& error() const { return error_; }
+  TensorDesc const& op(int32_t i) const { return ops_[i]; }
+  char const* name(int32_t i) const { return operand_name(attrs_, i, count_); }
+
+  bool fail(int32_t i, std::string const& message) {
+    if (error_.empty()) error_ = std::string(name(i)) + ": " + message;
+    return false;
+  }
+  bool fail_shape(int32_t i, std::string const& expected) {
+    return fail(i, "expected " + expected + ", got shape " + dims_text(op(i)));
+  }
+  bool dtype(int32_t i, DType wanted, char const* why = nullptr) {
+    if (op(i).dtype == wanted) return true;
+    return fail(i, std::string("expected dtype ") + dtype_name(wanted) + (why ? why : "") + ", got " +
+                       dtype_name(op(i).dtype));
+  }
+  bool dims_valid(int32_t i) {
+    TensorDesc const& t = op(i);
+    if (t.rank < 0 || t.rank > kMaxRank) return fail(i, "rank " + str(t.rank) + " is not supported");
+    for (int32_t d = 0; d < t.rank; ++d)
+      if (t.dims[d] < 0 && known(t.dims[d])) return fail_shape(i, "non-negative dimensions");
+    return true;
+  }
+
+ private:
+  TensorDesc const* ops_;
+  UpdateAttrs const& attrs_;
+  int32_t count_;
+  std::string error_;
+};
+
+// Element count of t, or -1 when it overflows int64 (unknown dims count as 0).
+int64_t element_count(TensorDesc const& t) {
+  int64_t n = 1;
+  for (int32_t d = 0; d < t.rank; ++d) {
+    int64_t const dim = known(t.dims[d]) ? t.dims[d] : 0;
+    if (__builtin_mul_overflow(n, dim, &n)) return -1;
+  }
+  return n;
+}
+
+}  // namespace
+
+char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count) {
+  int32_t const base = base_operand_count(attrs.contract);
+  if (index < 0) return "operand";
+  if (index < base) return attrs.contract == Contract::kSlot ? kSlotNames[index] : kPagedNames[index];
+  if (index == count) return "present_key_value";
+  int32_t const scales = scale_operands(attrs, count);
+  int32_t extra = index - base;
+  if (scales == 2) {
+    if (extra == 0) return "k_scale";
+    if (extra == 1) return "v_scale";
+    extra -= 2;
+  }
+  if (attrs.k_norm && extra == 0) return "k_norm_weight";
+  return "operand";
+}
+
+std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t count, DType given,
+                                DType delta_dtype, DType pool_dtype) {
+  std::string const name = operand_name(attrs, index, count);
+  int32_t const base = base_operand_count(attrs.contract);
+  int32_t const scales = scale_operands(attrs, count);
+  auto expect = [&](DType wanted, char const* why) -> std::string {
+    if (given == wanted) return {};
+    return name + ": expected dtype " + dtype_name(wanted) + why + ", got " + dtype_name(given);
+  };
+  if (index == kKDelta) {
+    if (is_delta_dtype(given)) return {};
+    return name + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
+  }
+  if (index == kVDelta) return expect(delta_dtype, " (k_delta's: k and v must agree)");
+  if (index == kPool || index == count) {
+    if (!is_pool_dtype(given))
+      return name + ": expected dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got " +
+             dtype_name(given);
+    if (index == count && given != pool_dtype)
+      return expect(pool_dtype, " (past_key_value's: the output is the pool)");
+    if (is_fp8(given) && scales != 2)
+      return name + ": an FP8 pool (" + dtype_name(given) + ") needs the k_scale and v_scale operands";
+    if (!is_fp8(given) && scales == 2)
+      return name + ": k_scale and v_scale are given, so an FP8 pool is expected, got " + dtype_name(given);
+    return {};
+  }
+  if (index == kRope) return expect(DType::kFloat32, "");
+  if (index < base) return expect(DType::kInt32, "");
+  if (scales == 2 && index < base + 2) return expect(DType::kFloat32, "");
+  if (attrs.k_norm && index == count - 1) return expect(delta_dtype, " (k_delta's)");
+  return name + ": unexpected operand " + std::to_string(index) + " of " + std::to_string(count);
+}
+
+std::string check_params(KVUpdateParams const& p) {
+  bool const slot = p.contract == Contract::kSlot;
+  if (p.num_layers < 1) return "num_layers: expected >= 1, got " + str(p.num_layers);
+  if (p.batch < 0 || p.delta_len < 0 || p.num_tokens < 0 || p.num_kv_heads < 0 || p.head_dim < 0 ||
+      p.num_pages < 0 || p.table_pages < 0 || p.rope_seq_len < 0 || p.rope_batch < 0)
+    return "dimensions must be non-negative";
+  if (p.page_size <= 0)
+    return "past_key_value: expected page size P (dim 2) > 0, got " + str(p.page_size);
+  if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim)
+    return "rope_cos_sin: rotary dim R must be even and <= head dim D = " + str(p.head_dim) + ", got R = " +
+           str(p.rotary_dim);
+  if (slot) {
+    if (p.pages_per_slot <= 0)
+      return "pages_per_slot: expected an int > 0, got " + str(p.pages_per_slot);
+    if (p.num_pages % p.pages_per_slot != 0)
+      return "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = " + str(p.pages_per_slot) +
+             ", got numPages = " + str(p.num_pages);
+    if (p.batch > max_batch(p))
+      return "k_delta: batch B must be <= the pool's slots numPages / pages_per_slot = " + str(max_batch(p)) +
+             ", got B = " + str(p.batch);
+    if (p.rope_batch != 1 && p.rope_batch != p.batch)
+      return "rope_cos_sin: batch Rb must be 1 or B = " + str(p.batch) + ", got " + str(p.rope_batch);
+    int64_t capacity;
+    if (__builtin_mul_overflow(p.pages_per_slot, p.page_size, &capacity))
+      return "pages_per_slot: pages_per_slot * P overflows int64";
+    if (p.rope_seq_len > capacity)
+      return "rope_cos_sin: length S must be <= the slot capacity pages_per_slot * P = " + str(capacity) +
+             ", got S = " + str(p.rope_seq_len);
+  } else {
+    if (p.table_pages > p.num_pages)
+      return "kv_page_table: pages per sequence M (last dim) must be <= numPages N = " + str(p.num_pages) +
+             ", got M = " + str(p.table_pages);
+    if (p.rope_seq_len != p.num_tokens)
+      return "rope_cos_sin: expected one row per token (T = " + str(p.num_tokens) + "), got " +
+             str(p.rope_seq_len);
+  }
+  if (fp8_pool(p) && p.scale_heads != 1 && p.scale_heads != p.num_kv_heads)
+    return "k_scale: expected 1 or H = " + str(p.num_kv_heads) + " scales per layer, got " + str(p.scale_heads);
+  if ((p.k_norm || p.v_norm) && !(std::isfinite(p.norm_eps) && p.norm_eps > 0.0f))
+    return "norm_eps: expected a finite float > 0, got " + std::to_string(p.norm_eps);
+
+  // Every element offset the kernels form must fit int64: the tensors' element counts (and bytes).
+  auto fits = [](std::initializer_list<int64_t> factors, int64_t bytes) {
+    int64_t n = bytes;
+    for (int64_t f : factors)
+      if (__builtin_mul_overflow(n, f, &n)) return false;
+    return true;
+  };
+  int64_t const pool_bytes = dtype_bytes(p.pool_dtype), delta_bytes = dtype_bytes(p.delta_dtype);
+  if (!fits({p.num_layers, 2, p.num_pages, p.page_size, p.num_kv_heads, p.head_dim}, pool_bytes))
+    return "past_key_value: its size in bytes overflows int64";
+  int64_t const tokens = slot ? p.delta_len : p.num_tokens;
+  if (!fits({p.num_layers, slot ? p.batch : 1, tokens, p.num_kv_heads, p.head_dim}, delta_bytes))
+    return "k_delta: its size in bytes overflows int64";
+  if (!fits({p.num_layers, p.rope_batch, p.rope_seq_len, p.rotary_dim}, 4))
+    return "rope_cos_sin: its size in bytes overflows int64";
+  if (!slot && !fits({p.num_layers, p.batch, 2, p.table_pages}, 4))
+    return "kv_page_table: its size in bytes overflows int64";
+  return {};
+}
+
+std::string check_result(TensorDesc const& result, TensorDesc const& pool) {
+  bool same_dims = result.rank == pool.rank;
+  for (int32_t i = 0; same_dims && i < pool.rank; ++i) same_dims = result.dims[i] == pool.dims[i];
+  if (!same_dims || result.dtype != pool.dtype)
+    return std::string("present_key_value: expected the pool's shape ") + dims_text(pool) + " and dtype " +
+           dtype_name(pool.dtype) + " (the result is the pool, updated in place), got " + dims_text(result) + " " +
+           dtype_name(result.dtype);
+  return {};
+}
+
+std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,
+                                 KVUpdateParams* out, bool need_data, bool allow_unknown) {
+  bool const slot = attrs.contract == Contract::kSlot;
+  int32_t const base = base_operand_count(attrs.contract);
+  int32_t const scales = scale_operands(attrs, count);
+  if (operands == nullptr || out == nullptr) return "operands: null";
+  if (count < base || scales < 0)
+    return "expected " + str(base) + " operands, then k_scale and v_scale for an FP8 pool" +
+           (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) + " operands";
+  Checker c(operands, attrs, count);
+  for (int32_t i = 0; i < count; ++i)
+    if (!c.dims_valid(i)) return c.error();
+  if (!allow_unknown)
+    for (int32_t i = 0; i < count; ++i)
+      for (int32_t d = 0; d < c.op(i).rank; ++d)
+        if (!known(c.op(i).dims[d])) return c.fail_shape(i, "concrete dimensions"), c.error();
+
+  KVUpdateParams p;
+  p.contract = attrs.contract;
+  p.ring = attrs.ring;
+  p.k_norm = attrs.k_norm;
+  p.v_norm = attrs.v_norm;
+  p.norm_eps = attrs.norm_eps;
+  p.pages_per_slot = attrs.pages_per_slot;
+
+  // The pool decides the layout: rank 6 is the layer-batched form.
+  TensorDesc const& pool = c.op(kPool);
+  if (pool.rank != 5 && pool.rank != 6)
+    return c.fail_shape(kPool, "rank 5 [2, N, P, H, D] (or rank 6 with a leading layers axis)"), c.error();
+  bool const layered = pool.rank == 6;
+  int32_t const lead = layered ? 1 : 0;
+  int64_t const layers = layered ? pool.dims[0] : 1;
+  if (!same(pool.dims[lead], 2)) return c.fail_shape(kPool, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
+  p.num_layers = layers;
+  p.num_pages = pool.dims[lead + 1];
+  p.page_size = pool.dims[lead + 2];
+  p.num_kv_heads = pool.dims[lead + 3];
+  p.head_dim = pool.dims[lead + 4];
+
+  // dtypes, position by position (the rules TensorRT's supportsFormatCombination asks for too).
+  DType const delta_dtype = c.op(kKDelta).dtype, pool_dtype = pool.dtype;
+  for (int32_t i = 0; i < count; ++i)
+    if (std::string e = check_operand_dtype(attrs, i, count, c.op(i).dtype, delta_dtype, pool_dtype); !e.empty())
+      return e;
+  p.delta_dtype = delta_dtype;
+  p.pool_dtype = pool_dtype;
+
+  // k_delta / v_delta: [layers?, B, L, H, D] (slot) or [layers?, T, H, D] (paged).
+  TensorDesc const& k = c.op(kKDelta);
+  int32_t const delta_rank = (slot ? 4 : 3) + lead;
+  char const* const delta_txt = slot ? "B, L, H, D]" : "T, H, D]";
+  std::string const delta_layout = std::string(layered ? "[layers, " : "[") + delta_txt;
+  if (k.rank != delta_rank)
+    return c.fail_shape(kKDelta, "rank " + str(delta_rank) + " " + delta_layout), c.error();
+  TensorDesc const& v = c.op(kVDelta);
+  bool v_same = v.rank == k.rank;
+  for (int32_t i = 0; v_same && i < k.rank; ++i) v_same = same(v.dims[i], k.dims[i]);
+  if (!v_same) return c.fail_shape(kVDelta, "k_delta's shape " + dims_text(k)), c.error();
+  if (layered && !same(k.dims[0], layers))
+    return c.fail_shape(kKDelta, str(layers) + " layers (past_key_value dim 0)"), c.error();
+  if (!same(k.dims[k.rank - 2], p.num_kv_heads) || !same(k.dims[k.rank - 1], p.head_dim))
+    return c.fail_shape(kKDelta, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) + " (from past_key_value " +
+                                     dims_text(pool) + ")"),
+           c.error();
+  if (slot) {
+    p.batch = k.dims[lead];
+    p.delta_len = k.dims[lead + 1];
+  } else {
+    p.num_tokens = k.dims[lead];
+  }
+  int64_t const per_step = slot ? p.batch : p.num_tokens;  // entries of the int32 arrays
+
+  // rope_cos_sin: [layers?, Rb, S, R] (slot) or [layers?, T, R] (paged).
+  TensorDesc const& rope = c.op(kRope);
+  int32_t const rope_rank = slot ? 3 : 2;
+  if (rope.rank != rope_rank && !(layered && rope.rank == rope_rank + 1))
+    return c.fail_shape(kRope, std::string(slot ? "rank 3 [Rb, S, R]" : "rank 2 [T, R]") +
+                                   (layered ? (slot ? " or rank 4 [layers, Rb, S, R]" : " or rank 3 [layers, T, R]") : "")),
+           c.error();
+  p.rope_per_layer = rope.rank == rope_rank + 1;
+  if (p.rope_per_layer && !same(rope.dims[0], layers))
+    return c.fail_shape(kRope, str(layers) + " layers (past_key_value dim 0)"), c.error();
+  int32_t const rl = p.rope_per_layer ? 1 : 0;
+  if (slot) {
+    p.rope_batch = rope.dims[rl];
+    p.rope_seq_len = rope.dims[rl + 1];
+  } else {
+    p.rope_seq_len = rope.dims[rl];
+    if (!same(p.rope_seq_len, p.num_tokens))
+      return c.fail_shape(kRope, "one row per token, T = " + str(p.num_tokens) + " (k_delta dim " + str(lead) + ")"),
+             c.error();
+  }
+  p.rotary_dim = rope.dims[rl + (slot ? 2 : 1)];
+
+  // The int32 arrays: starts + lengths (slot), positions + owners (paged): [n] or [layers, n],
+  // both in one layout.
+  int32_t const first = 4;
+  bool per_layer = false;
+  for (int32_t i = first; i < first + 2; ++i) {
+    TensorDesc const& t = c.op(i);
+    bool const flat = t.rank == 1 && same(t.dims[0], per_step);
+    bool const stacked = layered && t.rank == 2 && same(t.dims[0], layers) && same(t.dims[1], per_step);
+    if (!flat && !stacked)
+      return c.fail_shape(i, "[" + str(per_step) + "]" + (layered ? " or [" + str(layers) + ", " + str(per_step) + "]" : "") +
+                                 (slot ? " (B entries)" : " (T entries)")),
+             c.error();
+    if (i == first) per_layer = stacked;
+    else if (stacked != per_layer)
+      return c.fail_shape(i, std::string("the layout of ") + c.name(first) + " " + dims_text(c.op(first))), c.error();
+  }
+  p.positions_per_layer = per_layer;
+
+  // kv_page_table: [layers?, B, 2, M].
+  if (!slot) {
+    TensorDesc const& table = c.op(6);
+    if (table.rank != 3 && !(layered && table.rank == 4))
+      return c.fail_shape(6, std::string("rank 3 [B, 2, M]") + (layered ? " or rank 4 [layers, B, 2, M]" : "")), c.error();
+    p.table_per_layer = table.rank == 4;
+    int32_t const tl = p.table_per_layer ? 1 : 0;
+    if (p.table_per_layer && !same(table.dims[0], layers))
+      return c.fail_shape(6, str(layers) + " layers (past_key_value dim 0)"), c.error();
+    if (!same(table.dims[tl + 1], 2)) return c.fail_shape(6, "[B, 2, M]: dim " + str(tl + 1) + " == 2 (K and V pages)"), c.error();
+    p.batch = table.dims[tl];
+    p.table_pages = table.dims[tl + 2];
+  }
+
+  // Extras: k_scale, v_scale ([] / [1] / [H], layered also [layers, 1] / [layers, H]), k_norm_weight.
+  int32_t next = base;
+  if (scales == 2) {
+    TensorDesc const& ks = c.op(next);
+    TensorDesc const& vs = c.op(next + 1);
+    bool const per_layer_scale = layered && ks.rank == 2;
+    if (!(ks.rank == 0 || ks.rank == 1 || per_layer_scale))
+      return c.fail_shape(next, std::string("[] or [1] or [H] (H = ") + str(p.num_kv_heads) + ")" +
+                                    (layered ? " or [layers, 1] / [layers, H]" : "")),
+             c.error();
+    int64_t const heads = ks.rank == 0 ? 1 : ks.dims[ks.rank - 1];
+    if (known(heads) && heads != 1 && !same(heads, p.num_kv_heads))
+      return c.fail_shape(next, "1 or H = " + str(p.num_kv_heads) + " scales"), c.error();
+    if (per_layer_scale && !same(ks.dims[0], layers))
+      return c.fail_shape(next, str(layers) + " layers (past_key_value dim 0)"), c.error();
+    bool vs_same = vs.rank == ks.rank;
+    for (int32_t i = 0; vs_same && i < ks.rank; ++i) vs_same = same(vs.dims[i], ks.dims[i]);
+    if (!vs_same) return c.fail_shape(next + 1, "k_scale's shape " + dims_text(ks)), c.error();
+    p.scale_heads = known(heads) ? heads : 1;
+    p.scale_per_layer = per_layer_scale;
+    p.k_scale = static_cast<float const*>(ks.data);
+    p.v_scale = static_cast<float const*>(vs.data);
+    next += 2;
+  }
+  if (attrs.k_norm) {
+    TensorDesc const& w = c.op(next);
+    bool const flat = w.rank == 1 && same(w.dims[0], p.head_dim);
+    bool const stacked = layered && w.rank == 2 && same(w.dims[0], layers) && same(w.dims[1], p.head_dim);
+    if (!flat && !stacked)
+      return c.fail_shape(next, "[D] = [" + str(p.head_dim) + "]" + (layered ? " or [layers, D]" : "")), c.error();
+    p.weight_per_layer = stacked;
+    p.k_norm_weight = w.data;
+  }
+
+  p.k_delta = c.op(kKDelta).data;
+  p.v_delta = c.op(kVDelta).data;
+  p.pool = const_cast<void*>(pool.data);
+  p.rope_cos_sin = static_cast<float const*>(rope.data);
+  if (slot) {
+    p.delta_start_positions = static_cast<int32_t const*>(c.op(4).data);
+    p.delta_lengths = static_cast<int32_t const*>(c.op(5).data);
+  } else {
+    p.delta_positions = static_cast<int32_t const*>(c.op(4).data);
+    p.token_to_sequence = static_cast<int32_t const*>(c.op(5).data);
+    p.page_table = static_cast<int32_t const*>(c.op(6).data);
+  }
+
+  bool all_known = true;
+  for (int32_t i = 0; all_known && i < count; ++i)
+    for (int32_t d = 0; d < c.op(i).rank; ++d) all_known &= known(c.op(i).dims[d]);
+  if (all_known) {
+    for (int32_t i = 0; i < count; ++i)
+      if (element_count(c.op(i)) < 0) return std::string(c.name(i)) + ": its element count overflows int64";
+    if (std::string e = check_params(p); !e.empty()) return e;
+    if (need_data)
+      for (int32_t i = 0; i < count; ++i)
+        if (c.op(i).data == nullptr && element_count(c.op(i)) > 0)
+          return std::string(c.name(i)) + ": the data pointer is null for shape " + dims_text(c.op(i));
+  }
+  *out = p;
+  return {};
+}
+
+}  // namespace dflash

@@ -1,0 +1,68 @@
+// From tensor descriptions to KVUpdateParams, once, for every runtime.
+//
+// The XLA FFI handlers, the TensorRT plugin and the raw (array) entries all describe their
+// operands as TensorDescs in SPEC.md's order and call params_from_operands(), which checks every
+// rule of the contract (ranks, the equalities between dims, dtypes, sizes and their overflow) and
+// fills the parameters. Each message names the operand, what was expected and what was given.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dflash/kv_update.h"
+
+namespace dflash {
+
+inline constexpr int32_t kMaxRank = 8;
+// A dimension not known yet (TensorRT build time); rules that need it are skipped.
+inline constexpr int64_t kUnknownDim = -1;
+
+struct TensorDesc {
+  DType dtype = DType::kOther;
+  int32_t rank = 0;
+  int64_t dims[kMaxRank] = {};
+  void const* data = nullptr;  // may be null where only shapes are checked
+};
+
+// The static part of a call: the contract and its attributes (XLA attributes, plugin fields).
+struct UpdateAttrs {
+  Contract contract = Contract::kSlot;
+  int64_t pages_per_slot = 0;  // slot contract, > 0
+  bool ring = false;           // paged contract
+  bool k_norm = false;         // k_norm_weight is an operand
+  bool v_norm = false;
+  float norm_eps = 1e-6f;
+};
+
+// Operands before the extras: 6 (slot) or 7 (paged).
+inline int32_t base_operand_count(Contract contract) {
+  return contract == Contract::kSlot ? 6 : 7;
+}
+// All operands: the base ones, then k_scale and v_scale for an FP8 pool, then k_norm_weight.
+inline int32_t operand_count(UpdateAttrs const& attrs, bool fp8_pool_given) {
+  return base_operand_count(attrs.contract) + (fp8_pool_given ? 2 : 0) + (attrs.k_norm ? 1 : 0);
+}
+
+// The name of operand `index` (SPEC.md's), for messages; "present_key_value" for index == count.
+char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count);
+
+// The dtype operand `index` of `count` operands must have, given k_delta's and the pool's
+// (TensorRT's supportsFormatCombination asks position by position); empty if `given` is fine.
+std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t count, DType given,
+                                DType delta_dtype, DType pool_dtype);
+
+// Checks `count` operands against the contract of `attrs` and fills *p (sizes, flags and the
+// data pointers). Dims may be kUnknownDim when `allow_unknown` (then *p is not usable). With
+// `need_data`, operands that will be read must have non-null data. Returns "" when valid, else
+// the reason.
+std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,
+                                 KVUpdateParams* p, bool need_data, bool allow_unknown = false);
+
+// The numeric rules on filled parameters (also used by params_from_operands): sizes, their
+// products without overflow (every element offset fits int64), the contract's equalities.
+std::string check_params(KVUpdateParams const& p);
+
+// The result of the call (the pool, aliased) must have exactly the pool's dims and dtype.
+std::string check_result(TensorDesc const& result, TensorDesc const& pool);
+
+}  // namespace dflash

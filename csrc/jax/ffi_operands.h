@@ -1,0 +1,142 @@
+// XLA FFI buffers and attributes -> TensorDescs and UpdateAttrs -> KVUpdateParams (operands.h).
+// Shapes were checked at trace time (jax_dflash/_shapes.py); they are checked again here, since a
+// custom call can be reached by hand-written ffi_calls and HLO too: anything off is an error
+// returned to XLA, never a crash or a write outside the result.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dflash/operands.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace dflash::jax {
+
+namespace ffi = ::xla::ffi;
+
+inline char const* target_name(Contract contract) {
+  return contract == Contract::kSlot ? "dflash_target_kv_cache_update" : "dflash_target_kv_cache_update_paged";
+}
+
+inline ffi::Error invalid(Contract contract, std::string const& message) {
+  return ffi::Error::InvalidArgument(std::string(target_name(contract)) + ": " + message);
+}
+
+inline DType from_ffi(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F16: return DType::kFloat16;
+    case ffi::DataType::BF16: return DType::kBFloat16;
+    case ffi::DataType::F32: return DType::kFloat32;
+    case ffi::DataType::F8E4M3FN: return DType::kFloat8E4M3;
+    case ffi::DataType::F8E5M2: return DType::kFloat8E5M2;
+    case ffi::DataType::S32: return DType::kInt32;
+    case ffi::DataType::S64: return DType::kInt64;
+    default: return DType::kOther;
+  }
+}
+
+inline TensorDesc describe(ffi::AnyBuffer const& buffer) {
+  TensorDesc desc;
+  auto const dims = buffer.dimensions();
+  desc.dtype = from_ffi(buffer.element_type());
+  desc.rank = int32_t(dims.size());
+  for (size_t i = 0; i < dims.size() && i < size_t(kMaxRank); ++i) desc.dims[i] = dims[i];
+  desc.data = buffer.untyped_data();
+  return desc;
+}
+
+// The attributes of SPEC.md's ABI: pages_per_slot (slot, required; int64 or int32), ring (paged),
+// k_norm, v_norm (bool), norm_eps (float32). Anything else is an error.
+inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, UpdateAttrs* out) {
+  out->contract = contract;
+  bool pages_per_slot_seen = false;
+  for (auto it = attrs.begin(); it != attrs.end(); ++it) {
+    std::string_view const name = *it;
+    auto wrong_type = [&](char const* wanted) {
+      return invalid(contract, "attribute " + std::string(name) + ": expected " + wanted);
+    };
+    if (contract == Contract::kSlot && name == "pages_per_slot") {
+      if (auto v = attrs.get<int64_t>(name); v.has_value()) {
+        out->pages_per_slot = *v;
+      } else if (auto v32 = attrs.get<int32_t>(name); v32.has_value()) {
+        out->pages_per_slot = *v32;
+      } else {
+        return wrong_type("an int64 (or int32) scalar");
+      }
+      pages_per_slot_seen = true;
+    } else if ((contract == Contract::kPaged && name == "ring") || name == "k_norm" || name == "v_norm") {
+      auto v = attrs.get<bool>(name);
+      if (!v.has_value()) return wrong_type("a bool");
+      (name == "ring" ? out->ring : name == "k_norm" ? out->k_norm : out->v_norm) = *v;
+    } else if (name == "norm_eps") {
+      auto v = attrs.get<float>(name);
+      if (!v.has_value()) return wrong_type("a float32 scalar");
+      out->norm_eps = *v;
+    } else {
+      return invalid(contract, "unknown attribute " + std::string(name) +
+                                   (contract == Contract::kSlot ? " (known: pages_per_slot, k_norm, v_norm, norm_eps)"
+                                                                : " (known: ring, k_norm, v_norm, norm_eps)"));
+    }
+  }
+  if (contract == Contract::kSlot && !pages_per_slot_seen)
+    return invalid(contract, "missing attribute pages_per_slot (an int64 > 0)");
+  return ffi::Error::Success();
+}
+
+// Decodes one call: the base operands, the extras (RemainingArgs), the result and the attributes.
+// On success *p describes the update with p->pool pointing at the result (which the caller first
+// fills with the pool when XLA did not alias them).
+inline ffi::Error decode_call(Contract contract, std::vector<ffi::AnyBuffer> const& base,
+                              ffi::RemainingArgs const& extras, ffi::AnyBuffer const& result,
+                              ffi::Dictionary const& attrs, KVUpdateParams* p) {
+  UpdateAttrs a;
+  if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
+  std::vector<TensorDesc> operands;
+  for (ffi::AnyBuffer const& buffer : base) operands.push_back(describe(buffer));
+  for (size_t i = 0; i < extras.size(); ++i) {
+    auto buffer = extras.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value())
+      return invalid(contract, "operand " + std::to_string(base.size() + i) + " is not an array");
+    operands.push_back(describe(*buffer));
+  }
+  if (std::string e = check_result(describe(result), operands[2]); !e.empty()) return invalid(contract, e);
+  if (std::string e = params_from_operands(operands.data(), int32_t(operands.size()), a, p, /*need_data=*/true);
+      !e.empty())
+    return invalid(contract, e);
+  p->pool = result.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The bindings of both targets, after the platform context (if any): SPEC.md's operands in
+// order, then the extras, one result (aliasing the pool) and the attributes as a dictionary.
+template <typename Binding>
+auto bind_slot_call(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // k_delta
+      .template Arg<ffi::AnyBuffer>()  // v_delta
+      .template Arg<ffi::AnyBuffer>()  // past_key_value
+      .template Arg<ffi::AnyBuffer>()  // rope_cos_sin
+      .template Arg<ffi::AnyBuffer>()  // delta_start_positions
+      .template Arg<ffi::AnyBuffer>()  // delta_lengths
+      .RemainingArgs()                 // k_scale, v_scale (FP8 pool); k_norm_weight (k_norm)
+      .template Ret<ffi::AnyBuffer>()  // present_key_value
+      .template Attrs<ffi::Dictionary>();
+}
+
+template <typename Binding>
+auto bind_paged_call(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // k_delta
+      .template Arg<ffi::AnyBuffer>()  // v_delta
+      .template Arg<ffi::AnyBuffer>()  // past_key_value
+      .template Arg<ffi::AnyBuffer>()  // rope_cos_sin
+      .template Arg<ffi::AnyBuffer>()  // delta_positions
+      .template Arg<ffi::AnyBuffer>()  // delta_token_to_sequence
+      .template Arg<ffi::AnyBuffer>()  // kv_page_table
+      .RemainingArgs()                 // k_scale, v_scale (FP8 pool); k_norm_weight (k_norm)
+      .template Ret<ffi::AnyBuffer>()  // present_key_value
+      .template Attrs<ffi::Dictionary>();
+}
+
+}  // namespace dflash::jax
