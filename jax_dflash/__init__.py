@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from importlib import metadata as _metadata
 
 from jax_dflash import reference
@@ -13,23 +12,8 @@ from jax_dflash.ops import (
     target_kv_cache_update_paged,
     target_kv_cache_update_paged_p,
 )
-
-# The jnp helpers, imported on first use.
-_HELPERS = {
-    "rope_cos_sin": "jax_dflash.rope",
-    "token_positions": "jax_dflash.paged",
-    "gather_rope": "jax_dflash.paged",
-    "identity_page_table": "jax_dflash.paged",
-}
-
-
-def __getattr__(name):
-    if name in _HELPERS:
-        value = getattr(importlib.import_module(_HELPERS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'jax_dflash' has no attribute {name!r}")
-
+from jax_dflash.paged import gather_rope, identity_page_table, token_positions
+from jax_dflash.rope import rope_cos_sin
 
 __all__ = [
     "gather_rope",
