@@ -1,0 +1,188 @@
+// Shared by kbench.cu and decode_probe.cu: operands of one update of either contract (fp16 H=8
+// D=128 R=128 P=128), described as the runtimes describe them (TensorDesc -> params_from_operands,
+// csrc/dflash/operands.h), launched through the shipped launcher, and CUDA-graph timing.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dflash/kv_update_cuda.h"
+#include "dflash/operands.h"
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e = (x);                                                               \
+    if (e != cudaSuccess) {                                                            \
+      std::printf("CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__);    \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace harness {
+
+constexpr int H = 8, D = 128, R = 128, P = 128;
+
+__global__ void fill_half(__half* p, size_t n, unsigned seed) {
+  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (i < n) p[i] = __float2half(float((i * 2654435761u + seed) % 2001) / 1000.f - 1.f);
+}
+
+inline __half* device_halves(size_t n, unsigned seed) {
+  __half* p;
+  CK(cudaMalloc(&p, n * sizeof(__half)));
+  fill_half<<<unsigned((n + 255) / 256), 256>>>(p, n, seed);
+  return p;
+}
+
+template <typename T>
+T* device_copy(std::vector<T> const& host) {
+  T* p;
+  CK(cudaMalloc(&p, host.size() * sizeof(T)));
+  CK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+inline dflash::TensorDesc desc(dflash::DType dtype, std::initializer_list<int64_t> dims, void const* data) {
+  dflash::TensorDesc d;
+  d.dtype = dtype;
+  d.rank = int32_t(dims.size());
+  int i = 0;
+  for (int64_t x : dims) d.dims[i++] = x;
+  d.data = data;
+  return d;
+}
+
+inline dflash::KVUpdateParams checked(std::vector<dflash::TensorDesc> const& operands, dflash::UpdateAttrs const& attrs) {
+  dflash::KVUpdateParams p;
+  std::string const error =
+      dflash::params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
+  if (!error.empty()) {
+    std::printf("invalid operands: %s\n", error.c_str());
+    std::exit(1);
+  }
+  return p;
+}
+
+// Slot contract, layers = 1 or more: k/v [(layers,) B, L, H, D], pool [(layers,) 2, B * pps, P, H, D].
+inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, void const* k, void const* v, void* pool,
+                                          float const* rope, int rope_len, int const* starts, int const* lengths) {
+  using dflash::DType;
+  int64_t const N = int64_t(B) * pps;
+  std::vector<dflash::TensorDesc> ops;
+  if (layers > 1) {
+    ops = {desc(DType::kFloat16, {layers, B, L, H, D}, k), desc(DType::kFloat16, {layers, B, L, H, D}, v),
+           desc(DType::kFloat16, {layers, 2, N, P, H, D}, pool)};
+  } else {
+    ops = {desc(DType::kFloat16, {B, L, H, D}, k), desc(DType::kFloat16, {B, L, H, D}, v),
+           desc(DType::kFloat16, {2, N, P, H, D}, pool)};
+  }
+  ops.push_back(desc(DType::kFloat32, {1, rope_len, R}, rope));
+  ops.push_back(desc(DType::kInt32, {B}, starts));
+  ops.push_back(desc(DType::kInt32, {B}, lengths));
+  dflash::UpdateAttrs attrs;
+  attrs.contract = dflash::Contract::kSlot;
+  attrs.pages_per_slot = pps;
+  return checked(ops, attrs);
+}
+
+// Paged contract: k/v [(layers,) T, H, D], pool [(layers,) 2, N, P, H, D], rope [T, R], table [B, 2, M].
+inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int N, void const* k, void const* v,
+                                           void* pool, float const* rope, int const* positions, int const* owners,
+                                           int const* table) {
+  using dflash::DType;
+  std::vector<dflash::TensorDesc> ops;
+  if (layers > 1) {
+    ops = {desc(DType::kFloat16, {layers, T, H, D}, k), desc(DType::kFloat16, {layers, T, H, D}, v),
+           desc(DType::kFloat16, {layers, 2, N, P, H, D}, pool)};
+  } else {
+    ops = {desc(DType::kFloat16, {T, H, D}, k), desc(DType::kFloat16, {T, H, D}, v),
+           desc(DType::kFloat16, {2, N, P, H, D}, pool)};
+  }
+  ops.push_back(desc(DType::kFloat32, {T, R}, rope));
+  ops.push_back(desc(DType::kInt32, {T}, positions));
+  ops.push_back(desc(DType::kInt32, {T}, owners));
+  ops.push_back(desc(DType::kInt32, {B, 2, M}, table));
+  dflash::UpdateAttrs attrs;
+  attrs.contract = dflash::Contract::kPaged;
+  return checked(ops, attrs);
+}
+
+// A [B, 2, M] table: each sequence's K pages, and its V pages (offset by N), a random
+// permutation of the pool's N = B * M pages.
+inline std::vector<int> permuted_table(int B, int M, std::mt19937& rng) {
+  int const N = B * M;
+  std::vector<int> k(N), v(N), table(size_t(B) * 2 * M);
+  for (int i = 0; i < N; ++i) k[i] = v[i] = i;
+  std::shuffle(k.begin(), k.end(), rng);
+  std::shuffle(v.begin(), v.end(), rng);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < M; ++i) {
+      table[(size_t(b) * 2 + 0) * M + i] = k[b * M + i];
+      table[(size_t(b) * 2 + 1) * M + i] = N + v[b * M + i];
+    }
+  return table;
+}
+
+inline void launch(dflash::KVUpdateParams const& p, cudaStream_t stream) {
+  CK(dflash::launch_target_kv_cache_update(p, stream));
+}
+
+// Median microseconds per enqueue(i) call: `chain` calls captured in one graph (as plain nodes, or
+// each call its own child graph, as XLA's command buffers record an FFI call), `rounds` timed
+// samples of `replays` replays each, after 3 warm-up replays.
+inline float time_graph(cudaStream_t st, std::function<void(int)> const& enqueue, int chain, bool child_nodes = false,
+                        int rounds = 25, int replays = 10) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  if (!child_nodes) {
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < chain; ++i) enqueue(i);
+    CK(cudaStreamEndCapture(st, &g));
+  } else {
+    CK(cudaGraphCreate(&g, 0));
+    cudaGraphNode_t prev = nullptr;
+    for (int i = 0; i < chain; ++i) {
+      cudaGraph_t sub;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      enqueue(i);
+      CK(cudaStreamEndCapture(st, &sub));
+      cudaGraphNode_t node;
+      CK(cudaGraphAddChildGraphNode(&node, g, prev ? &prev : nullptr, prev ? 1 : 0, sub));
+      prev = node;
+      CK(cudaGraphDestroy(sub));
+    }
+  }
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  for (int w = 0; w < 3; ++w) CK(cudaGraphLaunch(ge, st));
+  CK(cudaStreamSynchronize(st));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ts;
+  for (int it = 0; it < rounds; ++it) {
+    CK(cudaEventRecord(a, st));
+    for (int r = 0; r < replays; ++r) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1000 / float(replays * chain));
+  }
+  std::sort(ts.begin(), ts.end());
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return ts[ts.size() / 2];
+}
+
+}  // namespace harness
