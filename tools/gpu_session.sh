@@ -11,7 +11,9 @@
 # Environment: OUT (where logs and results go; default /tmp/gpu_session_out), PYTHON (python3),
 # BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"),
 # <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=120,
-# BENCH_TIMEOUT=300, SANITIZE_TIMEOUT=240).
+# BENCH_TIMEOUT=300, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240).
+# The bench stage writes kv_update_gpu.{json,png} into $OUT/bench_results (never into the
+# repository) and its printed tables and targets into $OUT/bench.log.
 # Carry to the GPU machine: .whl/ (the FlashInfer sdist, and the nvidia-cuda-sanitizer-api wheel
 # used when the image has no compute-sanitizer) and .deps/ (TensorRT headers), both ignored by
 # git. Nothing here needs the network.
@@ -72,7 +74,8 @@ stage_flashinfer() {
     "$PY" -c 'import flashinfer; print("flashinfer", flashinfer.__version__, flashinfer.__file__)'
 }
 
-# The decode-size probe (bench/kernel_variants/decode_probe.cu): cold inputs, then positions in L2.
+# The decode-size probe (bench/kernel_variants/decode_probe.cu, built from the shipped sources
+# by make_probe.py): cold inputs, then positions in L2.
 stage_probe() {
   "$PY" bench/kernel_variants/make_probe.py /tmp/probe &&
     echo "== cold: every input rotated beyond 2x L2" && /tmp/probe/decode_probe &&
@@ -125,7 +128,7 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=120 [bench]=300 [sanitize]=240 [probe]=120)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=120 [bench]=300 [sanitize]=240 [probe]=240)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
