@@ -28,6 +28,19 @@ is the authority; these are the public places it was read from, found with a cod
   DFlash draft; 8 KV heads, head_dim 128 and hidden 4096 taken from the target
   ``meta-llama/Llama-3.1-8B-Instruct`` (num_key_value_heads 8, hidden 4096 / 32 heads = 128).
 
+- ``z-lab/Kimi-K2.5-DFlash`` (the draft named by public Kimi-K2.6 serving recipes): its
+  config.json was not found. KNOWN: the target's hidden size 7168 (Kimi K2's config.json); a
+  third-party DFlash draft for a Kimi-K2.7 target documents "5 layers, hidden 7168, train block
+  size 16 / infer 8". ASSUMED: 6 draft layers, 8 KV heads of head_dim 128 (a Qwen3-style dense
+  attention stack: the draft does not use the target's MLA), 5 target layers, block 8 at
+  inference, RoPE theta 5e4.
+- A Qwen3.5-27B draft: KNOWN from the target (Qwen3.5-27B: 24 query heads, 4 KV groups,
+  kv-channels 256, hidden 5120, rotary percent 0.25, rotary base 1e7, as in a public training
+  recipe's model arguments): H 4, D 256, a partial RoPE of R = 64 channels. ASSUMED: 5 draft
+  layers and block 16, like the other DFlash drafts.
+- DFlash2-style: block 8 and a 2048-token sliding window on every draft layer (``--window``,
+  the paged contract with ring pages). ASSUMED: Qwen3-8B's draft geometry otherwise.
+
 The page size of the GPU presets is 128 (the TensorRT contract's ``P``); the CPU presets use
 small pages, which the JAX op allows. Pool sizes (slots, pages per slot) are choices of this
 simulation, not properties of the drafts.
@@ -41,8 +54,9 @@ import numpy as np
 
 try:
     from ml_dtypes import bfloat16 as _bfloat16
+    from ml_dtypes import float8_e4m3fn as _e4m3, float8_e5m2 as _e5m2
 except ImportError:  # pragma: no cover - jax always brings ml_dtypes
-    _bfloat16 = None
+    _bfloat16 = _e4m3 = _e5m2 = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +67,32 @@ class Preset:
     summary: str
     num_layers: int  # draft layers, each with its own KV pool
     num_kv_heads: int  # H
-    head_dim: int  # D (RoPE rotates all of it: rotary_dim = D)
-    hidden_size: int  # width of the context features the k/v projections read
+    head_dim: int  # D
+    hidden_size: int  # the draft's hidden width (what the k/v projections read)
     block_size: int  # L: the most tokens one verification step can accept
     page_size: int  # P
-    pages_per_slot: int
+    pages_per_slot: int  # pages of one sequence at its longest (slot: the slot's pages)
     num_slots: int  # max batch: sequences the pool has room for
     rope_theta: float
     dtype: str
     default_batch: int
     default_steps: int
     source: str
+    rotary_dim: int | None = None  # R; None: all of D
+    target_layers: int = 5  # target hidden states concatenated into one feature (DFlash's fc)
+    window: int | None = None  # sliding window of every draft layer (tokens), paged + ring
+    default_contract: str = "slot"
+    gpu_sized: bool = False
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one token's target features: the concatenated target hidden states (the
+        DFlash drafts' targets share the draft's hidden size)."""
+        return self.target_layers * self.hidden_size
 
     @property
     def slot_capacity(self) -> int:
@@ -88,41 +117,60 @@ class Preset:
 
     def describe(self) -> str:
         """One line: the shape a reader needs to judge the workload."""
+        rope = "" if self.rotary_dim is None else f" (RoPE on {self.rotary_dim})"
+        window = "" if self.window is None else f", window {self.window} (paged, ring)"
         return (
-            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x D {self.head_dim}, "
+            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x D {self.head_dim}{rope}, "
             f"hidden {self.hidden_size}, block {self.block_size}, P {self.page_size}, "
             f"{self.num_slots} slots x "
-            f"{self.slot_capacity} tokens, {self.dtype} "
-            f"(pool {_human_bytes(self.pool_bytes())}; defaults: batch {self.default_batch}, "
+            f"{self.slot_capacity} tokens{window}, {self.dtype} "
+            f"(pool {human_bytes(self.pool_bytes())}; defaults: batch {self.default_batch}, "
             f"{self.default_steps} steps)"
         )
 
 
 def dtype_from_name(name: str) -> np.dtype:
-    if name == "bfloat16":
-        if _bfloat16 is None:  # pragma: no cover
-            raise ValueError("dtype: bfloat16 needs ml_dtypes (it comes with jax)")
+    """A delta/pool dtype by its numpy name (``float16``, ``bfloat16``, ``float32``,
+    ``float8_e4m3fn``, ``float8_e5m2``)."""
+    if name == "bfloat16" and _bfloat16 is not None:
         return np.dtype(_bfloat16)
+    if name == "float8_e4m3fn" and _e4m3 is not None:
+        return np.dtype(_e4m3)
+    if name == "float8_e5m2" and _e5m2 is not None:
+        return np.dtype(_e5m2)
     if name in ("float16", "float32"):
         return np.dtype(name)
-    raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {name!r}")
+    raise ValueError(f"dtype: expected one of {', '.join(DTYPE_NAMES + FP8_NAMES)}, "
+                     f"got {name!r}")
 
 
-DTYPE_NAMES = ("float16", "bfloat16", "float32")
+DTYPE_NAMES = ("float16", "bfloat16", "float32")  # delta dtypes (and 16/32-bit pools)
+FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
+# --kv-dtype: the pool's dtype by its short name.
+KV_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32",
+             "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
 
-_QWEN3_4B_SOURCE = "z-lab/Qwen3-4B-DFlash-b16 config.json (see jax_dflash/presets.py)"
-_QWEN3_8B_SOURCE = "z-lab/Qwen3-8B-DFlash-b16 config.json (see jax_dflash/presets.py)"
+_human_bytes = human_bytes
+
+_QWEN3_4B_SOURCE = "z-lab/Qwen3-4B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
+_QWEN3_8B_SOURCE = "z-lab/Qwen3-8B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
 _LLAMA_SOURCE = ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat model card (block 10); layers and "
-                 "KV geometry ASSUMED from Llama-3.1-8B (see jax_dflash/presets.py)")
+                 "KV geometry ASSUMED from Llama-3.1-8B (see jax_dflash/cli/presets.py)")
+_KIMI_SOURCE = ("z-lab/Kimi-K2.5-DFlash: hidden 7168 from the Kimi K2 target; layers, KV "
+                "geometry and block ASSUMED (see jax_dflash/cli/presets.py)")
+_QWEN35_SOURCE = ("Qwen3.5-27B target geometry (4 KV heads, D 256, RoPE on 64); draft layers "
+                  "and block ASSUMED (see jax_dflash/cli/presets.py)")
+_DFLASH2_SOURCE = ("DFlash2-style sliding-window draft (block 8, 2048-token windows); Qwen3-8B "
+                   "draft geometry ASSUMED (see jax_dflash/cli/presets.py)")
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -131,7 +179,7 @@ PRESETS: dict[str, Preset] = {
             name="tiny", summary="test-sized: a few milliseconds per step on one CPU core",
             num_layers=2, num_kv_heads=2, head_dim=32, hidden_size=64, block_size=8,
             page_size=8, pages_per_slot=8, num_slots=4, rope_theta=1e6, dtype="bfloat16",
-            default_batch=4, default_steps=8, source="made up for tests",
+            default_batch=4, default_steps=8, source="made up for tests", target_layers=2,
         ),
         Preset(
             name="small",
@@ -140,26 +188,50 @@ PRESETS: dict[str, Preset] = {
             page_size=16, pages_per_slot=64, num_slots=16, rope_theta=1e6, dtype="bfloat16",
             default_batch=8, default_steps=160,
             source="the Qwen3 DFlash drafts' layer count and block size, narrowed",
+            target_layers=2,
         ),
         # GPU presets: 64 slots of 2048 tokens (16 pages of 128) per layer.
         Preset(
             name="qwen3-4b-b16", summary="z-lab/Qwen3-4B-DFlash-b16 (GPU-sized)",
             num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=2560, block_size=16,
             page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e6, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_QWEN3_4B_SOURCE,
+            default_batch=32, default_steps=200, source=_QWEN3_4B_SOURCE, gpu_sized=True,
         ),
         Preset(
             name="qwen3-8b-b16", summary="z-lab/Qwen3-8B-DFlash-b16 (GPU-sized)",
             num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=16,
             page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e6, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_QWEN3_8B_SOURCE,
+            default_batch=32, default_steps=200, source=_QWEN3_8B_SOURCE, gpu_sized=True,
         ),
         Preset(
             name="llama3.1-8b-b10",
             summary="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (GPU-sized; partly assumed)",
             num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=10,
             page_size=128, pages_per_slot=16, num_slots=64, rope_theta=5e5, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_LLAMA_SOURCE,
+            default_batch=32, default_steps=200, source=_LLAMA_SOURCE, gpu_sized=True,
+        ),
+        Preset(
+            name="kimi-k2.5-dflash",
+            summary="z-lab/Kimi-K2.5-DFlash (GPU-sized; geometry partly assumed)",
+            num_layers=6, num_kv_heads=8, head_dim=128, hidden_size=7168, block_size=8,
+            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=5e4, dtype="bfloat16",
+            default_batch=32, default_steps=200, source=_KIMI_SOURCE, gpu_sized=True,
+        ),
+        Preset(
+            name="qwen3.5-27b",
+            summary="a Qwen3.5-27B DFlash draft (GPU-sized; layers and block assumed)",
+            num_layers=5, num_kv_heads=4, head_dim=256, hidden_size=5120, block_size=16,
+            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e7, dtype="bfloat16",
+            default_batch=32, default_steps=200, source=_QWEN35_SOURCE, rotary_dim=64,
+            gpu_sized=True,
+        ),
+        Preset(
+            name="dflash2-b8-w2048",
+            summary="DFlash2-style: block 8, 2048-token sliding windows (GPU-sized; paged)",
+            num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=8,
+            page_size=128, pages_per_slot=64, num_slots=32, rope_theta=1e6, dtype="bfloat16",
+            default_batch=32, default_steps=400, source=_DFLASH2_SOURCE, window=2048,
+            default_contract="paged", gpu_sized=True,
         ),
     )
 }

@@ -1,25 +1,23 @@
 """The draft side of DFlash decoding, simulated: what ``jax-dflash run`` executes and checks.
 
-Each decoding step, for every sequence of the batch, the target model accepts between 1 and
-``block_size`` tokens. Their context features go through every draft layer's ``k_proj`` /
-``v_proj`` (keys k-normed, no RoPE yet), and the resulting ``k_delta``/``v_delta`` are written
-into that layer's paged KV pool by the update, which applies RoPE on the way. Here:
+Each decoding step, every sequence of the batch accepts between 1 and ``block_size`` tokens.
+Their target features go through the draft's ``fc`` and norm, every draft layer's k/v
+projection (one matmul) and the update with its fused k-norm, all in one jitted step
+(:mod:`jax_dflash.cli.pipeline`) that updates every layer's pool in place (layer-batched,
+donated). The host decides everything up front, so the device never waits for it:
 
-- the features are random (one ``[B, L, hidden]`` draw per step, shared by the layers, as in
-  DFlash, where every draft layer reads the same fused target features); the projections and
-  k-norm weights are random and fixed;
-- the accepted lengths are drawn on the host up front (:class:`AcceptDistribution`), so the
-  device never waits for the host; a sequence that fills its slot STOPS: its last step is
-  clipped to the room left and it writes nothing afterwards (no wrap-around, so every position
-  of a slot is written at most once);
-- one jitted step computes the deltas of all layers and updates all layers' pools (the stacked
-  ``[layers, 2, numPages, P, H, D]`` pool, donated, so the update is in place) and advances the
-  positions on the device.
+- slot contract: sequence ``b`` owns slot ``b`` (the TensorRT Edge-LLM 0.10 layout); it starts
+  at a random position and STOPS when its slot is full (its last step is clipped, later steps
+  write nothing; no wrap), so every position is written at most once;
+- paged contract: a page allocator (:mod:`jax_dflash.cli.allocator`) hands out pages as
+  sequences grow and takes them back when they finish; new sequences start from a prompt pool
+  whose full pages are prefilled once and shared; with ``--window`` every layer keeps a
+  sliding window in ring pages (the op's ``ring=True``).
 
-The check replays the run on the host in one call of the NumPy reference: since no position is
-written twice, the whole run equals one update whose delta for sequence ``b`` is the
-concatenation of its accepted tokens over all steps, starting at its initial position. The
-kernel is bit-exact with the reference, so the final pools are compared bit for bit.
+Checks at the end: the pools against the NumPy reference, bit for bit (replayed on the host in
+step order, merged into one call where no pool row is written twice); and the read-back check
+(:mod:`jax_dflash.cli.readback`): attention over the pool equals attention over keys and values
+recomputed without a cache, within the pool dtype's rounding.
 """
 
 from __future__ import annotations
@@ -29,17 +27,16 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dflash import baseline, reference
-from jax_dflash.ops import target_kv_cache_update
-from jax_dflash.cli.presets import Preset, dtype_from_name
+from jax_dflash import reference
+from jax_dflash.cli import allocator, pipeline, readback
+from jax_dflash.cli.presets import FP8_NAMES, Preset, dtype_from_name
 
-K_NORM_EPS = 1e-6
+K_NORM_EPS = pipeline.NORM_EPS
 # Steps allowed in flight before the loop waits for an older one: keeps the device busy while
 # making the progress bar (and a Ctrl-C) follow the device, not just the dispatcher.
 MAX_STEPS_IN_FLIGHT = 4
@@ -48,6 +45,10 @@ MAX_STEPS_IN_FLIGHT = 4
 HARVEST_BUDGET_BYTES = 1 << 30
 # Untimed steps that write nothing, run on the run's own state before the timed loop.
 WARMUP_STEPS = 5
+# Timed replays of the decode steps, with and without the update, for the update's share.
+SHARE_ROUNDS = 2
+# Sequences the read-back check samples.
+READBACK_SEQUENCES = 4
 
 
 # ---- accepted lengths ---------------------------------------------------------------------------
@@ -175,101 +176,6 @@ def rope_table(capacity: int, rotary_dim: int, theta: float) -> np.ndarray:
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)[None]
 
 
-# ---- the jitted step ----------------------------------------------------------------------------
-
-
-class Constants(NamedTuple):
-    """Everything a step reads and nobody writes (device arrays)."""
-
-    k_proj: jax.Array  # [layers, hidden, H * D]
-    v_proj: jax.Array  # [layers, hidden, H * D]
-    k_norm: jax.Array  # [layers, D] float32
-    rope: jax.Array  # [1, capacity, D] float32
-    lengths: jax.Array  # [steps + 1, B] int32; the last row is zeros (warm-up steps use it)
-    key: jax.Array  # PRNG key of the context features
-
-
-def _baseline_layered(k, v, pools, rope, starts, lengths, *, pages_per_slot):
-    """The straightforward jnp update, one layer after the other (an unrolled loop: on CPU it
-    ran about 3x faster than ``jax.vmap`` of the same function, whose batched scatter XLA did
-    not do in place)."""
-    for layer in range(pools.shape[0]):
-        updated = baseline.target_kv_cache_update(
-            k[layer], v[layer], pools[layer], rope, starts, lengths,
-            pages_per_slot=pages_per_slot)
-        pools = pools.at[layer].set(updated)
-    return pools
-
-
-# name -> (label, update function of the layer-batched form)
-IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {
-    "kernel": ("dflash kernel", target_kv_cache_update),
-    "baseline": ("jnp baseline", _baseline_layered),
-}
-
-
-def _draft_deltas(consts: Constants, step_index, *, batch, block_size, heads, head_dim):
-    """Random context features -> every layer's k_proj / v_proj -> k-norm: ``[layers, B, L, H,
-    D]`` keys and values in the pool dtype."""
-    layers, hidden, _ = consts.k_proj.shape
-    dtype = consts.k_proj.dtype
-    features = jax.random.normal(
-        jax.random.fold_in(consts.key, step_index), (batch, block_size, hidden), jnp.float32
-    ).astype(dtype)
-    shape = (layers, batch, block_size, heads, head_dim)
-    k = jnp.einsum("blc,nce->nble", features, consts.k_proj,
-                   preferred_element_type=jnp.float32).reshape(shape)
-    v = jnp.einsum("blc,nce->nble", features, consts.v_proj,
-                   preferred_element_type=jnp.float32).reshape(shape)
-    k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + K_NORM_EPS)
-    k = k * consts.k_norm[:, None, None, None, :]
-    return k.astype(dtype), v.astype(dtype)
-
-
-def _lengths_at(consts: Constants, step_index):
-    """The accepted lengths of a step; steps past the plan (the warm-up) accept nothing."""
-    last = consts.lengths.shape[0] - 1
-    return jax.lax.dynamic_index_in_dim(consts.lengths, jnp.minimum(step_index, last),
-                                        keepdims=False)
-
-
-def make_step(update: Callable, *, pages_per_slot, batch, block_size, heads, head_dim):
-    """One decoding step: state ``(pools, positions, step)``; returns the new state and the
-    deltas it wrote (all of them, padding included)."""
-    deltas = functools.partial(_draft_deltas, batch=batch, block_size=block_size, heads=heads,
-                               head_dim=head_dim)
-
-    def step(state, consts: Constants):
-        pools, positions, step_index = state
-        lengths = _lengths_at(consts, step_index)
-        k, v = deltas(consts, step_index)
-        # Materialise the deltas in the pool dtype before the update: without the barrier XLA
-        # may fuse the projection into a jnp update and skip the rounding to the pool dtype
-        # (excess precision), and the pools would no longer follow from the deltas returned.
-        k, v = jax.lax.optimization_barrier((k, v))
-        pools = update(k, v, pools, consts.rope, positions, lengths,
-                       pages_per_slot=pages_per_slot)
-        return (pools, positions + lengths, step_index + 1), (k, v)
-
-    return step
-
-
-def make_update_only_step(update: Callable, *, pages_per_slot):
-    """The update alone, on the run's positions and lengths, with fixed deltas: state ``(pools,
-    positions, step, k, v)`` (k and v pass through, so donating them costs nothing). Times
-    the update's share of a step and its bandwidth."""
-
-    def update_only(state, consts: Constants):
-        pools, positions, step_index, k, v = state
-        lengths = _lengths_at(consts, step_index)
-        pools = update(k, v, pools, consts.rope, positions, lengths,
-                       pages_per_slot=pages_per_slot)
-        # The lengths are a fresh (not donated) output the loop can wait on.
-        return (pools, positions + lengths, step_index + 1, k, v), (lengths,)
-
-    return update_only
-
-
 # ---- progress -----------------------------------------------------------------------------------
 
 
@@ -313,16 +219,12 @@ class ProgressBar:
 # ---- collecting the deltas for the check --------------------------------------------------------
 
 
-class _DeltaCollector:
-    """Gathers each step's accepted deltas into one host-side delta per sequence: ``[layers, B,
-    total, H, D]``, token ``j`` of sequence ``b`` at its position ``starts[b] + j``."""
+class _StepCollector:
+    """Keeps every step's deltas (``[layers, T, H, D]`` as the update got them) on the host,
+    fetching them in batches so the device never holds more than the budget."""
 
-    def __init__(self, schedule: Schedule, layers, heads, head_dim, dtype):
-        self.schedule = schedule
-        total = max(int(schedule.totals.max(initial=0)), 1)
-        shape = (layers, len(schedule.starts), total, heads, head_dim)
-        self.k = np.zeros(shape, dtype)
-        self.v = np.zeros(shape, dtype)
+    def __init__(self):
+        self.steps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.pending: list[tuple[int, jax.Array, jax.Array]] = []
         self.pending_bytes = 0
 
@@ -339,13 +241,71 @@ class _DeltaCollector:
     def flush(self) -> None:
         host = jax.device_get([(k, v) for _, k, v in self.pending])
         for (i, _, _), (k, v) in zip(self.pending, host):
-            offsets = self.schedule.positions[i] - self.schedule.starts
-            for b, n in enumerate(self.schedule.lengths[i]):
-                if n > 0:
-                    o = offsets[b]
-                    self.k[:, b, o:o + n] = k[:, b, :n]
-                    self.v[:, b, o:o + n] = v[:, b, :n]
+            self.steps[i] = (np.asarray(k), np.asarray(v))
         self.pending, self.pending_bytes = [], 0
+
+
+def slot_deltas(steps: dict, schedule, block_size: int):
+    """Slot contract: every step's deltas as one per-sequence delta ``[layers, B, total, H, D]``,
+    token ``j`` of sequence ``b`` at its position ``starts[b] + j`` (no position is written
+    twice, so the whole run is one update)."""
+    k0, _ = steps[0]
+    layers, _, heads, head_dim = k0.shape
+    batch = len(schedule.starts)
+    total = max(int(schedule.totals.max(initial=0)), 1)
+    k_all = np.zeros((layers, batch, total, heads, head_dim), k0.dtype)
+    v_all = np.zeros_like(k_all)
+    for i, (k, v) in sorted(steps.items()):
+        k = k.reshape(layers, batch, block_size, heads, head_dim)
+        v = v.reshape(layers, batch, block_size, heads, head_dim)
+        offsets = schedule.positions[i] - schedule.starts
+        for b, n in enumerate(schedule.lengths[i]):
+            if n > 0:
+                o = offsets[b]
+                k_all[:, b, o:o + n] = k[:, b, :n]
+                v_all[:, b, o:o + n] = v[:, b, :n]
+    return k_all, v_all
+
+
+def gather_rope_host(rope: np.ndarray, positions: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """NumPy twin of ``jax_dflash.gather_rope``: row ``positions[t]`` of ``rope[0]``, zeros for
+    padding and positions outside the table (a copy either way, so the bits agree)."""
+    table = rope[0]
+    ok = (owners >= 0) & (positions >= 0) & (positions < table.shape[0])
+    rows = table[np.clip(positions, 0, table.shape[0] - 1)]
+    return np.where(ok[:, None], rows, np.float32(0))
+
+
+def paged_replay_groups(plan: allocator.PagedPlan, steps: range):
+    """Consecutive steps merged into groups in which no pool row is written twice (a freed page
+    reused, or a ring page overwritten, starts a new group): each group is one reference call,
+    and the groups in step order reproduce the run."""
+    P, N = plan.page_size, plan.num_pages
+    group: list[int] = []
+    seen: set[int] = set()
+    for i in steps:
+        pos, own, table = _step_arrays(plan, i)
+        mine = own >= 0
+        slot = pos[mine] // P
+        if plan.ring:
+            slot = slot % plan.table_pages
+        pages = table[own[mine], 0, slot].astype(np.int64)
+        rows = set((pages * P + pos[mine] % P).tolist())
+        if group and (rows & seen):
+            yield group
+            group, seen = [], set()
+        group.append(i)
+        seen |= rows
+    if group:
+        yield group
+    del N
+
+
+def _step_arrays(plan: allocator.PagedPlan, i: int):
+    n_pre = plan.prefill.count
+    s = plan.prefill if i < n_pre else plan.decode
+    j = i if i < n_pre else i - n_pre
+    return s.positions[j], s.owners[j], s.tables[j]
 
 
 ULP_SAMPLE = 1 << 20
@@ -371,6 +331,21 @@ def compare_bits(actual: np.ndarray, expected: np.ndarray) -> tuple[int, int]:
     return count, int(np.abs(a - e).max())
 
 
+def _recompute(weights, rope, streams, positions, *, geometry, tokens_per_step):
+    """See :meth:`Workload.recompute`."""
+    def chunk(sp):
+        return pipeline.project(weights, sp[0], sp[1], geometry)
+
+    split = (streams.reshape(-1, tokens_per_step), positions.reshape(-1, tokens_per_step))
+    k, v = jax.lax.map(chunk, split)  # [chunks, layers, T, H, D]
+    k = jnp.moveaxis(k, 0, 1).reshape(geometry.layers, -1, *k.shape[3:])
+    v = jnp.moveaxis(v, 0, 1).reshape(geometry.layers, -1, *v.shape[3:])
+    x = pipeline.k_normed(weights, k).astype(jnp.float32)
+    rows = rope[0][jnp.clip(positions, 0, rope.shape[1] - 1)]
+    y = pipeline.rope_jnp(x, rows[None], geometry.rotary_dim)
+    return x, y, v.astype(jnp.float32)
+
+
 # ---- the workload -------------------------------------------------------------------------------
 
 
@@ -387,18 +362,22 @@ class Timing:
 
 @dataclasses.dataclass
 class ImplResult:
-    """One implementation's run: timing, derived rates and the check."""
+    """One implementation's run: timing, derived rates and the checks."""
 
     impl: str
     label: str
     timing: Timing
     accepted_tokens: int
     update_bytes: int
-    update_only: Timing | None  # the same steps, only the update (see make_update_only_step)
+    # Best per-step seconds of the step with and without the update (the same jitted step
+    # minus the op), over the timed run and the replays.
+    best_step_seconds: float | None
+    best_step_without_update_seconds: float | None
     check: str  # "bit-exact", "differs" or "skipped"
     mismatched_elements: int | None
     max_ulp: int | None
     checked_elements: int | None
+    readback: readback.ReadbackResult | None = None
 
     @property
     def bit_exact_required(self) -> bool:
@@ -408,7 +387,8 @@ class ImplResult:
 
     @property
     def failed(self) -> bool:
-        return self.bit_exact_required and self.check == "differs"
+        bits = self.bit_exact_required and self.check == "differs"
+        return bits or (self.readback is not None and not self.readback.passed)
 
     @property
     def steps_per_s(self) -> float:
@@ -420,20 +400,26 @@ class ImplResult:
 
     @property
     def update_seconds_per_step(self) -> float | None:
-        return None if self.update_only is None else self.update_only.step_seconds
+        """The step's time minus the same step's time without the update (>= 0: a difference
+        below the timing noise reads as 0)."""
+        if self.best_step_without_update_seconds is None:
+            return None
+        return max(self.best_step_seconds - self.best_step_without_update_seconds, 0.0)
 
     @property
     def update_share(self) -> float | None:
-        """Update-only step time / full step time (timed separately, so noise can push it a
-        little past 1 when the step is almost all update)."""
+        """``1 - (step without the update) / (step)``: both times are non-negative, so the share
+        is at most 100% by construction (unlike timing the update alone, whose own launch and
+        dispatch costs could add up to more than the step it is part of)."""
         u = self.update_seconds_per_step
-        return None if u is None else u / self.timing.step_seconds
+        return None if u is None else u / self.best_step_seconds
 
     @property
     def update_gb_per_s(self) -> float | None:
-        if self.update_only is None:
+        u = self.update_seconds_per_step
+        if not u:
             return None
-        return self.update_bytes / self.update_only.seconds / 1e9
+        return self.update_bytes / (u * self.timing.steps) / 1e9
 
     def as_dict(self) -> dict:
         return {
@@ -445,6 +431,8 @@ class ImplResult:
             "step_ms": self.timing.step_seconds * 1e3,
             "steps_per_s": self.steps_per_s,
             "accepted_tokens_per_s": self.accepted_tokens_per_s,
+            "best_step_ms": _scaled(self.best_step_seconds, 1e3),
+            "best_step_without_update_ms": _scaled(self.best_step_without_update_seconds, 1e3),
             "update_ms_per_step": _scaled(self.update_seconds_per_step, 1e3),
             "update_share": self.update_share,
             "update_gb_per_s": self.update_gb_per_s,
@@ -454,6 +442,7 @@ class ImplResult:
             "mismatched_elements": self.mismatched_elements,
             "max_ulp": self.max_ulp,
             "checked_elements": self.checked_elements,
+            "readback": None if self.readback is None else self.readback.as_dict(),
         }
 
 
@@ -461,158 +450,323 @@ def _scaled(x, factor):
     return None if x is None else x * factor
 
 
-def _with_step_index(state: tuple, step_index) -> tuple:
-    """Every state is ``(pools, positions, step, ...)``."""
-    return (*state[:2], step_index, *state[3:])
+LABELS = {"kernel": "dflash kernel", "baseline": "jnp baseline"}
 
 
 class Workload:
     """The host-side plan and data of one ``jax-dflash run`` (see the module docstring)."""
 
-    def __init__(self, preset: Preset, *, batch: int, steps: int, seed: int,
-                 accept: AcceptDistribution, device: jax.Device, dtype: str | None = None):
+    def __init__(self, preset: Preset, *, batch: int, steps: int, seed: int, accept,
+                 device: jax.Device, dtype: str | None = None, kv_dtype: str | None = None,
+                 contract: str = "slot", window: int | None = None, fused_norm: bool = True):
         self.preset = preset
         self.batch, self.steps, self.seed, self.accept = batch, steps, seed, accept
         self.device = device
-        self.dtype_name = dtype or preset.dtype
-        self.dtype = dtype_from_name(self.dtype_name)
-        rng = np.random.default_rng(seed)
+        self.contract, self.window, self.fused_norm = contract, window, fused_norm
+        self.delta_dtype_name = dtype or preset.dtype
+        self.pool_dtype_name = kv_dtype or self.delta_dtype_name
+        self.dtype_name = self.pool_dtype_name
+        self.delta_dtype = dtype_from_name(self.delta_dtype_name)
+        self.dtype = self.pool_dtype = dtype_from_name(self.pool_dtype_name)
+        self.fp8 = self.pool_dtype_name in FP8_NAMES
         p = preset
-        self.schedule = make_schedule(rng, accept, steps=steps, batch=batch,
-                                      block_size=p.block_size, capacity=p.slot_capacity)
-        self.pool_shape = p.pool_shape()
-        self.initial_pool = random_pool(rng, self.pool_shape, self.dtype)
-        self.rope = rope_table(p.slot_capacity, p.head_dim, p.rope_theta)
-        width = p.num_kv_heads * p.head_dim
-        scale = 1.0 / np.sqrt(p.hidden_size)
-        self._host_consts = dict(
-            k_proj=(rng.standard_normal((p.num_layers, p.hidden_size, width), np.float32)
-                    * scale).astype(self.dtype),
-            v_proj=(rng.standard_normal((p.num_layers, p.hidden_size, width), np.float32)
-                    * scale).astype(self.dtype),
-            k_norm=(1.0 + 0.1 * rng.standard_normal((p.num_layers, p.head_dim), np.float32)),
-            rope=self.rope,
-            lengths=np.concatenate(
-                [self.schedule.lengths, np.zeros((1, batch), np.int32)]),
-        )
-        self._consts: Constants | None = None
+        self.geometry = pipeline.Geometry(p.num_layers, p.num_kv_heads, p.head_dim, p.rope_dim,
+                                          p.feature_size, p.hidden_size)
+        rng = np.random.default_rng(seed)
+        self.schedule = self.plan = None
+        if contract == "slot":
+            self.schedule = make_schedule(rng, accept, steps=steps, batch=batch,
+                                          block_size=p.block_size, capacity=p.slot_capacity)
+            self.pool_shape = p.pool_shape()
+        else:
+            self.plan = allocator.plan_paged_run(
+                rng, accept, steps=steps, batch=batch, block_size=p.block_size,
+                page_size=p.page_size, max_length=p.slot_capacity, window=window)
+            self.pool_shape = (p.num_layers, 2, self.plan.num_pages, p.page_size,
+                               p.num_kv_heads, p.head_dim)
+        self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
+        self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta)
+        self._host_weights = pipeline.random_weights(rng, self.geometry, self.delta_dtype)
+        self.spec = pipeline.StepSpec(
+            contract, self.geometry, batch, p.block_size,
+            pages_per_slot=p.pages_per_slot if contract == "slot" else None,
+            ring=window is not None, fused_norm=fused_norm, fp8=self.fp8)
+        self._consts: pipeline.Constants | None = None
+        self._compiled: dict = {}
+        self._readback_rng = np.random.default_rng([seed, 1])
 
-    # Sizes of the summary.
+    # ---- sizes of the summary
+
+    @property
+    def prefill_steps(self) -> int:
+        return 0 if self.plan is None else self.plan.prefill.count
+
     @property
     def accepted_tokens(self) -> int:
-        return self.schedule.accepted_tokens
+        s = self.schedule if self.plan is None else self.plan
+        return s.accepted_tokens
+
+    @property
+    def written_tokens(self) -> int:
+        if self.plan is None:
+            return self.schedule.accepted_tokens
+        return int(self.plan.written.sum())
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.preset.block_size
 
     @property
     def update_bytes(self) -> int:
-        """Bytes the update must move: per accepted token and layer, read its key and value and
-        write both into the pool, and read its RoPE row (float32)."""
+        """Bytes the update must move in the decode steps: per written token and layer, read
+        its key and value, write both into the pool, and read its RoPE row (float32)."""
         p = self.preset
-        per_token = (4 * p.num_kv_heads * p.head_dim * self.dtype.itemsize
-                     + 4 * p.head_dim)
-        return self.accepted_tokens * p.num_layers * per_token
+        per_token = (2 * p.num_kv_heads * p.head_dim
+                     * (self.delta_dtype.itemsize + self.pool_dtype.itemsize) + 4 * p.rope_dim)
+        return self.written_tokens * p.num_layers * per_token
 
-    def consts(self) -> Constants:
-        if self._consts is None:
-            host = {k: jax.device_put(v, self.device) for k, v in self._host_consts.items()}
-            key = jax.device_put(jax.random.key(self.seed), self.device)
-            self._consts = Constants(key=key, **host)
+    def pool_bytes(self, dtype: np.dtype | None = None) -> int:
+        itemsize = (self.pool_dtype if dtype is None else np.dtype(dtype)).itemsize
+        return int(np.prod(self.pool_shape)) * itemsize
+
+    # ---- device data
+
+    def consts(self) -> pipeline.Constants:
+        if self._consts is not None:
+            return self._consts
+        put = lambda x: jax.device_put(x, self.device)  # noqa: E731
+        w = self._host_weights
+        weights = pipeline.DraftWeights(
+            put(w["fc"]), put(w["hidden_norm"]), put(w["kv_proj"]), put(w["k_norm"]),
+            put(np.uint32(self.seed % 2**32)))
+        k_scale = v_scale = None
+        if self.fp8:
+            with jax.default_device(self.device):
+                k_scale, v_scale = jax.jit(pipeline.calibrate_scales, static_argnums=(1, 2))(
+                    weights, self.geometry, self.pool_dtype_name)
+        lengths = positions = owners = streams = tables = None
+        if self.plan is None:
+            lengths = put(np.concatenate(
+                [self.schedule.lengths, np.zeros((1, self.batch), np.int32)]))
+        else:
+            pre, dec = self.plan.prefill, self.plan.decode
+
+            def stack(name, pad):
+                parts = [getattr(pre, name), getattr(dec, name)]
+                pad_row = np.full((1, *parts[0].shape[1:]), pad, np.int32)
+                return put(np.concatenate([*parts, pad_row]))
+
+            positions, owners = stack("positions", -1), stack("owners", -1)
+            streams, tables = stack("streams", -1), stack("tables", -1)
+        self._consts = pipeline.Constants(weights, put(self.rope), k_scale, v_scale, lengths,
+                                          positions, owners, streams, tables)
         return self._consts
 
-    def _step_kwargs(self):
-        p = self.preset
-        return dict(pages_per_slot=p.pages_per_slot, batch=self.batch,
-                    block_size=p.block_size, heads=p.num_kv_heads, head_dim=p.head_dim)
+    def scales_host(self):
+        c = self.consts()
+        if c.k_scale is None:
+            return None, None
+        return np.asarray(c.k_scale), np.asarray(c.v_scale)
 
-    def _positions_state(self):
-        return (jax.device_put(self.schedule.starts, self.device),
-                jax.device_put(np.int32(0), self.device))
+    def _state(self, pools, step_index: int):
+        i = jax.device_put(np.int32(step_index), self.device)
+        if self.plan is None:
+            return (pools, i, jax.device_put(self.schedule.starts, self.device))
+        return (pools, i)
 
-    def _timed(self, step, make_state, label, *, collector=None,
-               progress=True) -> tuple[Timing, tuple]:
+    def _compiled_step(self, impl: str, with_update: bool):
+        key = (impl, with_update)
+        if key not in self._compiled:
+            step = pipeline.make_step(self.spec, impl, with_update=with_update)
+            pools = jax.device_put(self.initial_pool, self.device)
+            start = time.perf_counter()
+            compiled = jax.jit(step, donate_argnums=0).lower(
+                self._state(pools, 0), self.consts()).compile()
+            self._compiled[key] = (compiled, time.perf_counter() - start)
+            del pools
+        return self._compiled[key]
+
+    # ---- running
+
+    def _loop(self, compiled, state, first: int, count: int, *, collector=None, bar=None):
+        """Runs steps ``first .. first + count``; returns (state, seconds, paused)."""
         consts = self.consts()
-        state = make_state()
-        start = time.perf_counter()
-        compiled = jax.jit(step, donate_argnums=0).lower(state, consts).compile()
-        compile_seconds = time.perf_counter() - start
-        # Warm up on the run's own buffers: the first executions are slow (allocations, packed
-        # weights). Warm-up steps run past the plan, where nothing is accepted, so they write
-        # nothing and leave the positions as they are; then the step counter restarts at 0.
-        state = _with_step_index(state, jax.device_put(np.int32(self.steps), self.device))
-        for _ in range(WARMUP_STEPS):
-            state, _ = compiled(state, consts)
-        state = jax.block_until_ready(
-            _with_step_index(state, jax.device_put(np.int32(0), self.device)))
-        bar = ProgressBar(self.steps, label, enabled=progress)
+        state = jax.block_until_ready(state)
         in_flight: collections.deque = collections.deque()
         paused = 0.0
         start = time.perf_counter()
-        for i in range(self.steps):
+        for n in range(count):
             state, outputs = compiled(state, consts)
             in_flight.append(outputs[0])
             if collector is not None:
-                paused += collector.add(i, *outputs)
+                paused += collector.add(first + n, *outputs)
             if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                 in_flight.popleft().block_until_ready()
-            bar.update(i + 1)
-        jax.block_until_ready(state)
-        seconds = time.perf_counter() - start - paused
-        return Timing(self.steps, seconds, compile_seconds), state
+            if bar is not None:
+                bar.update(n + 1)
+        state = jax.block_until_ready(state)
+        return state, time.perf_counter() - start - paused
+
+    def _warm_up(self, compiled, pools):
+        """Untimed steps past the plan (nothing accepted: they write nothing)."""
+        past = self.prefill_steps + self.steps
+        state = self._state(pools, past)
+        for _ in range(WARMUP_STEPS):
+            state, _ = compiled(state, self.consts())
+        return jax.block_until_ready(state)[0]
+
+    def estimate_seconds(self, impl: str, *, timed_steps: int = 3) -> tuple[float, float]:
+        """``(estimated seconds of run(impl), seconds per step)`` from a few timed steps on a
+        scratch pool, compilation excluded."""
+        compiled, compile_s = self._compiled_step(impl, True)
+        pools = self._warm_up(compiled, jax.device_put(self.initial_pool, self.device))
+        state = self._state(pools, self.prefill_steps)
+        n = max(1, min(timed_steps, self.steps))
+        _, seconds = self._loop(compiled, state, self.prefill_steps, n)
+        per_step = seconds / n
+        total_steps = self.prefill_steps + self.steps * (1 + 2 * SHARE_ROUNDS)
+        return compile_s + per_step * total_steps, per_step
 
     def run(self, impl: str, *, check: bool = True, measure_update: bool = True,
-            progress: bool = True) -> ImplResult:
-        """The timed, checked run of one implementation, then (``measure_update``) the same
-        steps again with only the update, on the run's final pools (after the check fetched
-        them), to time the update alone."""
-        label, update = IMPLEMENTATIONS[impl]
-        step = make_step(update, **self._step_kwargs())
-
-        def make_state():
-            return (jax.device_put(self.initial_pool, self.device), *self._positions_state())
-
-        p = self.preset
-        collector = (_DeltaCollector(self.schedule, p.num_layers, p.num_kv_heads, p.head_dim,
-                                     self.dtype) if check else None)
-        timing, state = self._timed(step, make_state, label, collector=collector,
-                                    progress=progress)
-        final_positions = np.asarray(state[1])
-        expected_positions = self.schedule.starts + self.schedule.totals
-        if not np.array_equal(final_positions, expected_positions):
-            raise AssertionError(  # a bug of this simulation, not of the op
-                f"positions after the run: expected {expected_positions}, got {final_positions}")
+            progress: bool = True, check_readback: bool = True) -> ImplResult:
+        """The timed, checked run of one implementation; then (``measure_update``) replays of
+        the decode steps with and without the update, for the update's share."""
+        label = LABELS[impl]
+        compiled, compile_seconds = self._compiled_step(impl, True)
+        pools = jax.device_put(self.initial_pool, self.device)
+        collector = _StepCollector() if check else None
+        state = self._state(pools, 0)
+        if self.prefill_steps:  # the prompt cache: untimed, as the engine's prefill
+            state, _ = self._loop(compiled, state, 0, self.prefill_steps, collector=collector)
+        pools = self._warm_up(compiled, state[0])
+        state = self._state(pools, self.prefill_steps)
+        bar = ProgressBar(self.steps, label, enabled=progress)
+        state, seconds = self._loop(compiled, state, self.prefill_steps, self.steps,
+                                    collector=collector, bar=bar)
+        timing = Timing(self.steps, seconds, compile_seconds)
+        if self.plan is None:
+            final_positions = np.asarray(state[2])
+            expected_positions = self.schedule.starts + self.schedule.totals
+            if not np.array_equal(final_positions, expected_positions):
+                raise AssertionError(  # a bug of this simulation, not of the op
+                    f"positions after the run: expected {expected_positions}, "
+                    f"got {final_positions}")
+        pools = state[0]
+        del state
         actual = None
         if check:
-            actual = np.asarray(state[0])
-            if self.device.platform == "cpu":
-                # On CPU the host array may be the device buffer itself; the update-only run
-                # below writes into that buffer.
-                actual = actual.copy()
-        update_only = None
+            actual = np.array(pools)  # a copy: the replays below write into the device buffer
+        rb = self.readback(pools) if check_readback else None
+        best = timing.step_seconds
+        best_without = None
         if measure_update:
-            pools, _, _ = state
-            del state
-            p = self.preset
-            zeros = np.zeros((p.num_layers, self.batch, p.block_size, p.num_kv_heads, p.head_dim),
-                             self.dtype)
-
-            def update_only_state():
-                return (pools, *self._positions_state(), jax.device_put(zeros, self.device),
-                        jax.device_put(zeros, self.device))
-
-            update_only, _ = self._timed(
-                make_update_only_step(update, pages_per_slot=p.pages_per_slot),
-                update_only_state, f"{label} (update only)", progress=progress)
-            del pools
-        else:
-            del state
+            without, _ = self._compiled_step(impl, False)
+            for _ in range(SHARE_ROUNDS):
+                state, s = self._loop(without, self._state(pools, self.prefill_steps),
+                                      self.prefill_steps, self.steps)
+                pools = state[0]
+                best_without = s / self.steps if best_without is None else min(
+                    best_without, s / self.steps)
+                state, s = self._loop(compiled, self._state(pools, self.prefill_steps),
+                                      self.prefill_steps, self.steps)
+                pools = state[0]
+                best = min(best, s / self.steps)
+            best_without = min(best_without, best)
+        del pools
         mismatches = max_ulp = elements = None
         verdict = "skipped"
         if check:
             collector.flush()
-            expected = reference.target_kv_cache_update(
-                collector.k, collector.v, self.initial_pool, self.rope, self.schedule.starts,
-                self.schedule.totals, pages_per_slot=p.pages_per_slot)
+            expected = self.reference_pools(collector.steps, impl)
             mismatches, max_ulp = compare_bits(actual, expected)
             elements = expected.size
             verdict = "bit-exact" if mismatches == 0 else "differs"
         return ImplResult(impl, label, timing, self.accepted_tokens, self.update_bytes,
-                          update_only, verdict, mismatches, max_ulp, elements)
+                          best, best_without, verdict, mismatches, max_ulp, elements, rb)
+
+    # ---- the checks
+
+    def _reference_extras(self, impl: str) -> dict:
+        extras = {}
+        if self.fp8:
+            extras["k_scale"], extras["v_scale"] = self.scales_host()
+        if not pipeline.norms_in_step(self.spec, impl):
+            extras["k_norm_weight"] = self._host_weights["k_norm"]
+            extras["norm_eps"] = K_NORM_EPS
+        return extras
+
+    def reference_pools(self, steps: dict, impl: str = "kernel") -> np.ndarray:
+        """The NumPy reference's pools after the run, from the deltas each step gave the update."""
+        extras = self._reference_extras(impl)
+        if self.plan is None:
+            k, v = slot_deltas(steps, self.schedule, self.preset.block_size)
+            return reference.target_kv_cache_update(
+                k, v, self.initial_pool, self.rope, self.schedule.starts, self.schedule.totals,
+                pages_per_slot=self.preset.pages_per_slot, **extras)
+        pool = self.initial_pool
+        B = self.batch
+        for group in paged_replay_groups(self.plan, range(self.prefill_steps + self.steps)):
+            pos, own, tables, ks, vs = [], [], [], [], []
+            for g, i in enumerate(group):
+                p, o, t = _step_arrays(self.plan, i)
+                pos.append(p)
+                own.append(np.where(o >= 0, o + g * B, -1).astype(np.int32))
+                tables.append(t)
+                ks.append(steps[i][0])
+                vs.append(steps[i][1])
+            pos, own = np.concatenate(pos), np.concatenate(own)
+            pool = reference.target_kv_cache_update_paged(
+                np.concatenate(ks, axis=1), np.concatenate(vs, axis=1), pool,
+                gather_rope_host(self.rope, pos, own), pos, own, np.concatenate(tables),
+                ring=self.plan.ring, **extras)
+        return pool
+
+    def readback_views(self) -> list[readback.SequenceView]:
+        rng = self._readback_rng
+        p = self.preset
+        views = []
+        if self.plan is None:
+            s = self.schedule
+            live = np.flatnonzero(s.totals > 0)
+            for b in rng.permutation(live)[:READBACK_SEQUENCES]:
+                b = int(b)
+                views.append(readback.slot_view(
+                    f"sequence {b}", b, int(s.starts[b]), int(s.starts[b] + s.totals[b]),
+                    p.pages_per_slot, p.page_size, b))
+            return views
+        final = self.plan.final
+        table = self.plan.decode.tables[-1]
+        for n in rng.permutation(len(final))[:READBACK_SEQUENCES]:
+            f = final[int(n)]
+            pos = np.arange(f.visible_start, f.length)
+            streams = np.where(pos < f.prompt_length, f.prompt_id, f.stream)
+            views.append(readback.paged_view(
+                f"sequence in table row {f.row}", table[f.row], pos, streams, p.page_size,
+                self.plan.num_pages, self.plan.ring))
+        return views
+
+    def recompute(self, streams, positions, at_least: int = 0):
+        """Keys and values of tokens from their features, without a cache: ``(normed keys,
+        RoPE'd keys, values)`` float32 ``[layers, n_padded, H, D]``, the tokens padded to a step's
+        token count times a power of two. The projection runs chunk by chunk in the step's
+        own token count, the shape the step ran."""
+        T = self.tokens_per_step
+        n = len(positions)
+        chunks = 1 << max(0, int(np.ceil(np.log2(max(n, at_least, 1) / T))))
+        pad = chunks * T - n
+        s = np.concatenate([np.asarray(streams, np.int32), np.zeros(pad, np.int32)])
+        q = np.concatenate([np.asarray(positions, np.int32), np.zeros(pad, np.int32)])
+        if "recompute" not in self._compiled:
+            self._compiled["recompute"] = jax.jit(functools.partial(
+                _recompute, geometry=self.geometry, tokens_per_step=T))
+        consts = self.consts()
+        return self._compiled["recompute"](consts.weights, consts.rope,
+                                           jax.device_put(s, self.device),
+                                           jax.device_put(q, self.device))
+
+    def readback(self, pools) -> readback.ReadbackResult:
+        k_scale, v_scale = self.scales_host()
+        return readback.check_sequences(
+            pools, self.readback_views(), self.recompute, delta_dtype=self.delta_dtype,
+            rotary_dim=self.geometry.rotary_dim, k_scale=k_scale, v_scale=v_scale,
+            rng=self._readback_rng)
