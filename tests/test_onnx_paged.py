@@ -409,3 +409,14 @@ def test_export_rejects_the_layer_batched_paged_form():
     fn = jax.vmap(jax_dflash.target_kv_cache_update_paged, in_axes=(0, 0, 0, None, None, None, None))
     with pytest.raises(NotImplementedError, match="unbatched form"):
         export.to_onnx(fn, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in problem.args()])
+
+
+def test_read_only_inputs_are_read_not_written():
+    # Feeds are often read-only (np.asarray of a jax.Array); the node still runs, on a copy.
+    problem = _paged_problem(8)
+    operands = _node_operands(problem)
+    for a in operands:
+        a.flags.writeable = False
+    out = _run_node(_paged_node(problem), operands)
+    assert_bits_equal(out, reference.target_kv_cache_update_paged(*problem.args()))
+    assert out.flags.writeable and not operands[2].flags.writeable

@@ -41,7 +41,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def _contiguous(*arrays):
-    return [None if a is None else np.ascontiguousarray(a) for a in arrays]
+    # The raw entries refuse read-only arrays, inputs included (np.asarray of a jax.Array is
+    # read-only): those are copied; the kernel writes only the pool's copy.
+    return [None if a is None else np.require(a, requirements=("C", "W")) for a in arrays]
 
 
 def run_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
