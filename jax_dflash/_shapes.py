@@ -9,6 +9,7 @@ kernels (SPEC.md, "Runtime data never writes out of bounds").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -184,7 +185,12 @@ def check_norm_eps(norm_eps) -> float:
             f"norm_eps: expected a static Python float > 0, got {type(norm_eps).__name__} "
             f"{norm_eps!r}"
         )
-    value = float(norm_eps)
+    return _checked_eps(float(norm_eps))
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_eps(value: float) -> float:
+    # Cached: every eager call checks it, and the float32 round trip is slow in NumPy.
     with np.errstate(over="ignore", under="ignore"):
         as_f32 = float(np.float32(value))
     if not (math.isfinite(value) and value > 0 and math.isfinite(as_f32) and as_f32 > 0):

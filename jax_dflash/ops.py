@@ -35,6 +35,11 @@ SLOT_BASE = len(ARG_NAMES)  # operands before the extras
 PAGED_BASE = len(PAGED_ARG_NAMES)
 DEFAULT_NORM_EPS = 1e-6
 
+try:  # whether no transformation is active (then an eager call may skip the bind machinery)
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:  # pragma: no cover
+    _trace_state_clean = None
+
 target_kv_cache_update_p = Primitive("dflash_target_kv_cache_update")
 target_kv_cache_update_paged_p = Primitive("dflash_target_kv_cache_update_paged")
 
@@ -86,6 +91,37 @@ def _extras(past_key_value, k_scale, v_scale, k_norm_weight) -> list:
     if k_norm_weight is not None:
         out.append(k_norm_weight)
     return out
+
+
+class _Aval:
+    """An operand's shape and dtype, for the checks."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def _signature(x):
+    return None if x is None else (tuple(x.shape), np.dtype(x.dtype))
+
+
+def _check_cached(contract, pages_per_slot, base, extras):
+    """The contract's checks, cached per operand shapes and dtypes: an eager call in a decode
+    loop checks the same signature every step."""
+    _check_signature(contract, pages_per_slot, tuple(map(_signature, base)),
+                     tuple(map(_signature, extras)))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_signature(contract, pages_per_slot, base, extras):
+    base = [_Aval(*sig) for sig in base]
+    k_scale, v_scale, k_norm_weight = (None if sig is None else _Aval(*sig) for sig in extras)
+    if contract == "slot":
+        check_update(*base, pages_per_slot, k_scale=k_scale, v_scale=v_scale,
+                     k_norm_weight=k_norm_weight)
+    else:
+        check_update_paged(*base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
 
 
 def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
@@ -176,10 +212,10 @@ def target_kv_cache_update(
     # as the same parameter, so the static values are normalised too.
     pages_per_slot = check_pages_per_slot(pages_per_slot)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
-    check_update(*base, pages_per_slot, k_scale=k_scale, v_scale=v_scale,
-                 k_norm_weight=k_norm_weight)
+    _check_cached("slot", pages_per_slot, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return target_kv_cache_update_p.bind(*base, *extras, pages_per_slot=pages_per_slot, **params)
+    return _bind(target_kv_cache_update_p, [*base, *extras],
+                 dict(pages_per_slot=pages_per_slot, **params))
 
 
 def target_kv_cache_update_paged(
@@ -254,9 +290,9 @@ def target_kv_cache_update_paged(
         k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
     params = dict(ring=check_bool_attr("ring", ring),
                   **_norm_params(k_norm_weight, v_norm, norm_eps))
-    check_update_paged(*base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    _check_cached("paged", None, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return target_kv_cache_update_paged_p.bind(*base, *extras, **params)
+    return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
 
 
 # ---- abstract evaluation ---------------------------------------------------------------------
@@ -284,6 +320,13 @@ def _jitted(primitive, params: tuple):
     # jax.jit caches compilations per callable: a fresh callable per call would retrace and
     # recompile every time, so the callable is cached per params.
     return jax.jit(functools.partial(primitive.bind, **dict(params)))
+
+
+def _bind(primitive, operands, params):
+    if _trace_state_clean is not None and _trace_state_clean():
+        # Eager: what bind would reach through the eval trace and the impl rule, directly.
+        return _jitted(primitive, tuple(sorted(params.items())))(*operands)
+    return primitive.bind(*operands, **params)
 
 
 def _impl_for(primitive):
