@@ -13,6 +13,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
 
@@ -23,7 +25,13 @@ from jax_dflash.interop.onnx_reference import (  # noqa: E402
     reference_evaluator,
     run_paged_update_kernel,
 )
-from jax_dflash.testing import DELTA_DTYPES, assert_bits_equal, make_paged_problem, make_problem  # noqa: E402
+from jax_dflash.testing import (  # noqa: E402
+    DELTA_DTYPES,
+    assert_bits_equal,
+    gpu_devices,
+    make_paged_problem,
+    make_problem,
+)
 
 P = dflash_onnx.TRT_TOKENS_PER_PAGE
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -420,3 +428,55 @@ def test_read_only_inputs_are_read_not_written():
     out = _run_node(_paged_node(problem), operands)
     assert_bits_equal(out, reference.target_kv_cache_update_paged(*problem.args()))
     assert out.flags.writeable and not operands[2].flags.writeable
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_paged_node_matches_numpy_over_shapes(data):
+    """Random geometry, dtypes and options: the ONNX node and the NumPy reference agree."""
+    draw = data.draw
+    batch = draw(st.integers(1, 4), label="batch")
+    table_pages = draw(st.integers(1, 3), label="table_pages")
+    head_dim = draw(st.sampled_from([2, 6, 8, 16, 24]), label="head_dim")
+    options = dict(
+        tokens=draw(st.integers(1, 40), label="tokens"),
+        batch=batch,
+        heads=draw(st.integers(1, 3), label="heads"),
+        head_dim=head_dim,
+        rotary_dim=draw(st.sampled_from(range(0, head_dim + 1, 2)), label="rotary_dim"),
+        num_pages=batch * table_pages + draw(st.integers(0, 3), label="spare pages"),
+        table_pages=table_pages,
+        ring=draw(st.booleans(), label="ring"),
+        k_norm=draw(st.booleans(), label="k_norm"),
+        v_norm=draw(st.booleans(), label="v_norm"),
+        hostile=draw(st.booleans(), label="hostile"),
+    )
+    dtype = draw(st.sampled_from(DELTA_DTYPES), label="dtype")
+    if draw(st.booleans(), label="fp8 pool"):
+        options.update(pool_dtype=FP8, scale_shape=draw(st.sampled_from([(), None]),
+                                                        label="scale_shape"))
+    problem = _paged_problem(draw(st.integers(0, 2**16), label="seed"), dtype, **options)
+    out = _run_node(_paged_node(problem), _node_operands(problem))
+    assert_bits_equal(out, reference.target_kv_cache_update_paged(*problem.args(),
+                                                                  **problem.kwargs()))
+
+
+@pytest.mark.parametrize("dtype, options", [
+    (np.float16, {}),
+    (ml_dtypes.bfloat16, {}),
+    (np.float32, {}),
+    (np.float16, dict(ring=True, k_norm=True, v_norm=True)),
+    (ml_dtypes.bfloat16, dict(pool_dtype=FP8, scale_shape=())),
+], ids=str)
+def test_onnx_reference_matches_jax_cuda(dtype, options):
+    """On a GPU: the ONNX reference run (CPU kernel) and the JAX op on CUDA, bit for bit."""
+    gpus = gpu_devices()
+    if not gpus:
+        pytest.skip("no GPU backend in this JAX: the CUDA parity runs on the H200")
+    problem = _paged_problem(9, dtype, **options)
+    onnx_out = _run_node(_paged_node(problem), _node_operands(problem))
+    kwargs = {k: jax.device_put(v, gpus[0]) if isinstance(v, np.ndarray) else v
+              for k, v in problem.kwargs().items()}
+    update = jax.jit(lambda *a: jax_dflash.target_kv_cache_update_paged(*a, **kwargs))
+    cuda_out = np.asarray(update(*[jax.device_put(a, gpus[0]) for a in problem.args()]))
+    assert_bits_equal(cuda_out, onnx_out)
