@@ -237,3 +237,58 @@ def test_lowering_follows_the_ffi_abi(contract):
         assert "pages_per_slot = 2 : i64" in line and "ring" not in line
     else:
         assert "ring = false" in line and "pages_per_slot" not in line
+
+
+def test_nested_vmap_folds_scales_and_weight(backend):
+    """vmap over a vmap: scales mapped by the outer one only (scalar per outer index) and a
+    weight shared by everything become [outer * layers, 1] and [outer * layers, D] operands of
+    one call."""
+    outer, layers = 2, 3
+    rng = np.random.default_rng(10)
+    problems = [[make_problem(rng, batch=2, delta_len=3, heads=2, head_dim=4, page_size=2,
+                              pages_per_slot=2, pool_dtype=E4M3, scale_shape=(), k_norm=True)
+                 for _ in range(layers)] for _ in range(outer)]
+    first = problems[0][0]
+    stacked = [np.stack([np.stack([p.args()[i] for p in row]) for row in problems])
+               for i in range(3)]
+    k_scale = np.stack([row[0].k_scale for row in problems])  # [outer]
+    v_scale = np.stack([row[0].v_scale for row in problems])
+    weight = first.k_norm_weight
+
+    def op(k, v, pool, ks, vs):
+        return jax_dflash.target_kv_cache_update(k, v, pool, *first.args()[3:], pages_per_slot=2,
+                                                 k_scale=ks, v_scale=vs, k_norm_weight=weight)
+
+    fn = jax.vmap(jax.vmap(op, in_axes=(0, 0, 0, None, None)), in_axes=(0, 0, 0, 0, 0))
+    jaxpr = jax.make_jaxpr(fn)(*stacked, k_scale, v_scale)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is jax_dflash.target_kv_cache_update_p]
+    assert [tuple(x.aval.shape) for x in eqn.invars[-3:]] == [
+        (outer * layers, 1), (outer * layers, 1), (outer * layers, 4)]
+    device = device_of(backend)
+    out = jax.jit(fn)(*[jax.device_put(a, device) for a in (*stacked, k_scale, v_scale)])
+    want = np.stack([np.stack([
+        reference.target_kv_cache_update(*p.args()[:3], *first.args()[3:], pages_per_slot=2,
+                                         k_scale=row[0].k_scale, v_scale=row[0].v_scale,
+                                         k_norm_weight=weight)
+        for p in row]) for row in problems])
+    assert_bits_equal(out, want)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8_DTYPES, ids=str)
+def test_fp8_slot_donation_is_in_place(backend, pool_dtype):
+    """A donated FP8 pool is updated in its own buffer: no copy in the program, same pointer."""
+    problem = make_problem(np.random.default_rng(11), pool_dtype=pool_dtype, k_norm=True,
+                           hostile=False)
+    fn, operands = jitted_op(problem, donate=True)
+    hlo = fn.lower(*operands).compile().as_text()
+    assert "input_output_alias={ {}: (2, {}" in hlo
+    pool_type = {"float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}[np.dtype(pool_dtype).name]
+    shape = f"{pool_type}[{','.join(map(str, problem.past_key_value.shape))}]"
+    assert [ln for ln in hlo.splitlines() if " copy(" in ln and shape in ln] == []
+    device = device_of(backend)
+    operands = [jax.device_put(a, device) for a in operands]
+    operands[2] = jax.numpy.copy(operands[2])  # a buffer of XLA's own, which donation reuses
+    pointer = operands[2].unsafe_buffer_pointer()
+    out = fn(*operands)
+    assert out.unsafe_buffer_pointer() == pointer
+    assert_bits_equal(out, expected(problem))

@@ -16,7 +16,6 @@ warnings, or the compile error.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
