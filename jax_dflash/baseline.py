@@ -14,7 +14,8 @@ def target_kv_cache_update(
     k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
     *, pages_per_slot: int,
 ):
-    """Same signature and result as :func:`jax_dflash.target_kv_cache_update` (unbatched form)."""
+    """Same result as :func:`jax_dflash.target_kv_cache_update` (unbatched form, 16/32-bit pool
+    of the delta dtype, no fused norm)."""
     batch, delta_len, heads, head_dim = k_delta.shape
     _, num_pages, page_size, _, _ = past_key_value.shape
     rope_batch, rope_seq_len, rotary_dim = rope_cos_sin.shape

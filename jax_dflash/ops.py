@@ -20,8 +20,8 @@ from jax_dflash import lowering, sharding
 from jax_dflash._shapes import (
     ARG_NAMES,
     FP8_DTYPES,
-    PAGED_ARG_NAMES,
     INDEX_DTYPE,
+    PAGED_ARG_NAMES,
     check_bool_attr,
     check_norm_eps,
     check_operands,
@@ -322,16 +322,26 @@ def _jitted(primitive, params: tuple):
     return jax.jit(functools.partial(primitive.bind, **dict(params)))
 
 
+def _call_jitted(primitive, operands, params):
+    fn = _jitted(primitive, tuple(sorted(params.items())))
+    if jax.config.jax_disable_jit:
+        # The op exists only as a compiled call; under disable_jit the jitted callable would
+        # bind the primitive again, which lands here again.
+        with jax.disable_jit(False):
+            return fn(*operands)
+    return fn(*operands)
+
+
 def _bind(primitive, operands, params):
     if _trace_state_clean is not None and _trace_state_clean():
         # Eager: what bind would reach through the eval trace and the impl rule, directly.
-        return _jitted(primitive, tuple(sorted(params.items())))(*operands)
+        return _call_jitted(primitive, operands, params)
     return primitive.bind(*operands, **params)
 
 
 def _impl_for(primitive):
     def impl(*operands, **params):
-        return _jitted(primitive, tuple(sorted(params.items())))(*operands)
+        return _call_jitted(primitive, operands, params)
 
     return impl
 

@@ -49,3 +49,19 @@ def test_params_key_the_cache():
     jax_dflash.target_kv_cache_update(*problem.args(), **dict(kwargs, norm_eps=1))
     jax_dflash.target_kv_cache_update(*problem.args(), **dict(kwargs, norm_eps=1.0))
     assert ops._jitted.cache_info().misses == 3
+
+
+def test_eager_call_under_disable_jit():
+    """Under jax.disable_jit the op still runs as its one compiled call (it has no other form)
+    instead of recursing."""
+    import jax
+
+    problem = make_paged_problem(np.random.default_rng(3), pool_dtype="float8_e4m3fn")
+    with jax.disable_jit():
+        out = jax_dflash.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
+        batched = jax.vmap(
+            lambda k: jax_dflash.target_kv_cache_update_paged(k, *problem.args()[1:],
+                                                              **problem.kwargs()))(
+            np.stack([problem.k_delta] * 2))
+    assert_bits_equal(out, expected(problem))
+    assert_bits_equal(batched[1], expected(problem))
