@@ -580,3 +580,60 @@ def test_fp8_pool_without_scales_is_rejected():
     kwargs = {k: v for k, v in problem.kwargs().items() if k not in ("k_scale", "v_scale")}
     with pytest.raises((TypeError, ValueError), match="k_scale"):
         reference.target_kv_cache_update(*problem.args(), **kwargs)
+
+
+# ---- bit-exact with the CPU kernel, special values included ----------------------------------
+
+
+def _raw(x):
+    """The compiled entries take bfloat16 and FP8 arrays as uint16/uint8 views."""
+    x = np.ascontiguousarray(x)
+    return x.view(f"uint{8 * x.dtype.itemsize}") if x.dtype in (BF16, *FP8_DTYPES) else x
+
+
+def _run_cpu_kernel(problem, paged):
+    cpu = pytest.importorskip("jax_dflash._dflash_cpu", reason="the CPU extension is not built")
+    args = [_raw(a) for a in problem.args()]
+    pool = args[2].copy()
+    kw = problem.kwargs()
+    extras = [_raw(kw[n]) if n in kw else None for n in ("k_scale", "v_scale", "k_norm_weight")]
+    opts = dict(v_norm=kw.get("v_norm", False), norm_eps=kw.get("norm_eps", 1e-6),
+                delta_dtype=str(problem.k_delta.dtype),
+                pool_dtype=str(problem.past_key_value.dtype))
+    if paged:
+        cpu.target_kv_cache_update_paged(*args[:2], pool, *args[3:], *extras, ring=kw["ring"],
+                                         **opts)
+    else:
+        cpu.target_kv_cache_update(*args[:2], pool, *args[3:], *extras,
+                                   pages_per_slot=kw["pages_per_slot"], **opts)
+    return pool.view(problem.past_key_value.dtype)
+
+
+SPECIALS = [np.nan, -np.inf, np.inf, 1e-40, -0.0, 6e-8, 1e30, -3e38]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bit_exact_with_the_cpu_kernel_on_special_values(seed):
+    rng = np.random.default_rng(seed)
+    pool_dtype = [F16, BF16, F32, E4M3, E5M2][seed % 5]
+    dtype = DELTA_DTYPES[(seed // 5) % 3]
+    layers = [None, 2][seed % 2]
+    head_dim = int(rng.integers(2, 70))
+    rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
+    common = dict(heads=2, head_dim=head_dim, rotary_dim=rotary_dim, dtype=dtype,
+                  pool_dtype=pool_dtype, layers=layers, k_norm=seed % 3 != 0, v_norm=seed % 4 == 0,
+                  norm_eps=float(rng.choice([1e-6, 0.5])))
+    paged = seed % 7 < 4
+    if paged:
+        problem = make_paged_problem(rng, tokens=16, batch=3, num_pages=7, page_size=3,
+                                     table_pages=2, ring=seed % 3 == 1, **common)
+    else:
+        problem = make_problem(rng, batch=3, delta_len=4, page_size=3, pages_per_slot=2,
+                               max_batch=4, rope_batch=3, rope_seq_len=5, **common)
+    for delta in (problem.k_delta, problem.v_delta):  # NaN, inf, subnormal, huge: 1 in 8
+        flat = delta.reshape(-1)
+        hit = rng.random(flat.size) < 0.125
+        flat[hit] = rng.choice(np.array(SPECIALS, np.float32), int(hit.sum())).astype(dtype)
+    want = (reference.target_kv_cache_update_paged if paged else reference.target_kv_cache_update)(
+        *problem.args(), **problem.kwargs())
+    assert_bits_equal(_run_cpu_kernel(problem, paged), want)
