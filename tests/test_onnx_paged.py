@@ -401,6 +401,15 @@ def test_export_of_the_paged_op_with_extensions(options, problem_options):
     assert_bits_equal(onnx_out, expected)
 
 
+def test_export_without_a_norm_ignores_norm_eps():
+    # norm_eps without k_norm/v_norm changes nothing the op computes: still Edge-LLM's node.
+    export = _needs_jax2onnx()
+    problem = _paged_problem(0)
+    model, _ = _export_problem(export, problem, dict(norm_eps=1e-3))
+    (node,) = [n for n in model.graph.node if n.op_type == dflash_onnx.PLUGIN_NAME]
+    assert node.domain == dflash_onnx.EDGE_LLM_DOMAIN and not node.attribute
+
+
 def test_export_rejects_what_the_plugin_cannot_build():
     export = _needs_jax2onnx()
     problem = _paged_problem(0, page_size=64)

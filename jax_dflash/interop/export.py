@@ -92,8 +92,11 @@ def _node_for(eqn, names: tuple[str, ...], *, paged: bool, fp8_pool: bool, input
     except (TypeError, ValueError) as e:
         raise type(e)(f"jax_dflash.interop.export: the update cannot be a TensorRT plugin node: "
                       f"{e}") from e
-    options = dict(fp8_pool=fp8_pool, k_norm=k_norm, v_norm=bool(params.get("v_norm", False)),
-                   norm_eps=params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS), name=name)
+    v_norm = bool(params.get("v_norm", False))
+    # norm_eps is written only when a norm uses it.
+    norm_eps = (params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS) if k_norm or v_norm
+                else dflash_onnx.DEFAULT_NORM_EPS)
+    options = dict(fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps, name=name)
     if paged:
         return dflash_onnx.make_paged_update_node(inputs, output,
                                                   ring=bool(params.get("ring", False)), **options)

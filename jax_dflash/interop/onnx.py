@@ -59,6 +59,7 @@ FP8_POOL_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 _ONNX_TYPES = {"float16": "FLOAT16", "bfloat16": "BFLOAT16", "float32": "FLOAT",
                "float8_e4m3fn": "FLOAT8E4M3FN"}
 
+
 def _onnx():
     try:
         import onnx
@@ -106,7 +107,7 @@ def check_norm_eps(value, name: str = "norm_eps") -> float:
     return eps
 
 
-def _flags(*, ring: bool, k_norm: bool, v_norm: bool, norm_eps) -> tuple[bool, bool, bool, float | None]:
+def _flags(*, ring, k_norm, v_norm, norm_eps) -> tuple[bool, bool, bool, float | None]:
     """Checked flags, and the eps to write (None when no norm is on)."""
     ring, k_norm, v_norm = (check_flag(v, n) for v, n in
                             ((ring, "ring"), (k_norm, "k_norm"), (v_norm, "v_norm")))
