@@ -22,6 +22,7 @@ from jax_dflash import _ext
 from jax_dflash.interop import onnx as dflash_onnx
 
 try:
+    import onnx
     from onnx import AttributeProto
     from onnx.reference import ReferenceEvaluator
     from onnx.reference.op_run import OpRun
@@ -115,8 +116,6 @@ _PAGED_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "ring"))
 
 
 def _attribute_text(attribute) -> str:
-    import onnx
-
     value = onnx.helper.get_attribute_value(attribute)
     kind = AttributeProto.AttributeType.Name(attribute.type)
     return f"a {kind} attribute {value!r}"
@@ -124,8 +123,6 @@ def _attribute_text(attribute) -> str:
 
 def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
     """The node's attributes as Python values, each of the type the plugin's field has."""
-    import onnx
-
     values = {}
     for attribute in node.attribute:
         name = attribute.name
