@@ -72,7 +72,8 @@ import numpy as np
 
 CONTENDERS = ("ours_jax", "ours_raw", "paged_jax", "paged_raw", "knorm_jax", "unfused_jax",
               "rmsnorm_jax", "jax_baseline", "flashinfer", "copy")
-RAW = {"ours_jax": "ours_raw", "paged_jax": "paged_raw"}  # the JAX path and its raw launcher
+JAX_CONTENDERS = ("ours_jax", "paged_jax", "knorm_jax", "unfused_jax", "rmsnorm_jax",
+                  "jax_baseline")
 DEFAULT_OUT = Path(".")  # the current directory; pass --out bench/results to refresh the committed results
 L2_BYTES = {"gpu": 60e6, "cpu": 32e6}  # H200 L2; a typical CPU last-level cache
 MAX_SETS = {"gpu": 32, "cpu": 8}
@@ -1158,7 +1159,7 @@ def prepare_contender(name: str, problem: Problem, settings: Settings,
     if name not in CONTENDERS:
         raise ValueError(f"--contenders: unknown contender {name!r}, expected {CONTENDERS}")
     try:
-        if name.endswith("_jax"):
+        if name in JAX_CONTENDERS:
             return _prepare_jax(name, problem, settings, ctx)
         if name in ("ours_raw", "paged_raw"):
             if backend == "gpu":

@@ -57,7 +57,9 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
     assert by_name["decode_b8_5layers"]["bytes"]["total"] == 5 * 8 * 139264
     # FP8 pool: fp16 deltas read, one byte per pool element written.
     assert by_name["decode_b8_fp8"]["bytes"]["pool_write"] == 8 * 65536 // 2
-    assert {t["target"].split(":")[0] for t in results["targets"]} == set(shapes.split(","))
+    # The CPU target compares with the straightforward version, which has no FP8 pool.
+    assert {t["target"].split(":")[0] for t in results["targets"]} == {"decode_b8",
+                                                                        "decode_b8_5layers"}
     printed = capsys.readouterr().out
     assert "| shape | bytes | ours_jax (us) | ours_raw (us) | paged_jax (us) | paged_raw (us)" in printed
 
