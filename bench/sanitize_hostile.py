@@ -21,7 +21,8 @@ an allocation and memcheck reports it.
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/sanitize_hostile.py
 
 Exit status: 0 all cases matched, 1 a mismatch or an error, 77 skipped (no GPU here; the reason
-is printed). ``--platform cpu`` runs the JAX part on XLA:CPU (a local check of this script).
+is printed). ``--platform cpu`` runs the same cases through XLA:CPU and the CPU extension's NumPy
+entries instead (a local check of this script and of the CPU kernel).
 """
 
 from __future__ import annotations
@@ -306,6 +307,33 @@ def run_raw(case: Case, expected) -> bool | None:
     return same_bits(host.view(want), expected, f"{label} ({kind})")
 
 
+def run_raw_cpu(case: Case, expected) -> bool:
+    """The CPU extension's NumPy entries (bfloat16 / FP8 as bit views, named by dtype)."""
+    from jax_dflash import _ext
+
+    label = f"{case.label}: CPU NumPy entry"
+    try:
+        cpu = _ext.extension("cpu")
+        views = [np.ascontiguousarray(a) for a in case.args]
+        names = {}
+        for i, a in enumerate(views[:3]):
+            if a.dtype in (BF16, E4M3, E5M2):
+                names["pool_dtype" if i == 2 else "delta_dtype"] = a.dtype.name
+                views[i] = a.view(np.uint16 if a.dtype == BF16 else np.uint8)
+        extras = {}
+        for k, v in case.kwargs.items():
+            if isinstance(v, np.ndarray) and v.dtype == BF16:
+                v = v.view(np.uint16)
+            extras[k] = v
+        entry = (cpu.target_kv_cache_update if case.contract == "slot"
+                 else cpu.target_kv_cache_update_paged)
+        entry(*views, **extras, **names)
+    except Exception as e:  # noqa: BLE001
+        print(f"  ERROR    {label}: {_one_line(e)}")
+        return False
+    return same_bits(views[2].view(case.args[2].dtype), expected, label)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -313,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
-                        help="cpu: the JAX part on XLA:CPU only (a local check of this script)")
+                        help="cpu: XLA:CPU and the CPU NumPy entries (a local check of this script)")
     platform = parser.parse_args(argv).platform
     try:
         devices = jax.devices(platform)
@@ -334,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         assert not np.array_equal(bits(expected), bits(case.args[2])), \
             f"{case.label}: the case writes nothing"
         results = run_jax(case, expected, platform)
-        if platform == "gpu":
-            results.append(run_raw(case, expected))
+        results.append(run_raw(case, expected) if platform == "gpu" else run_raw_cpu(case, expected))
         for r in results:
             key = {True: "matched", False: "mismatched", None: "skipped"}[r]
             summary[key] += 1
@@ -346,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{counts['skipped']} skipped")
     print(f"SUMMARY: {summary['matched']} runs matched the reference bit for bit, "
           f"{summary['mismatched']} mismatched or failed, {summary['skipped']} skipped"
-          + ("" if platform == "gpu" else " (JAX on XLA:CPU only)"))
+          + ("" if platform == "gpu" else " (XLA:CPU and the CPU entries: no GPU kernel ran)"))
     return 1 if summary["mismatched"] else 0
 
 
