@@ -9,7 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, PagedProblem, Problem, assert_bits_equal, device_of, make_problem
+from conftest import (
+    DTYPES,
+    FP8_DTYPES,
+    POOL_DTYPES,
+    PagedProblem,
+    Problem,
+    assert_bits_equal,
+    device_of,
+    make_problem,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,9 +125,44 @@ def problems(draw):
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(problem=problems())
 def test_random_shapes_match_reference(backend, problem):
+    assert_bits_equal(run_op(problem, backend), expected(problem))
+
+
+@st.composite
+def problems_with_extras(draw):
+    """Slot problems with every extra drawn: a pool of any dtype (FP8 with per-tensor or
+    per-head scales), the k-norm weight, the v-norm, a layer axis with per-layer extras."""
+    heads = draw(st.integers(1, 3))
+    head_dim = draw(st.integers(1, 24))
+    batch = draw(st.integers(1, 3))
+    layers = draw(st.sampled_from([None, 2]))
+    pool_dtype = np.dtype(draw(st.sampled_from(POOL_DTYPES)))
+    scale_shape = None
+    if pool_dtype in FP8_DTYPES:
+        scale_shape = draw(st.sampled_from(
+            [(), (heads,)] + ([(layers, 1), (layers, heads)] if layers else [])))
+    k_norm = draw(st.booleans())
+    return make_problem(
+        np.random.default_rng(draw(st.integers(0, 2**32 - 1))),
+        batch=batch, delta_len=draw(st.integers(1, 5)), heads=heads, head_dim=head_dim,
+        rotary_dim=2 * draw(st.integers(0, head_dim // 2)), page_size=draw(st.integers(1, 5)),
+        pages_per_slot=draw(st.integers(1, 3)), max_batch=batch + draw(st.integers(0, 1)),
+        rope_batch=draw(st.sampled_from([1, batch])), dtype=draw(st.sampled_from(DTYPES)),
+        pool_dtype=pool_dtype, layers=layers, hostile=draw(st.booleans()), k_norm=k_norm,
+        v_norm=draw(st.booleans()), scale_shape=scale_shape,
+        norm_eps=draw(st.sampled_from([1e-6, 1e-5, 0.5])),
+        rope_per_layer=bool(layers) and draw(st.booleans()),
+        positions_per_layer=bool(layers) and draw(st.booleans()),
+        norm_weight_per_layer=bool(layers) and k_norm and draw(st.booleans()),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(problem=problems_with_extras())
+def test_random_problems_with_extras_match_reference(backend, problem):
     assert_bits_equal(run_op(problem, backend), expected(problem))
 
 
