@@ -69,7 +69,8 @@ _ONNX_ELEM_TYPE = {
 
 def _needs_jax2onnx():
     pytest.importorskip(
-        "jax2onnx", reason="jax2onnx is not installed (the 'export' extra: pip install -e \".[export]\")"
+        "jax2onnx",
+        reason="jax2onnx is not installed (the 'export' extra: pip install -e \".[export]\")",
     )
     from jax_dflash.interop import export
 
@@ -112,7 +113,8 @@ def test_reference_node_matches_numpy_and_jax(dtype, seed):
     pool_before = problem.past_key_value.copy()
     model = _single_node_model(problem.args(), problem.pages_per_slot)
     (onnx_out,) = reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
-    expected = reference.target_kv_cache_update(*problem.args(), pages_per_slot=problem.pages_per_slot)
+    expected = reference.target_kv_cache_update(*problem.args(),
+                                                pages_per_slot=problem.pages_per_slot)
     assert_bits_equal(onnx_out, expected)
     assert_bits_equal(_run_jax_cpu(problem.args(), problem.pages_per_slot), onnx_out)
     assert_bits_equal(problem.past_key_value, pool_before)  # ONNX semantics: a new value
@@ -135,7 +137,8 @@ def test_reference_slot_node_with_extensions_matches_numpy_and_jax(dtype, option
         **({"norm_eps": problem.norm_eps} if "norm_eps" in kwargs else {}))
     operands = list(problem.args())
     if problem.k_scale is not None:  # TensorRT's per-tensor scale is [1]
-        operands += [s.reshape(1) if s.shape == () else s for s in (problem.k_scale, problem.v_scale)]
+        operands += [s.reshape(1) if s.shape == () else s
+                     for s in (problem.k_scale, problem.v_scale)]
     if problem.k_norm_weight is not None:
         operands.append(problem.k_norm_weight)
     model = dflash_onnx.make_node_model(node, operands)

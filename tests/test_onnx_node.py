@@ -38,7 +38,8 @@ def _elem(value_info):
 def _check_round_trip(model):
     onnx.checker.check_model(model, full_check=True)
     # As it reaches TensorRT's parser: serialized.
-    onnx.checker.check_model(onnx.load_model_from_string(model.SerializeToString()), full_check=True)
+    again = onnx.load_model_from_string(model.SerializeToString())
+    onnx.checker.check_model(again, full_check=True)
 
 
 # ---- the slot node -------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ def test_slot_model_static_shapes_and_per_sequence_rope():
     ({"dtype": "int8"}, ValueError, "dtype: expected one of"),
     ({"pool_dtype": "float8_e5m2"}, ValueError, "pool_dtype: expected one of .*e4m3"),
     ({"num_pages": 15}, ValueError, "num_pages: expected a multiple of pages_per_slot = 2, got 15"),
-    ({"rotary_dim": 127}, ValueError, "rotary_dim: expected an even int <= head_dim = 128, got 127"),
+    ({"rotary_dim": 127}, ValueError,
+     "rotary_dim: expected an even int <= head_dim = 128, got 127"),
     ({"rotary_dim": 130}, ValueError, "rotary_dim"),
     ({"rope_batch": 3}, ValueError, "rope_batch: expected 1 or batch"),
     ({"pages_per_slot": 0}, ValueError, "pages_per_slot"),
@@ -151,7 +153,8 @@ def test_paged_node_is_edge_llm_0_11s_node():
     assert node.domain == "trt_edgellm"
     assert list(node.input) == PAGED_INPUTS
     assert list(node.output) == ["present_key_value"]
-    assert list(node.attribute) == []  # the parser creates the plugin "1" in namespace "", no fields
+    # No attributes: the parser creates the plugin version "1" in namespace "", no fields.
+    assert list(node.attribute) == []
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

@@ -313,7 +313,8 @@ def test_paged_node_rejects_bad_inputs(case, error, match):
 
 def _needs_jax2onnx():
     pytest.importorskip(
-        "jax2onnx", reason="jax2onnx is not installed (the 'export' extra: pip install -e \".[export]\")"
+        "jax2onnx",
+        reason="jax2onnx is not installed (the 'export' extra: pip install -e \".[export]\")",
     )
     from jax_dflash.interop import export
 
@@ -362,7 +363,8 @@ def test_export_of_the_paged_op_is_edge_llm_node_and_bit_exact(dtype):
     assert len(nodes) == 1
     (node,) = nodes
     assert node.domain == dflash_onnx.EDGE_LLM_DOMAIN and not node.attribute
-    assert len(node.input) == 7 and node.input[2] == "arg2" and node.output[0] == "present_key_value"
+    assert len(node.input) == 7 and node.input[2] == "arg2"
+    assert node.output[0] == "present_key_value"
     others = {(n.domain, n.op_type) for n in model.graph.node if n is not node}
     assert others and all(domain == "" for domain, _ in others), others
     imports = {o.domain: o.version for o in model.opset_import}
@@ -423,7 +425,8 @@ def test_export_rejects_what_the_plugin_cannot_build():
 def test_export_rejects_the_layer_batched_paged_form():
     export = _needs_jax2onnx()
     problem = _paged_problem(0, layers=2)
-    fn = jax.vmap(jax_dflash.target_kv_cache_update_paged, in_axes=(0, 0, 0, None, None, None, None))
+    fn = jax.vmap(jax_dflash.target_kv_cache_update_paged,
+                  in_axes=(0, 0, 0, None, None, None, None))
     with pytest.raises(NotImplementedError, match="unbatched form"):
         export.to_onnx(fn, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in problem.args()])
 

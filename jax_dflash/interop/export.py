@@ -4,11 +4,13 @@ jax2onnx traces a JAX function to a jaxpr and lowers each equation through a reg
 plugins keyed by primitive name. The plugins here lower each update to one node of
 :mod:`jax_dflash.interop.onnx`, which TensorRT's ONNX parser maps to this project's plugin:
 
-* ``dflash_target_kv_cache_update`` (slot contract) to :func:`~jax_dflash.interop.onnx.make_update_node`'s
-  node (domain ``trt.plugins``, ``pages_per_slot`` and the norm options as attributes);
-* ``dflash_target_kv_cache_update_paged`` to :func:`~jax_dflash.interop.onnx.make_paged_update_node`'s
-  node: Edge-LLM 0.11's field-less ``trt_edgellm`` node when no extension is used, otherwise
-  the ``trt.plugins`` node with ``ring``/``k_norm``/``v_norm``/``norm_eps`` as attributes.
+* ``dflash_target_kv_cache_update`` (slot contract) to the node of
+  :func:`~jax_dflash.interop.onnx.make_update_node` (domain ``trt.plugins``, ``pages_per_slot``
+  and the norm options as attributes);
+* ``dflash_target_kv_cache_update_paged`` to the node of
+  :func:`~jax_dflash.interop.onnx.make_paged_update_node`: Edge-LLM 0.11's field-less
+  ``trt_edgellm`` node when no extension is used, otherwise the ``trt.plugins`` node with
+  ``ring``/``k_norm``/``v_norm``/``norm_eps`` as attributes.
 
 The extras (FP8 scales, the k-norm weight) become extra node inputs, a per-tensor scale reshaped
 from ``[]`` to TensorRT's ``[1]``. Everything else in the function is exported by jax2onnx's

@@ -130,7 +130,8 @@ def node_inputs(paged: bool, *, fp8_pool: bool = False, k_norm: bool = False) ->
 def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
     inputs = list(expected if inputs is None else inputs)
     if len(inputs) != len(expected):
-        raise ValueError(f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}")
+        raise ValueError(
+            f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}")
     return inputs
 
 
@@ -284,7 +285,8 @@ def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = Fal
     fp8_pool = pool_dtype in FP8_POOL_DTYPES
     expected = node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
     if len(operands) != len(expected):
-        why = (f"a {pool_dtype} pool " + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
+        why = (f"a {pool_dtype} pool "
+               + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
                + (", and k_norm = 1 takes k_norm_weight" if k_norm else ", and k_norm is off"))
         if len(operands) < len(expected):
             raise ValueError(f"{expected[len(operands)]}: expected {len(expected)} inputs "
@@ -340,7 +342,8 @@ class _Aval:
 def _dim(value, what: str):
     if isinstance(value, str):
         if not value:
-            raise ValueError(f"{what}: expected a positive int or a non-empty symbolic name, got ''")
+            raise ValueError(
+                f"{what}: expected a positive int or a non-empty symbolic name, got ''")
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{what}: expected an int >= 0 or a symbolic name (str), got {value!r}")
@@ -362,7 +365,8 @@ def _dtypes(dtype, pool_dtype) -> tuple[str, str]:
 def _check_page_size(page_size) -> int:
     if page_size != TRT_TOKENS_PER_PAGE or isinstance(page_size, bool):
         raise ValueError(
-            f"page_size: expected {TRT_TOKENS_PER_PAGE} (TensorRT's tokens per page), got {page_size!r}"
+            f"page_size: expected {TRT_TOKENS_PER_PAGE} (TensorRT's tokens per page), "
+            f"got {page_size!r}"
         )
     return TRT_TOKENS_PER_PAGE
 
@@ -380,7 +384,8 @@ def _extra_value_infos(helper, TensorProto, *, fp8_pool, k_norm, per_head_scales
         infos += [helper.make_tensor_value_info(n, TensorProto.FLOAT, scale_shape)
                   for n in SCALE_INPUTS]
     elif per_head_scales:
-        raise ValueError("per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales")
+        raise ValueError(
+            "per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales")
     if k_norm:
         infos.append(helper.make_tensor_value_info(NORM_WEIGHT_INPUT, delta_elem, [dim]))
     return infos
@@ -574,10 +579,11 @@ def make_node_model(node, operands: Sequence, *, opset: int = 17, graph_name: st
         raise ValueError(
             f"operands: expected one per node input {list(node.input)}, got {len(operands)}"
         )
-    inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype)),
-                                            list(_dims(x)))
+    def elem(x):
+        return helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype))
+
+    inputs = [helper.make_tensor_value_info(name, elem(x), list(_dims(x)))
               for name, x in zip(node.input, operands)]
     pool = operands[2]
-    output = helper.make_tensor_value_info(
-        node.output[0], helper.np_dtype_to_tensor_dtype(np.dtype(pool.dtype)), list(_dims(pool)))
+    output = helper.make_tensor_value_info(node.output[0], elem(pool), list(_dims(pool)))
     return _model(helper, node, graph_name, inputs, output, opset)

@@ -141,7 +141,8 @@ def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
 
     version = values.get("plugin_version", dflash_onnx.PLUGIN_VERSION)  # the parser's default
     if version != dflash_onnx.PLUGIN_VERSION:
-        raise ValueError(f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}")
+        raise ValueError(
+            f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}")
     for flag in ("ring", "k_norm", "v_norm"):
         if flag in values:
             if values[flag] not in (0, 1):
