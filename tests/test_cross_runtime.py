@@ -433,8 +433,7 @@ def test_trt_engine_runs_the_exported_graph():
     """Where TensorRT (with its builder) is installed: the exported draft graph is built into an
     engine with the plugin library and run; it agrees with the ONNX reference run."""
     tensorrt = pytest.importorskip(
-        "tensorrt", reason="the 'tensorrt' package (builder) cannot be imported here; GPU_NOTES.md: "
-        "it is installable neither on this machine nor on the H200")
+        "tensorrt", reason="the 'tensorrt' Python package (with its builder) is not installed")
     torch = pytest.importorskip("torch", reason="torch provides the CUDA buffers for the engine")
     export = _needs_jax2onnx()
     if not torch.cuda.is_available():
