@@ -1,16 +1,17 @@
-// The TensorRT IPluginV3 plugin of the DFlash target KV-cache update (../SPEC.md; the seed's
-// documentation is in seed/DFlashTargetKVCacheUpdatePlugin.txt).
+// The TensorRT IPluginV3 plugin of the DFlash target KV-cache update (docs/SPEC.md, "The TensorRT
+// plugin contract"; trt_plugin/README.md). One plugin serves both addressing contracts, told apart
+// by its inputs:
+//   slot  (Edge-LLM 0.10): k_delta, v_delta [B, L, H, D], past_key_value [2, N, 128, H, D],
+//         rope_cos_sin [Rb, S, R], delta_start_positions [B], delta_lengths [B]; field pages_per_slot
+//   paged (Edge-LLM 0.11): k_delta, v_delta [T, H, D], past_key_value [2, N, 128, H, D],
+//         rope_cos_sin [T, R], delta_positions [T], delta_token_to_sequence [T],
+//         kv_page_table [B, 2, M]; no field required
+// then k_scale, v_scale (kFLOAT [1] or [H]) for a kFP8 pool, then k_norm_weight [D] when k_norm=1.
+// Output 0, present_key_value, is the pool itself (aliased to input 2, updated in place).
 //
-// Inputs:  0 k_delta [B, L, H, D]      1 v_delta [B, L, H, D]      (fp16, bf16 or fp32)
-//          2 past_key_value [2, numPages, 128, H, D] paged pool (K/V split outermost, same dtype)
-//          3 rope_cos_sin [Rb, S, R] fp32 (Rb is 1 or B, S <= cap)
-//          4 delta_start_positions [B] int32     5 delta_lengths [B] int32
-// Output:  0 present_key_value: the pool itself (aliased to input 2, updated in place).
-// maxBatch = numPages / pages_per_slot and cap = pages_per_slot * 128 are recovered at enqueue
-// from the pool's dim 1 and the pages_per_slot field (a build-time fact; see setPagesPerSlot()).
-//
-// enqueue fills dflash::KVUpdateParams and calls dflash::launch_target_kv_cache_update, the same
-// launcher the JAX (XLA FFI) handler calls: there is no second kernel.
+// Every shape and dtype rule is dflash::params_from_operands (csrc/dflash/operands.h), the function
+// the JAX handlers call; DFlashPluginChecks.h translates TensorRT's descriptors for it. enqueue
+// calls dflash::launch_target_kv_cache_update, the launcher the JAX (XLA FFI) handler calls.
 #pragma once
 
 #include <NvInferRuntime.h>
@@ -22,17 +23,24 @@
 
 namespace dflash::trt {
 
-// Plugin identity and the serialized field, as TensorRT, the ONNX parser and engines see them.
+// Plugin identity and the serialized fields, as TensorRT, the ONNX parser and engines see them.
 inline constexpr char const* kPLUGIN_NAME = "DFlashTargetKVCacheUpdate";
 inline constexpr char const* kPLUGIN_VERSION = "1";
-inline constexpr char const* kPAGES_PER_SLOT_FIELD = "pages_per_slot";
+inline constexpr char const* kPAGES_PER_SLOT_FIELD = "pages_per_slot";  // INT32 > 0, slot contract
+inline constexpr char const* kRING_FIELD = "ring";                      // INT32 0/1, paged contract
+inline constexpr char const* kK_NORM_FIELD = "k_norm";                  // INT32 0/1
+inline constexpr char const* kV_NORM_FIELD = "v_norm";                  // INT32 0/1
+inline constexpr char const* kNORM_EPS_FIELD = "norm_eps";              // FLOAT32 > 0
+inline constexpr float kDEFAULT_NORM_EPS = 1e-6f;
 // Tokens per page of the pool (dim 2 of past_key_value), fixed by the TensorRT contract.
 inline constexpr int32_t kTOKENS_PER_PAGE = 128;
 
-inline constexpr int32_t kNB_INPUTS = 6;
+// Base inputs of each contract (before the optional k_scale, v_scale, k_norm_weight).
+inline constexpr int32_t kNB_INPUTS = 6;        // slot
+inline constexpr int32_t kNB_PAGED_INPUTS = 7;  // paged
 inline constexpr int32_t kNB_OUTPUTS = 1;
 
-// Positions in the inOut arrays TensorRT hands to supportsFormatCombination (inputs, then outputs).
+// Positions in the inOut arrays of the slot contract without extras (inputs, then the output).
 enum TensorPosition : int32_t {
   kK_DELTA = 0,
   kV_DELTA = 1,
@@ -43,10 +51,25 @@ enum TensorPosition : int32_t {
   kPRESENT_KEY_VALUE = 6,
 };
 inline constexpr int32_t kNB_TENSORS = kNB_INPUTS + kNB_OUTPUTS;
+// The paged contract's own inputs (0..3 as in the slot contract).
+enum PagedTensorPosition : int32_t {
+  kDELTA_POSITIONS = 4,
+  kDELTA_TOKEN_TO_SEQUENCE = 5,
+  kKV_PAGE_TABLE = 6,
+};
 
 // The value of an error return (TensorRT only distinguishes 0 from non-zero).
 inline constexpr int32_t kSTATUS_SUCCESS = 0;
 inline constexpr int32_t kSTATUS_FAILURE = -1;
+
+// The plugin's fields, as given (createPlugin) or set; carried by clone() and serialization.
+struct PluginConfig {
+  int32_t pagesPerSlot{0};  // 0: not given (the paged contract needs none)
+  int32_t ring{0};
+  int32_t kNorm{0};
+  int32_t vNorm{0};
+  float normEps{kDEFAULT_NORM_EPS};
+};
 
 class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV3,
                                                        public nvinfer1::IPluginV3OneCore,
@@ -54,8 +77,8 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV
                                                        public nvinfer1::IPluginV3OneRuntime {
  public:
   explicit DFlashTargetKVCacheUpdatePlugin(std::string const& name);
-  // Reads the fields (only pages_per_slot is known). Throws std::invalid_argument on a bad field;
-  // the creator catches it and returns nullptr with a logged message.
+  // Reads the fields (see PluginConfig). Throws std::invalid_argument on a bad or duplicate
+  // field; the creator catches it and returns nullptr with a logged message.
   DFlashTargetKVCacheUpdatePlugin(std::string const& name, nvinfer1::PluginFieldCollection const* fc);
   DFlashTargetKVCacheUpdatePlugin() = delete;
   DFlashTargetKVCacheUpdatePlugin(DFlashTargetKVCacheUpdatePlugin const&) = delete;
@@ -97,21 +120,24 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV
   nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
   void setPluginNamespace(char const* pluginNamespace) noexcept;
-  // The pool's pages per slot (cap / kTOKENS_PER_PAGE): not derivable from the pool binding, whose
-  // dim 1 is numPages = maxBatch * pagesPerSlot. Carried by clone() and getFieldsToSerialize().
+  // The pool's pages per slot (slot contract: cap / kTOKENS_PER_PAGE): not derivable from the
+  // pool binding, whose dim 1 is numPages = maxBatch * pagesPerSlot. Carried by clone() and
+  // getFieldsToSerialize().
   void setPagesPerSlot(int32_t pagesPerSlot) noexcept;
-  int32_t pagesPerSlot() const noexcept { return mPagesPerSlot; }
+  int32_t pagesPerSlot() const noexcept { return mConfig.pagesPerSlot; }
+  PluginConfig const& config() const noexcept { return mConfig; }
 
  private:
   // Logs `message` as an error of `function` (and reports it to the context's error recorder
-  // when attached); returns kSTATUS_FAILURE.
+  // when attached) and returns kSTATUS_FAILURE; an empty message is success (checkOrFail).
   int32_t fail(char const* function, std::string const& message) const noexcept;
 
   std::string mName;
   std::string mNamespace;
-  int32_t mPagesPerSlot{0};  // 0: not set yet
+  PluginConfig mConfig;
+  int32_t mNbInputs{0};  // the count onShapeChange was given (0: none yet)
   nvinfer1::IErrorRecorder* mErrorRecorder{nullptr};
-  nvinfer1::PluginField mSerializedField;
+  nvinfer1::PluginField mSerializedField[5];
   nvinfer1::PluginFieldCollection mSerializedFields{};
 };
 
@@ -125,13 +151,14 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePluginCreator : public nvinfer1::I
   nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
   char const* getPluginNamespace() const noexcept override;
   void setPluginNamespace(char const* pluginNamespace) noexcept;
-  // kBUILD: pages_per_slot may be missing (set later with setPagesPerSlot()); kRUNTIME: required.
+  // No field is required here: the contract (and so whether pages_per_slot is needed) is known
+  // only from the inputs, checked from configurePlugin and onShapeChange on.
   nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
 
  private:
   std::string mNamespace;
-  nvinfer1::PluginField mFieldNames[1];
+  nvinfer1::PluginField mFieldNames[5];
   nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 

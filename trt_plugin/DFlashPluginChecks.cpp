@@ -1,0 +1,396 @@
+// TensorRT descriptors and fields, translated for the shared core's checks (see the header).
+#include "DFlashPluginChecks.h"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+namespace dflash::trt {
+
+using nvinfer1::DataType;
+using nvinfer1::Dims;
+using nvinfer1::DynamicPluginTensorDesc;
+using nvinfer1::PluginField;
+using nvinfer1::PluginFieldCollection;
+using nvinfer1::PluginFieldType;
+using nvinfer1::TensorFormat;
+using Severity = nvinfer1::ILogger::Severity;
+
+DType toDType(DataType type) {
+  switch (type) {
+    case DataType::kHALF: return DType::kFloat16;
+    case DataType::kBF16: return DType::kBFloat16;
+    case DataType::kFLOAT: return DType::kFloat32;
+    case DataType::kFP8: return DType::kFloat8E4M3;  // TensorRT 10 describes e4m3 only
+    case DataType::kINT32: return DType::kInt32;
+    case DataType::kINT64: return DType::kInt64;
+    default: return DType::kOther;
+  }
+}
+
+char const* typeName(DataType type) {
+  switch (type) {
+    case DataType::kFLOAT: return "kFLOAT";
+    case DataType::kHALF: return "kHALF";
+    case DataType::kBF16: return "kBF16";
+    case DataType::kINT32: return "kINT32";
+    case DataType::kINT64: return "kINT64";
+    case DataType::kINT8: return "kINT8";
+    case DataType::kUINT8: return "kUINT8";
+    case DataType::kBOOL: return "kBOOL";
+    case DataType::kFP8: return "kFP8";
+    default: return "another DataType";
+  }
+}
+
+std::string dimsToString(Dims const& dims) {
+  if (dims.nbDims < 0 || dims.nbDims > Dims::MAX_DIMS) return "(invalid rank " + std::to_string(dims.nbDims) + ")";
+  std::string text = "[";
+  for (int32_t i = 0; i < dims.nbDims; ++i)
+    text += (i ? ", " : "") + (dims.d[i] == kUnknownDim ? std::string("?") : std::to_string(dims.d[i]));
+  return text + "]";
+}
+
+// ---- fields --------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr std::array<char const*, 5> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD, kV_NORM_FIELD,
+                                                    kNORM_EPS_FIELD};
+
+std::string knownFields() {
+  std::string text;
+  for (char const* name : kFieldNames) text += std::string(text.empty() ? "'" : ", '") + name + "'";
+  return text;
+}
+
+std::string fieldWhere(PluginField const& field) { return std::string("field '") + field.name + "': "; }
+
+// An integer field: INT32 (or INT64, as some ONNX front ends give integers), one element.
+int64_t readInteger(PluginField const& field) {
+  if (field.data == nullptr) throw std::invalid_argument(fieldWhere(field) + "data is null");
+  if (field.length != 1)
+    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
+  if (field.type == PluginFieldType::kINT32) return *static_cast<int32_t const*>(field.data);
+  if (field.type == PluginFieldType::kINT64) return *static_cast<int64_t const*>(field.data);
+  throw std::invalid_argument(fieldWhere(field) + "expected type INT32 (PluginFieldType " +
+                              std::to_string(static_cast<int32_t>(PluginFieldType::kINT32)) + "), got type " +
+                              std::to_string(static_cast<int32_t>(field.type)));
+}
+
+int32_t readFlag(PluginField const& field) {
+  int64_t const value = readInteger(field);
+  if (value != 0 && value != 1)
+    throw std::invalid_argument(fieldWhere(field) + "expected 0 or 1, got " + std::to_string(value));
+  return static_cast<int32_t>(value);
+}
+
+float readEps(PluginField const& field) {
+  if (field.data == nullptr) throw std::invalid_argument(fieldWhere(field) + "data is null");
+  if (field.length != 1)
+    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
+  if (field.type != PluginFieldType::kFLOAT32)
+    throw std::invalid_argument(fieldWhere(field) + "expected type FLOAT32 (PluginFieldType " +
+                                std::to_string(static_cast<int32_t>(PluginFieldType::kFLOAT32)) + "), got type " +
+                                std::to_string(static_cast<int32_t>(field.type)));
+  float const value = *static_cast<float const*>(field.data);
+  if (!(std::isfinite(value) && value > 0.0f))
+    throw std::invalid_argument(fieldWhere(field) + "expected a finite float32 > 0, got " + std::to_string(value));
+  return value;
+}
+
+}  // namespace
+
+std::string checkPagesPerSlotValue(int64_t value) {
+  if (value <= 0 || value > std::numeric_limits<int32_t>::max())
+    return std::string("field '") + kPAGES_PER_SLOT_FIELD + "': expected an int32 > 0, got " + std::to_string(value);
+  return {};
+}
+
+PluginConfig readFields(PluginFieldCollection const* fc) {
+  if (fc == nullptr) throw std::invalid_argument("the field collection is null");
+  if (fc->nbFields < 0 || (fc->nbFields > 0 && fc->fields == nullptr))
+    throw std::invalid_argument("the field collection has " + std::to_string(fc->nbFields) +
+                                " fields and fields pointer " + (fc->fields ? "set" : "null"));
+  PluginConfig config;
+  std::array<bool, kFieldNames.size()> seen{};
+  for (int32_t i = 0; i < fc->nbFields; ++i) {
+    PluginField const& field = fc->fields[i];
+    if (field.name == nullptr) throw std::invalid_argument("field " + std::to_string(i) + " has a null name");
+    size_t known = kFieldNames.size();
+    for (size_t k = 0; k < kFieldNames.size(); ++k)
+      if (std::strcmp(field.name, kFieldNames[k]) == 0) known = k;
+    if (known == kFieldNames.size()) {
+      logMessage(Severity::kWARNING, std::string(kPLUGIN_NAME) + ": ignoring unknown plugin field '" + field.name +
+                                         "' (known: " + knownFields() + ")");
+      continue;
+    }
+    if (seen[known]) throw std::invalid_argument(fieldWhere(field) + "given twice (expected each field at most once)");
+    seen[known] = true;
+    if (known == 0) {
+      int64_t const value = readInteger(field);
+      if (std::string e = checkPagesPerSlotValue(value); !e.empty()) throw std::invalid_argument(e);
+      config.pagesPerSlot = static_cast<int32_t>(value);
+    } else if (known == 1) {
+      config.ring = readFlag(field);
+    } else if (known == 2) {
+      config.kNorm = readFlag(field);
+    } else if (known == 3) {
+      config.vNorm = readFlag(field);
+    } else {
+      config.normEps = readEps(field);
+    }
+  }
+  return config;
+}
+
+// ---- the form of a call ----------------------------------------------------------------------------
+
+namespace {
+
+char const* contractName(Contract contract) { return contract == Contract::kSlot ? "slot" : "paged"; }
+
+// The inputs this form takes, for messages: "the slot contract: 6 base inputs + 2 scales (kFP8 pool)".
+std::string describeForm(CallForm const& form) {
+  Contract const c = form.attrs.contract;
+  std::string text = std::string("the ") + contractName(c) + " contract (" +
+                     (c == Contract::kSlot ? "Edge-LLM 0.10, k_delta [B, L, H, D]" : "Edge-LLM 0.11, k_delta [T, H, D]") +
+                     "): " + std::to_string(base_operand_count(c)) + " base inputs";
+  if (form.fp8Pool) text += " + k_scale, v_scale (kFP8 pool)";
+  if (form.attrs.k_norm) text += " + k_norm_weight (k_norm=1)";
+  return text;
+}
+
+int32_t expectedRank(Contract contract) { return contract == Contract::kSlot ? 4 : 3; }
+
+// Appends TensorRT's name of a dtype the core can only call "another dtype".
+std::string withTrtType(std::string reason, DataType given) {
+  if (!reason.empty() && toDType(given) == DType::kOther) reason += std::string(" (TensorRT DataType ") + typeName(given) + ")";
+  return reason;
+}
+
+std::string checkLinear(CallForm const& form, int32_t index, TensorFormat format) {
+  if (format == TensorFormat::kLINEAR) return {};
+  return std::string(operand_name(form.attrs, index, form.nbInputs)) +
+         ": expected the linear format (TensorFormat::kLINEAR), got format " + std::to_string(static_cast<int32_t>(format));
+}
+
+TensorDesc toTensorDesc(TrtTensor const& t) {
+  TensorDesc desc;
+  desc.dtype = toDType(t.type);
+  desc.rank = t.dims.nbDims;
+  for (int32_t i = 0; i < t.dims.nbDims && i < kMaxRank; ++i) desc.dims[i] = t.dims.d[i];
+  desc.data = t.data;
+  return desc;
+}
+
+}  // namespace
+
+std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallForm* form) {
+  if (nbOutputs != kNB_OUTPUTS) return "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
+  int32_t const extras = nbInputs - config.kNorm;
+  CallForm f;
+  f.nbInputs = nbInputs;
+  f.attrs.k_norm = config.kNorm != 0;
+  f.attrs.v_norm = config.vNorm != 0;
+  f.attrs.norm_eps = config.normEps;
+  f.attrs.ring = config.ring != 0;
+  switch (extras) {
+    case 6: f.attrs.contract = Contract::kSlot; break;
+    case 8: f.attrs.contract = Contract::kSlot; f.fp8Pool = true; break;
+    case 7: f.attrs.contract = Contract::kPaged; break;
+    case 9: f.attrs.contract = Contract::kPaged; f.fp8Pool = true; break;
+    default:
+      return "expected 6 inputs (slot contract) or 7 (paged contract), + 2 (k_scale, v_scale) for a kFP8 pool, + 1 "
+             "(k_norm_weight) when the field k_norm is 1 (k_norm=" + std::to_string(config.kNorm) + " here), got " +
+             std::to_string(nbInputs) + " inputs";
+  }
+  if (f.attrs.contract == Contract::kSlot) f.attrs.pages_per_slot = config.pagesPerSlot;
+  *form = f;
+  return {};
+}
+
+namespace {
+
+// The fields that belong to one contract only, once the inputs said which contract it is.
+std::string checkFieldsForContract(PluginConfig const& config, CallForm const& form) {
+  if (form.attrs.contract == Contract::kSlot) {
+    if (config.ring != 0)
+      return std::string("field '") + kRING_FIELD + "' = 1 is for the paged contract only; these " +
+             std::to_string(form.nbInputs) + " inputs are " + describeForm(form);
+    if (config.pagesPerSlot <= 0)
+      return std::string("pages_per_slot is missing: the slot contract needs the plugin field '") +
+             kPAGES_PER_SLOT_FIELD + "' (INT32 > 0) or setPagesPerSlot() before building, got " +
+             std::to_string(config.pagesPerSlot);
+  } else if (config.pagesPerSlot != 0) {
+    return std::string("field '") + kPAGES_PER_SLOT_FIELD + "' is for the slot contract only (got " +
+           std::to_string(config.pagesPerSlot) + "); these " + std::to_string(form.nbInputs) + " inputs are " +
+           describeForm(form);
+  }
+  return {};
+}
+
+}  // namespace
+
+DataType shapeCheckType(CallForm const& form, int32_t index) {
+  int32_t const base = base_operand_count(form.attrs.contract);
+  if (index == 0 || index == 1) return DataType::kHALF;
+  if (index == kPAST_KEY_VALUE || index == form.nbInputs) return form.fp8Pool ? DataType::kFP8 : DataType::kHALF;
+  if (index == kROPE_COS_SIN) return DataType::kFLOAT;
+  if (index < base) return DataType::kINT32;
+  if (form.fp8Pool && index < base + 2) return DataType::kFLOAT;
+  return DataType::kHALF;  // k_norm_weight: the delta dtype
+}
+
+// ---- the checks ------------------------------------------------------------------------------------
+
+std::string checkInputTypes(PluginConfig const& config, DataType const* inputTypes, int32_t nbInputs, int32_t nbOutputs,
+                            DataType* outputType) {
+  if (inputTypes == nullptr) return "the input type array is null";
+  CallForm form;
+  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  DType const delta = toDType(inputTypes[0]);
+  DType const pool = toDType(inputTypes[kPAST_KEY_VALUE]);
+  for (int32_t i = 0; i < nbInputs; ++i)
+    if (std::string e = check_operand_dtype(form.attrs, i, nbInputs, toDType(inputTypes[i]), delta, pool); !e.empty())
+      return withTrtType(e, inputTypes[i]) + " (" + std::to_string(nbInputs) + " inputs: " + describeForm(form) + ")";
+  if (outputType != nullptr) *outputType = inputTypes[kPAST_KEY_VALUE];
+  return {};
+}
+
+std::string checkFormatAt(PluginConfig const& config, int32_t pos, DynamicPluginTensorDesc const* inOut,
+                          int32_t nbInputs, int32_t nbOutputs) {
+  if (inOut == nullptr) return "inOut is null";
+  CallForm form;
+  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  int32_t const nbTensors = nbInputs + nbOutputs;
+  if (pos < 0 || pos >= nbTensors)
+    return "expected pos in [0, " + std::to_string(nbTensors) + "), got " + std::to_string(pos);
+  nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+  if (std::string e = checkLinear(form, pos, desc.format); !e.empty()) return e;
+  // TensorRT decides the tensors in order: only inOut[0..pos] may be read.
+  DType const delta = toDType(inOut[0].desc.type);
+  DType const pool = pos >= kPAST_KEY_VALUE ? toDType(inOut[kPAST_KEY_VALUE].desc.type)
+                                             : (form.fp8Pool ? DType::kFloat8E4M3 : delta);
+  return withTrtType(check_operand_dtype(form.attrs, pos, nbInputs, toDType(desc.type), delta, pool), desc.type);
+}
+
+std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs, TrtTensor const* output,
+                      int32_t nbOutputs, bool allowUnknown, bool needData, KVUpdateParams* params) {
+  if (inputs == nullptr) return "the input descriptors are null";
+  CallForm form;
+  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  UpdateAttrs const& attrs = form.attrs;
+
+  for (int32_t i = 0; i < nbInputs; ++i)
+    if (inputs[i].dims.nbDims < 0 || inputs[i].dims.nbDims > kMaxRank)
+      return std::string(operand_name(attrs, i, nbInputs)) + ": expected a rank in [0, " + std::to_string(kMaxRank) +
+             "], got " + std::to_string(inputs[i].dims.nbDims);
+  // k_delta's rank must be the contract's that the count chose (each contract has its own count).
+  int32_t const kRank = inputs[0].dims.nbDims;
+  if (kRank != expectedRank(attrs.contract)) {
+    std::string other;
+    if (kRank == expectedRank(Contract::kSlot) || kRank == expectedRank(Contract::kPaged)) {
+      Contract const c = kRank == expectedRank(Contract::kSlot) ? Contract::kSlot : Contract::kPaged;
+      other = std::string("; rank ") + std::to_string(kRank) + " is the " + contractName(c) + " contract, which takes " +
+              std::to_string(base_operand_count(c)) + " base inputs";
+    }
+    return "k_delta: expected rank " + std::to_string(expectedRank(attrs.contract)) + " for " + std::to_string(nbInputs) +
+           " inputs, which is " + describeForm(form) + ", got rank " + std::to_string(kRank) + " " +
+           dimsToString(inputs[0].dims) + other;
+  }
+  if (std::string e = checkFieldsForContract(config, form); !e.empty()) return e;
+
+  for (int32_t i = 0; i < nbInputs; ++i)
+    if (std::string e = checkLinear(form, i, inputs[i].format); !e.empty()) return e;
+  if (output != nullptr)
+    if (std::string e = checkLinear(form, nbInputs, output->format); !e.empty()) return e;
+
+  Dims const& pool = inputs[kPAST_KEY_VALUE].dims;
+  if (pool.nbDims != 5)  // the core also takes a leading layers axis; TensorRT's contract has none
+    return "past_key_value: expected rank 5 [2, N, " + std::to_string(kTOKENS_PER_PAGE) + ", H, D], got rank " +
+           std::to_string(pool.nbDims) + " " + dimsToString(pool);
+  if (pool.d[2] != kUnknownDim && pool.d[2] != kTOKENS_PER_PAGE)
+    return "past_key_value: expected dim 2 == " + std::to_string(kTOKENS_PER_PAGE) +
+           " tokens per page (the TensorRT contract), got " + dimsToString(pool);
+
+  std::array<TensorDesc, kMAX_INPUTS> descs{};
+  if (nbInputs > static_cast<int32_t>(descs.size()))
+    return "expected at most " + std::to_string(descs.size()) + " inputs, got " + std::to_string(nbInputs) + " inputs";
+  for (int32_t i = 0; i < nbInputs; ++i) descs[i] = toTensorDesc(inputs[i]);
+  KVUpdateParams p;
+  if (std::string e = params_from_operands(descs.data(), nbInputs, attrs, &p, needData, allowUnknown); !e.empty())
+    return e;
+  if (output != nullptr) {
+    TensorDesc const out = toTensorDesc(*output);
+    if (std::string e = check_result(out, toTensorDesc(inputs[kPAST_KEY_VALUE])); !e.empty()) return e;
+  }
+  if (params != nullptr) *params = p;
+  return {};
+}
+
+std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                         DynamicPluginTensorDesc const* out, int32_t nbOutputs) {
+  if (in == nullptr) return "the input descriptors are null";
+  if (out == nullptr) return "the output descriptors are null";
+  if (nbInputs < 0 || nbInputs > kMAX_INPUTS || nbOutputs != kNB_OUTPUTS) {
+    CallForm form;
+    std::string e = callForm(config, nbInputs, nbOutputs, &form);
+    return e.empty() ? "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " + std::to_string(nbInputs) + " inputs" : e;
+  }
+  struct Bound {
+    char const* name;
+    Dims DynamicPluginTensorDesc::*member;  // null: the build-time dims (with wildcards)
+  };
+  for (Bound bound : {Bound{nullptr, nullptr}, Bound{"min", &DynamicPluginTensorDesc::min},
+                      Bound{"opt", &DynamicPluginTensorDesc::opt}, Bound{"max", &DynamicPluginTensorDesc::max}}) {
+    std::array<TrtTensor, kMAX_INPUTS> inputs{};
+    auto select = [&](DynamicPluginTensorDesc const& d) {
+      TrtTensor t = trtTensor(d.desc);
+      if (bound.member != nullptr) t.dims = d.*(bound.member);
+      return t;
+    };
+    for (int32_t i = 0; i < nbInputs; ++i) inputs[i] = select(in[i]);
+    TrtTensor const output = select(out[0]);
+    std::string e = checkCall(config, inputs.data(), nbInputs, &output, nbOutputs, bound.member == nullptr,
+                              /*needData=*/false, nullptr);
+    if (!e.empty()) return bound.name == nullptr ? e : std::string("profile ") + bound.name + " shapes: " + e;
+  }
+  return {};
+}
+
+int64_t tensorBytes(Dims const& dims, DataType type) {
+  int64_t bytes = 4;
+  switch (type) {
+    case DataType::kHALF:
+    case DataType::kBF16: bytes = 2; break;
+    case DataType::kFP8:
+    case DataType::kINT8:
+    case DataType::kUINT8:
+    case DataType::kBOOL: bytes = 1; break;
+    case DataType::kINT64: bytes = 8; break;
+    default: break;
+  }
+  if (dims.nbDims < 0 || dims.nbDims > Dims::MAX_DIMS) return -1;
+  for (int32_t i = 0; i < dims.nbDims; ++i)
+    if (dims.d[i] < 0 || __builtin_mul_overflow(bytes, dims.d[i], &bytes)) return -1;
+  return bytes;
+}
+
+// ---- failing ---------------------------------------------------------------------------------------
+
+int32_t checkOrFail(std::string const& reason, char const* function, std::string const& pluginName,
+                    nvinfer1::IErrorRecorder* recorder) noexcept {
+  if (reason.empty()) return kSTATUS_SUCCESS;
+  try {
+    std::string const text = std::string(kPLUGIN_NAME) + "::" + function + " (" + pluginName + "): " + reason;
+    logMessage(Severity::kERROR, text);
+    if (recorder != nullptr) recorder->reportError(nvinfer1::ErrorCode::kINVALID_ARGUMENT, text.c_str());
+  } catch (...) {
+  }
+  return kSTATUS_FAILURE;
+}
+
+}  // namespace dflash::trt

@@ -1,0 +1,97 @@
+// TensorRT's view of a call, translated for the shared core's checks (csrc/dflash/operands.h).
+//
+// The plugin has no shape rules of its own: every entry point turns TensorRT's DataTypes, Dims
+// (with -1 wildcards at build time) and fields into dflash::TensorDescs and dflash::UpdateAttrs
+// and asks dflash::params_from_operands / check_operand_dtype / check_result. What is TensorRT's
+// alone is here: which contract a call is (the input count and k_delta's rank), linear formats,
+// 128 tokens per page, scales given as [1] or [H], and the fields.
+#pragma once
+
+#include <NvInferRuntime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "DFlashTargetKVCacheUpdatePlugin.h"
+#include "dflash/operands.h"
+
+namespace dflash::trt {
+
+DType toDType(nvinfer1::DataType type);
+char const* typeName(nvinfer1::DataType type);
+std::string dimsToString(nvinfer1::Dims const& dims);
+
+// The most inputs a call has: 7 (paged) + k_scale, v_scale + k_norm_weight.
+inline constexpr int32_t kMAX_INPUTS = 10;
+
+// ---- fields --------------------------------------------------------------------------------------
+
+// Reads createPlugin's fields. Throws std::invalid_argument naming the field on a wrong type,
+// length or value, or a field given twice; unknown fields are logged as warnings and ignored.
+PluginConfig readFields(nvinfer1::PluginFieldCollection const* fc);
+// "" when `value` is a valid pages_per_slot, else the reason.
+std::string checkPagesPerSlotValue(int64_t value);
+
+// ---- the form of a call ----------------------------------------------------------------------------
+
+// What the input count says: the contract (slot: 6 base inputs, paged: 7), whether k_scale and
+// v_scale follow (a kFP8 pool), then k_norm_weight (field k_norm = 1). Counts minus k_norm of 6
+// and 8 are the slot contract, 7 and 9 the paged one, so the count alone decides.
+struct CallForm {
+  UpdateAttrs attrs;
+  bool fp8Pool{false};
+  int32_t nbInputs{0};
+};
+// Fills *form from the fields and the counts; "" when the counts are valid.
+std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallForm* form);
+
+// One tensor as TensorRT describes it. dims may hold -1 (unknown) where allowUnknown is given.
+struct TrtTensor {
+  nvinfer1::DataType type{nvinfer1::DataType::kFLOAT};
+  nvinfer1::TensorFormat format{nvinfer1::TensorFormat::kLINEAR};
+  nvinfer1::Dims dims{};
+  void const* data{nullptr};
+};
+inline TrtTensor trtTensor(nvinfer1::PluginTensorDesc const& desc, void const* data = nullptr) {
+  return {desc.type, desc.format, desc.dims, data};
+}
+
+// The dtypes a call of this form is checked with when TensorRT gives none (getOutputShapes):
+// float16 deltas, a float16 (or kFP8) pool, and the contract's fixed dtypes.
+nvinfer1::DataType shapeCheckType(CallForm const& form, int32_t index);
+
+// ---- the checks, one per entry point ---------------------------------------------------------------
+
+// getOutputDataTypes: every input's dtype, and the output's (the pool's) through *outputType.
+std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const* inputTypes, int32_t nbInputs,
+                            int32_t nbOutputs, nvinfer1::DataType* outputType);
+
+// supportsFormatCombination: tensor `pos` (inputs, then the output) given inOut[0..pos] decided.
+std::string checkFormatAt(PluginConfig const& config, int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut,
+                          int32_t nbInputs, int32_t nbOutputs);
+
+// Every rule on a whole call: the form, formats, dtypes, 128 tokens per page, the core's shape
+// rules (dims, their equalities, sizes and the int64 overflow of every tensor) and the output's
+// match with the pool. `output` may be null (getOutputShapes: the output is made from the pool).
+// With allowUnknown, -1 dims skip the rules that need them; with needData, the inputs read must
+// have device pointers. Fills *params (usable only when no dim was unknown).
+std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs, TrtTensor const* output,
+                      int32_t nbOutputs, bool allowUnknown, bool needData, KVUpdateParams* params);
+
+// configurePlugin: checkCall on the build-time descriptors (wildcards allowed), then on each of
+// the profile's min, opt and max shapes.
+std::string checkProfile(PluginConfig const& config, nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs);
+
+// The bytes of a tensor, or -1 when the product overflows int64.
+int64_t tensorBytes(nvinfer1::Dims const& dims, nvinfer1::DataType type);
+
+// ---- failing ---------------------------------------------------------------------------------------
+
+// The one way an entry point fails: when `reason` is not empty it is logged as an error of
+// "DFlashTargetKVCacheUpdate::<function> (<pluginName>)" and reported to `recorder` (if any) as
+// kINVALID_ARGUMENT. Returns kSTATUS_SUCCESS for an empty reason, else kSTATUS_FAILURE.
+int32_t checkOrFail(std::string const& reason, char const* function, std::string const& pluginName,
+                    nvinfer1::IErrorRecorder* recorder) noexcept;
+
+}  // namespace dflash::trt

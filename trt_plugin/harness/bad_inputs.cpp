@@ -1,0 +1,619 @@
+// Every bad-input path: fields, each contract's bad counts, ranks, shapes, dtypes and formats
+// (rejected at configurePlugin, onShapeChange and enqueue alike), and 2^62 dims. The expected
+// text of each rejection is the name the message must carry (an operand, a field, a rule).
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cases.h"
+#include "sequence.h"
+
+namespace harness {
+
+namespace {
+
+using Change = std::function<void(std::vector<Tensor>&, Tensor&)>;
+
+struct Mutation {
+  std::string what;
+  std::string expected;
+  Change change;
+  bool countChanges = false;  // enqueue is given no count: only the entry points that are
+  bool typesToo = false;      // also getOutputDataTypes
+};
+
+// Host stand-ins for the device pointers: every call below must fail before touching memory.
+struct HostStandIns {
+  std::array<char, 256> bytes{};
+  std::array<void const*, 16> inputs{};
+  void* outputs[1] = {bytes.data()};
+  HostStandIns() { inputs.fill(bytes.data()); }
+};
+
+PluginPtr makePlugin(Fields const& fields, TensorRTPhase phase) {
+  PluginFieldCollection const fc = fields.collection();
+  return PluginPtr(libraryCreator()->createPlugin("bad", &fc, phase));
+}
+
+// The mutation rejected by configurePlugin (min = opt = max), onShapeChange and enqueue (and
+// getOutputDataTypes), each with a logged error naming `expected`.
+void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m, IPluginResourceContext* context) {
+  std::vector<Tensor> in = inputs(good);
+  Tensor out = output(good);
+  m.change(in, out);
+  std::string const t = tag(good);
+  PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
+  PluginPtr deserialized = makePlugin(fields, TensorRTPhase::kRUNTIME);
+  if (!builder || !deserialized) return void(check(false, "createPlugin for " + m.what + t, logger().all()));
+  PluginPtr attached(runtime(deserialized.get())->attachToContext(context));
+  IPluginV3OneBuildV2* b = build(builder.get());
+  IPluginV3OneRuntime* rt = runtime(attached.get());
+
+  BuildDescs bd = buildDescs(in, in, in, out, out, out);
+  expectStatusFailure("configurePlugin: " + m.what + t, m.expected,
+                      [&] { return b->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+  RuntimeDescs rd = runtimeDescs(in, out);
+  expectStatusFailure("onShapeChange: " + m.what + t, m.expected,
+                      [&] { return rt->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+  if (!m.countChanges) {
+    HostStandIns host;
+    rd.in.resize(16);  // enqueue reads as many descriptors as the form it infers: never past these
+    expectStatusFailure("enqueue: " + m.what + t, m.expected, [&] {
+      return rt->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+    });
+    check(std::all_of(host.bytes.begin(), host.bytes.end(), [](char c) { return c == 0; }),
+          "a rejected enqueue writes nothing: " + m.what + t);
+  }
+  if (m.typesToo) {
+    std::vector<DataType> types;
+    for (Tensor const& x : in) types.push_back(x.type);
+    DataType outType{};
+    expectStatusFailure("getOutputDataTypes: " + m.what + t, m.expected,
+                        [&] { return b->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size())); });
+  }
+}
+
+Change setDim(int32_t index, int32_t dim, int64_t value) {
+  return [=](std::vector<Tensor>& in, Tensor&) { in[index].dims.d[dim] = value; };
+}
+Change setType(int32_t index, DataType type) {
+  return [=](std::vector<Tensor>& in, Tensor&) { in[index].type = type; };
+}
+Change setRank(int32_t index, int32_t rank) {
+  return [=](std::vector<Tensor>& in, Tensor&) {
+    for (int32_t d = in[index].dims.nbDims; d < rank; ++d) in[index].dims.d[d] = 1;
+    in[index].dims.nbDims = rank;
+  };
+}
+Change onPool(std::function<void(Dims&)> f) {
+  return [=](std::vector<Tensor>& in, Tensor& out) {
+    f(in[dtrt::kPAST_KEY_VALUE].dims);
+    f(out.dims);
+  };
+}
+Change both(Change a, Change b) {
+  return [=](std::vector<Tensor>& in, Tensor& out) {
+    a(in, out);
+    b(in, out);
+  };
+}
+Change appendScales(int64_t heads) {
+  return [=](std::vector<Tensor>& in, Tensor&) {
+    in.push_back({"k_scale", DataType::kFLOAT, makeDims({heads})});
+    in.push_back({"v_scale", DataType::kFLOAT, makeDims({heads})});
+  };
+}
+Change dropLast(int32_t n) {
+  return [=](std::vector<Tensor>& in, Tensor&) { in.resize(in.size() - size_t(n)); };
+}
+Change eraseAt(int32_t index, int32_t n) {
+  return [=](std::vector<Tensor>& in, Tensor&) { in.erase(in.begin() + index, in.begin() + index + n); };
+}
+
+// Mutations both contracts reject the same way.
+std::vector<Mutation> commonMutations(Case const& g) {
+  int32_t const pool = dtrt::kPAST_KEY_VALUE;
+  int32_t const rope = dtrt::kROPE_COS_SIN;
+  int32_t const ropeR = g.contract == Contract::kSlot ? 2 : 1;
+  int32_t const nb = int32_t(inputs(g).size());
+  DataType const otherFloat = g.delta == DataType::kHALF ? DataType::kBF16 : DataType::kHALF;
+  std::vector<Mutation> m = {
+      {"pool of rank 4", "past_key_value: expected rank 5", setRank(pool, 4)},
+      {"pool of rank 6 (the layer-batched form)", "past_key_value: expected rank 5", onPool([](Dims& d) {
+         for (int32_t i = 5; i > 0; --i) d.d[i] = d.d[i - 1];
+         d.d[0] = 1;
+         d.nbDims = 6;
+       })},
+      {"page size 64", "tokens per page", onPool([](Dims& d) { d.d[2] = 64; })},
+      {"pool dim 0 == 3", "K and V planes", onPool([](Dims& d) { d.d[0] = 3; })},
+      {"pool heads unlike k_delta's", "k_delta: expected", onPool([&](Dims& d) { d.d[3] = g.H + 1; })},
+      {"R odd", "rotary dim R must be even", setDim(rope, ropeR, 3)},
+      {"R > D", "rotary dim R must be even and <= head dim", setDim(rope, ropeR, g.D + 2)},
+      {"v_delta's shape unlike k_delta's", "v_delta: expected k_delta's shape", setDim(1, 0, 1)},
+      {"output shape unlike the pool's", "present_key_value: expected the pool's shape",
+       [](std::vector<Tensor>&, Tensor& out) { out.dims.d[1] += 1; }},
+      {"output dtype unlike the pool's", "present_key_value: expected the pool's shape",
+       [](std::vector<Tensor>&, Tensor& out) { out.type = out.type == DataType::kFLOAT ? DataType::kHALF : DataType::kFLOAT; }},
+      {"v_delta's dtype unlike k_delta's", "v_delta: expected dtype", setType(1, otherFloat), false, true},
+      {"rope_cos_sin float16", "rope_cos_sin: expected dtype float32", setType(rope, DataType::kHALF), false, true},
+      {"k_delta int32", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kINT32), false, true},
+      {"k_delta kFP8", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kFP8), false, true},
+      {"pool kINT8", "past_key_value: expected dtype", setType(pool, DataType::kINT8), false, true},
+      {"pool in a non-linear format", "past_key_value: expected the linear format", {}, false, false},
+      {"5 inputs", "got 5 inputs", dropLast(nb - 5), true, true},
+      {"11 inputs", "11 inputs",
+       [](std::vector<Tensor>& in, Tensor&) {
+         while (in.size() < 11) in.push_back({"extra", DataType::kFLOAT, makeDims({1})});
+       },
+       true, true},
+      {"k_scale and v_scale with a 16-bit pool", "so an FP8 pool is expected", appendScales(g.H), true, true},
+      {"a kFP8 pool without k_scale and v_scale", "needs the k_scale and v_scale operands",
+       [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kFP8; }, true, true},
+  };
+  return m;
+}
+
+// The FP8 and k-norm extras of a case that has both.
+std::vector<Mutation> extrasMutations(Case const& g) {
+  int32_t const ks = kScaleIndex(g), w = kNormWeightIndex(g);
+  return {
+      {"k_scale of shape [H + 1]", "k_scale: expected", both(setDim(ks, 0, g.H + 1), setDim(ks + 1, 0, g.H + 1))},
+      {"v_scale's shape unlike k_scale's", "v_scale: expected k_scale's shape", setDim(ks + 1, 0, 1)},
+      {"k_scale of rank 2", "k_scale: expected", setRank(ks, 2)},
+      {"k_scale float16", "k_scale: expected dtype float32", setType(ks, DataType::kHALF), false, true},
+      {"k_norm_weight of length D + 1", "k_norm_weight: expected", setDim(w, 0, g.D + 1)},
+      {"k_norm_weight of length D - 1", "k_norm_weight: expected", setDim(w, 0, g.D - 1)},
+      {"k_norm_weight float32 with other deltas", "k_norm_weight: expected dtype", setType(w, DataType::kFLOAT), false,
+       true},
+      // One input short with k_norm=1 is the other contract's count: the message names both.
+      {"k_norm=1 without k_norm_weight", "k_norm=1", dropLast(1), true, true},
+  };
+}
+
+void runAll(Case const& g, std::vector<Mutation> const& mutations, IPluginResourceContext* context) {
+  Fields const fields = nodeFields(g);
+  for (Mutation const& m : mutations) {
+    if (m.what == "pool in a non-linear format") {
+      // A format, not a shape: set on the descriptors themselves.
+      PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
+      BuildDescs bd = buildDescs(g, g, g);
+      bd.in[dtrt::kPAST_KEY_VALUE].desc.format = TensorFormat::kHWC8;
+      expectStatusFailure("configurePlugin: " + m.what + tag(g), m.expected,
+                          [&] { return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+      RuntimeDescs rd = runtimeDescs(g);
+      rd.in[dtrt::kROPE_COS_SIN].format = TensorFormat::kCHW32;
+      expectStatusFailure("onShapeChange: rope_cos_sin in format kCHW32" + tag(g), "rope_cos_sin: expected the linear format",
+                          [&] { return runtime(builder.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+      continue;
+    }
+    rejectEverywhere(g, fields, m, context);
+  }
+}
+
+// Null pointers, descriptor arrays, the error recorder, getOutputShapes and
+// supportsFormatCombination's own arguments.
+void entryPointArguments(Case const& g, IPluginResourceContext* context, RecordingErrorRecorder* recorder) {
+  std::string const t = tag(g);
+  Fields const fields = nodeFields(g);
+  PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
+  PluginPtr deserialized = makePlugin(fields, TensorRTPhase::kRUNTIME);
+  PluginPtr attached(runtime(deserialized.get())->attachToContext(context));
+  IPluginV3OneBuildV2* b = build(builder.get());
+  IPluginV3OneRuntime* rt = runtime(attached.get());
+  RuntimeDescs d = runtimeDescs(g);
+  int32_t const nb = d.nbInputs();
+  HostStandIns host;
+  std::vector<Tensor> const in = inputs(g);
+
+  for (int32_t pos = 0; pos <= nb; ++pos) {
+    auto pointers = host.inputs;
+    void* outputs[1] = {host.bytes.data()};
+    if (pos < nb) pointers[pos] = nullptr; else outputs[0] = nullptr;
+    std::string const name = pos < nb ? in[pos].name : "present_key_value";
+    expectStatusFailure("enqueue: null " + name + " pointer" + t, name + ": the ", [&] {
+      return rt->enqueue(d.in.data(), &d.out, pointers.data(), outputs, nullptr, nullptr);
+    });
+  }
+  expectStatusFailure("enqueue: null input descriptors" + t, "input descriptors are null",
+                      [&] { return rt->enqueue(nullptr, &d.out, host.inputs.data(), host.outputs, nullptr, nullptr); });
+  expectStatusFailure("enqueue: null output descriptors" + t, "output descriptors are null",
+                      [&] { return rt->enqueue(d.in.data(), nullptr, host.inputs.data(), host.outputs, nullptr, nullptr); });
+  expectStatusFailure("enqueue: null pointer arrays" + t, "pointer arrays must not be null",
+                      [&] { return rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr); });
+  expectStatusFailure("onShapeChange: 0 outputs" + t, "expected 1 output",
+                      [&] { return rt->onShapeChange(d.in.data(), nb, &d.out, 0); });
+  expectStatusFailure("onShapeChange: null input descriptors" + t, "input descriptors are null",
+                      [&] { return rt->onShapeChange(nullptr, nb, &d.out, 1); });
+  expectFailure("attachToContext(nullptr)" + t, "resource context is null",
+                [&] { return PluginPtr(runtime(deserialized.get())->attachToContext(nullptr)); },
+                [](PluginPtr const& p) { return p == nullptr; });
+  if (recorder != nullptr) {
+    recorder->clear();
+    rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr);
+    check(recorder->getNbErrors() == 1 && recorder->getErrorCode(0) == ErrorCode::kINVALID_ARGUMENT &&
+              std::string(recorder->getErrorDesc(0)).find("enqueue") != std::string::npos,
+          "an attached plugin reports errors to the context's IErrorRecorder" + t);
+  }
+
+  // getOutputShapes on constant dims.
+  TestExprBuilder exprs;
+  std::vector<DimsExprs> shapes(nb);
+  for (int32_t i = 0; i < nb; ++i) {
+    shapes[i].nbDims = in[i].dims.nbDims;
+    for (int32_t k = 0; k < in[i].dims.nbDims; ++k) shapes[i].d[k] = exprs.constant(in[i].dims.d[k]);
+  }
+  DimsExprs out{};
+  expectStatusFailure("getOutputShapes with null inputs" + t, "must not be null",
+                      [&] { return b->getOutputShapes(nullptr, nb, nullptr, 0, &out, 1, exprs); });
+  expectStatusFailure("getOutputShapes with one input more" + t, "inputs",
+                      [&] {
+                        auto more = shapes;
+                        more.push_back(shapes.back());
+                        more.push_back(shapes.back());
+                        more.push_back(shapes.back());
+                        return b->getOutputShapes(more.data(), nb + 3, nullptr, 0, &out, 1, exprs);
+                      });
+  auto shapeCase = [&](std::string const& what, std::string const& expected, std::function<void(std::vector<DimsExprs>&)> f) {
+    auto bad = shapes;
+    f(bad);
+    expectStatusFailure("getOutputShapes: " + what + t, expected,
+                        [&] { return b->getOutputShapes(bad.data(), nb, nullptr, 0, &out, 1, exprs); });
+  };
+  shapeCase("pool of rank 4", "past_key_value: expected rank 5", [](auto& e) { e[dtrt::kPAST_KEY_VALUE].nbDims = 4; });
+  shapeCase("pool page size 64", "tokens per page", [&](auto& e) { e[dtrt::kPAST_KEY_VALUE].d[2] = exprs.constant(64); });
+  shapeCase("pool heads unlike k_delta's", "k_delta: expected",
+            [&](auto& e) { e[dtrt::kPAST_KEY_VALUE].d[3] = exprs.constant(g.H + 1); });
+  shapeCase("a null dimension expression", "dimension 1 is null", [](auto& e) { e[0].d[1] = nullptr; });
+  shapeCase("k_delta of the other contract's rank", "k_delta: expected rank",
+            [&](auto& e) {
+              if (g.contract == Contract::kPaged) e[0].d[3] = exprs.constant(g.D);
+              e[0].nbDims = g.contract == Contract::kSlot ? 3 : 4;
+            });
+
+  // supportsFormatCombination's arguments.
+  BuildDescs bd = buildDescs(g, g, g);
+  std::vector<DynamicPluginTensorDesc> inOut = bd.in;
+  inOut.push_back(bd.out);
+  expectFailure("supportsFormatCombination pos past the output" + t, "expected pos in [0, " + std::to_string(nb + 1) + ")",
+                [&] { return b->supportsFormatCombination(nb + 1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure("supportsFormatCombination pos -1" + t, "expected pos in",
+                [&] { return b->supportsFormatCombination(-1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure("supportsFormatCombination null inOut" + t, "inOut is null",
+                [&] { return b->supportsFormatCombination(0, nullptr, nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure("supportsFormatCombination with 5 inputs" + t, "got 5 inputs",
+                [&] { return b->supportsFormatCombination(0, inOut.data(), 5, 1); }, [](bool ok) { return !ok; });
+  {
+    logger().clear();
+    auto probe = inOut;
+    probe[1].desc.type = DataType::kINT8;
+    bool const refused = !b->supportsFormatCombination(1, probe.data(), nb, 1);
+    check(refused && logger().saw(ILogger::Severity::kVERBOSE, "v_delta: expected dtype") && logger().nbErrors() == 0,
+          "supportsFormatCombination refuses an unsupported combination with a verbose reason (not an error)" + t,
+          logger().all());
+  }
+  expectFailure("getCapabilityInterface(unknown type)" + t, "expected PluginCapabilityType",
+                [&] { return builder->getCapabilityInterface(static_cast<PluginCapabilityType>(9)); },
+                [](IPluginCapability* c) { return c == nullptr; });
+  expectStatusFailure("getOutputDataTypes with null arrays" + t, "must not be null",
+                      [&] { return b->getOutputDataTypes(nullptr, 1, nullptr, nb); });
+}
+
+Case slotGood() {
+  Case g;
+  g.name = "slot_bad";
+  g.contract = Contract::kSlot;
+  g.B = 2, g.L = 8, g.H = 2, g.D = 64, g.N = 4, g.pagesPerSlot = 2, g.Rb = 1, g.S = 128, g.R = 64;
+  return g;
+}
+
+Case pagedGood() {
+  Case g;
+  g.name = "paged_bad";
+  g.contract = Contract::kPaged;
+  g.T = 16, g.H = 2, g.D = 64, g.N = 8, g.B = 3, g.M = 4, g.R = 64;
+  return g;
+}
+
+Case withExtras(Case g) {
+  g.name += "_fp8_k_norm";
+  g.pool = DataType::kFP8, g.scaleHeads = g.H, g.kNorm = true, g.vNorm = true;
+  return g;
+}
+
+}  // namespace
+
+void fieldCases() {
+  Group group(kFieldsGroup);
+  requireGroup(kFieldsGroup);
+  IPluginCreatorV3One* creator = libraryCreator();
+  if (creator == nullptr) return;
+  auto rejected = [&](std::string const& what, std::string const& expected, Fields const& f) {
+    PluginFieldCollection const fc = f.collection();
+    for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
+      expectNull("createPlugin(" + std::string(phase == TensorRTPhase::kBUILD ? "kBUILD" : "kRUNTIME") + ") with " + what,
+                 expected, [&] { return creator->createPlugin("p", &fc, phase); });
+  };
+  Fields none;
+  PluginFieldCollection const noFields = none.collection();
+  expectNull("createPlugin with a null field collection", "field collection is null",
+             [&] { return creator->createPlugin("p", nullptr, TensorRTPhase::kBUILD); });
+  expectNull("createPlugin with a null name", "name is null",
+             [&] { return creator->createPlugin(nullptr, &noFields, TensorRTPhase::kBUILD); });
+  expectNull("createPlugin with an unknown phase", "expected phase",
+             [&] { return creator->createPlugin("p", &noFields, static_cast<TensorRTPhase>(7)); });
+  {
+    PluginFieldCollection const broken{3, nullptr};
+    expectNull("a field collection with null fields", "fields pointer null",
+               [&] { return creator->createPlugin("p", &broken, TensorRTPhase::kBUILD); });
+    PluginField nullName(nullptr, nullptr, PluginFieldType::kINT32, 1);
+    PluginFieldCollection const nn{1, &nullName};
+    expectNull("a field with a null name", "null name", [&] { return creator->createPlugin("p", &nn, TensorRTPhase::kBUILD); });
+    PluginField nullData(dtrt::kPAGES_PER_SLOT_FIELD, nullptr, PluginFieldType::kINT32, 1);
+    PluginFieldCollection const nd{1, &nullData};
+    expectNull("pages_per_slot with null data", "field 'pages_per_slot': data is null",
+               [&] { return creator->createPlugin("p", &nd, TensorRTPhase::kBUILD); });
+  }
+  for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME}) {
+    logger().clear();
+    PluginPtr p(creator->createPlugin("p", &noFields, phase));
+    check(p != nullptr && logger().nbErrors() == 0,
+          std::string("createPlugin(") + (phase == TensorRTPhase::kBUILD ? "kBUILD" : "kRUNTIME") +
+              ") without fields (Edge-LLM 0.11's node) is accepted",
+          logger().all());
+  }
+  {
+    Fields f;
+    float const value = 2.0f;
+    f.add(dtrt::kPAGES_PER_SLOT_FIELD, PluginFieldType::kFLOAT32, &value, 1, sizeof(value));
+    rejected("pages_per_slot of type FLOAT32", "field 'pages_per_slot': expected type INT32", f);
+  }
+  for (int32_t value : {0, -3}) {
+    Fields f;
+    f.addInt32(dtrt::kPAGES_PER_SLOT_FIELD, value);
+    rejected("pages_per_slot = " + std::to_string(value), "field 'pages_per_slot': expected an int32 > 0", f);
+  }
+  {
+    Fields f;
+    int64_t const big = int64_t(1) << 40;
+    f.add(dtrt::kPAGES_PER_SLOT_FIELD, PluginFieldType::kINT64, &big, 1, sizeof(big));
+    rejected("pages_per_slot = 2^40 (INT64)", "field 'pages_per_slot': expected an int32 > 0", f);
+  }
+  {
+    Fields f;
+    int32_t const values[2] = {1, 2};
+    f.add(dtrt::kPAGES_PER_SLOT_FIELD, PluginFieldType::kINT32, values, 2, sizeof(values));
+    rejected("pages_per_slot with 2 elements", "field 'pages_per_slot': expected 1 element", f);
+  }
+  for (char const* name : {dtrt::kPAGES_PER_SLOT_FIELD, dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD}) {
+    Fields f;
+    f.addInt32(name, 1);
+    f.addInt32(name, 1);
+    rejected(std::string(name) + " given twice", std::string("field '") + name + "': given twice", f);
+  }
+  {
+    Fields f;
+    f.addFloat32(dtrt::kNORM_EPS_FIELD, 1e-5f);
+    f.addFloat32(dtrt::kNORM_EPS_FIELD, 1e-5f);
+    rejected("norm_eps given twice", "field 'norm_eps': given twice", f);
+  }
+  for (char const* name : {dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD}) {
+    for (int32_t value : {2, -1}) {
+      Fields f;
+      f.addInt32(name, value);
+      rejected(std::string(name) + " = " + std::to_string(value), std::string("field '") + name + "': expected 0 or 1", f);
+    }
+    Fields f;
+    f.addFloat32(name, 1.0f);
+    rejected(std::string(name) + " of type FLOAT32", std::string("field '") + name + "': expected type INT32", f);
+    Fields g;
+    int32_t const values[2] = {1, 1};
+    g.add(name, PluginFieldType::kINT32, values, 2, sizeof(values));
+    rejected(std::string(name) + " with 2 elements", std::string("field '") + name + "': expected 1 element", g);
+  }
+  {
+    Fields f;
+    f.addInt32(dtrt::kNORM_EPS_FIELD, 1);
+    rejected("norm_eps of type INT32", "field 'norm_eps': expected type FLOAT32", f);
+    for (float value : {0.0f, -1e-6f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      Fields g;
+      g.addFloat32(dtrt::kNORM_EPS_FIELD, value);
+      rejected("norm_eps = " + std::to_string(value), "field 'norm_eps': expected a finite float32 > 0", g);
+    }
+    Fields h;
+    float const values[2] = {1e-6f, 1e-6f};
+    h.add(dtrt::kNORM_EPS_FIELD, PluginFieldType::kFLOAT32, values, 2, sizeof(values));
+    rejected("norm_eps with 2 elements", "field 'norm_eps': expected 1 element", h);
+  }
+  {
+    Fields f;
+    f.addInt32(dtrt::kPAGES_PER_SLOT_FIELD, 2);
+    f.addInt32("unknown_attribute", 5);
+    PluginFieldCollection const fc = f.collection();
+    logger().clear();
+    PluginPtr p(creator->createPlugin("p", &fc, TensorRTPhase::kBUILD));
+    check(p != nullptr && logger().saw(ILogger::Severity::kWARNING, "unknown_attribute") && logger().nbErrors() == 0,
+          "an unknown field is ignored with a warning", logger().all());
+  }
+
+  // A slot plugin built without pages_per_slot: the builder may set it after parsing.
+  Case g = slotGood();
+  PluginPtr unset(creator->createPlugin("p", &noFields, TensorRTPhase::kBUILD));
+  if (!unset) return;
+  BuildDescs bd = buildDescs(g, g, g);
+  RuntimeDescs rd = runtimeDescs(g);
+  HostStandIns host;
+  IPluginV3OneBuildV2* ub = build(unset.get());
+  {
+    // TensorRT asks for types and shapes while the network is built, before setPagesPerSlot().
+    std::vector<DataType> types;
+    for (Tensor const& x : inputs(g)) types.push_back(x.type);
+    DataType outType{};
+    TestExprBuilder exprs;
+    std::vector<DimsExprs> shapes;
+    for (Tensor const& x : inputs(g)) {
+      DimsExprs e{};
+      e.nbDims = x.dims.nbDims;
+      for (int32_t k = 0; k < x.dims.nbDims; ++k) e.d[k] = exprs.constant(x.dims.d[k]);
+      shapes.push_back(e);
+    }
+    DimsExprs out{};
+    logger().clear();
+    check(ub->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size())) == 0 &&
+              ub->getOutputShapes(shapes.data(), int32_t(shapes.size()), nullptr, 0, &out, 1, exprs) == 0,
+          "a slot plugin without pages_per_slot yet answers getOutputDataTypes and getOutputShapes", logger().all());
+  }
+  expectStatusFailure("configurePlugin of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
+                      [&] { return ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+  expectStatusFailure("onShapeChange of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
+                      [&] { return runtime(unset.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+  expectStatusFailure("enqueue of the slot contract with pages_per_slot missing", "pages_per_slot is missing", [&] {
+    return runtime(unset.get())->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+  });
+  auto* concrete = dynamic_cast<dtrt::DFlashTargetKVCacheUpdatePlugin*>(unset.get());
+  if (check(concrete != nullptr, "the plugin is a DFlashTargetKVCacheUpdatePlugin (dynamic_cast across the library)")) {
+    expectStatusFailure("setPagesPerSlot(0)", "expected an int32 > 0", [&] {
+      concrete->setPagesPerSlot(0);
+      return concrete->pagesPerSlot() == 0 ? 1 : 0;
+    });
+    concrete->setPagesPerSlot(int32_t(g.pagesPerSlot));
+    logger().clear();
+    check(ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0, "setPagesPerSlot() then configurePlugin succeeds",
+          logger().all());
+    PluginPtr clone(unset->clone());
+    std::string const problem = clone ? fieldsMismatch(runtime(clone.get())->getFieldsToSerialize(), g) : "clone() is null";
+    check(problem.empty(), "setPagesPerSlot() value survives clone() and getFieldsToSerialize()", problem);
+  }
+}
+
+void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* recorder) {
+  Group group(kSlotBadGroup);
+  requireGroup(kSlotBadGroup);
+  Case const g = slotGood();
+  std::vector<Mutation> m = commonMutations(g);
+  std::vector<Mutation> const slot = {
+      {"k_delta of rank 3 (the paged contract's) with 6 inputs", "k_delta: expected rank 4", setRank(0, 3)},
+      {"rope_cos_sin of rank 2 (the paged contract's)", "rope_cos_sin: expected", setRank(dtrt::kROPE_COS_SIN, 2)},
+      {"numPages % pages_per_slot != 0", "divisible by pages_per_slot", onPool([](Dims& d) { d.d[1] = 5; })},
+      {"B > slots", "batch B must be <=",
+       [](std::vector<Tensor>& in, Tensor&) { in[0].dims.d[0] = in[1].dims.d[0] = in[4].dims.d[0] = in[5].dims.d[0] = 3; }},
+      {"S > cap", "slot capacity", setDim(dtrt::kROPE_COS_SIN, 1, 2 * kP + 1)},
+      {"rope batch not 1 or B", "batch Rb must be 1 or B", setDim(dtrt::kROPE_COS_SIN, 0, 3)},
+      {"delta_lengths [B + 1]", "delta_lengths: expected", setDim(dtrt::kDELTA_LENGTHS, 0, 3)},
+      {"delta_start_positions int64", "delta_start_positions: expected dtype int32",
+       setType(dtrt::kDELTA_START_POSITIONS, DataType::kINT64), false, true},
+      {"delta_lengths float32", "delta_lengths: expected dtype int32", setType(dtrt::kDELTA_LENGTHS, DataType::kFLOAT),
+       false, true},
+      {"7 inputs (the paged contract's count) with a slot k_delta", "k_delta: expected rank 3",
+       [](std::vector<Tensor>& in, Tensor&) { in.push_back({"kv_page_table", DataType::kINT32, makeDims({2, 2, 2})}); }, true,
+       false},
+  };
+  m.insert(m.end(), slot.begin(), slot.end());
+  runAll(g, m, context);
+  {
+    // ring belongs to the paged contract.
+    Case ringed = g;
+    ringed.ring = true;
+    Mutation const ring{"field ring = 1 on the slot contract", "'ring' = 1 is for the paged contract only",
+                        [](std::vector<Tensor>&, Tensor&) {}};
+    rejectEverywhere(g, nodeFields(ringed), ring, context);
+  }
+  Case const x = withExtras(g);
+  runAll(x, extrasMutations(x), context);
+  entryPointArguments(g, context, recorder);
+  entryPointArguments(x, context, nullptr);
+}
+
+void pagedBadInputs(IPluginResourceContext* context) {
+  Group group(kPagedBadGroup);
+  requireGroup(kPagedBadGroup);
+  Case const g = pagedGood();
+  int32_t const table = dtrt::kKV_PAGE_TABLE;
+  std::vector<Mutation> m = commonMutations(g);
+  std::vector<Mutation> const paged = {
+      {"k_delta of rank 4 (the slot contract's) with 7 inputs", "k_delta: expected rank 3", setRank(0, 4)},
+      {"M > N", "kv_page_table: pages per sequence M", setDim(table, 2, g.N + 1)},
+      {"kv_page_table int64", "kv_page_table: expected dtype int32", setType(table, DataType::kINT64), false, true},
+      {"kv_page_table of rank 2", "kv_page_table: expected", setRank(table, 2)},
+      {"kv_page_table dim 1 == 3", "kv_page_table: expected", setDim(table, 1, 3)},
+      {"rope_cos_sin [T + 1, R]", "rope_cos_sin: expected one row per token", setDim(dtrt::kROPE_COS_SIN, 0, g.T + 1)},
+      {"rope_cos_sin of rank 3 (the slot contract's table)", "rope_cos_sin: expected", setRank(dtrt::kROPE_COS_SIN, 3)},
+      {"delta_positions [T + 1]", "delta_positions: expected", setDim(dtrt::kDELTA_POSITIONS, 0, g.T + 1)},
+      {"delta_token_to_sequence float16", "delta_token_to_sequence: expected dtype int32",
+       setType(dtrt::kDELTA_TOKEN_TO_SEQUENCE, DataType::kHALF), false, true},
+      {"delta_positions int64", "delta_positions: expected dtype int32", setType(dtrt::kDELTA_POSITIONS, DataType::kINT64),
+       false, true},
+      {"6 inputs (the slot contract's count) with a paged k_delta", "k_delta: expected rank 4 for 6 inputs",
+       eraseAt(table, 1), true, false},
+      {"8 inputs with a 16-bit pool", "k_delta: expected rank 4 for 8 inputs",
+       [](std::vector<Tensor>& in, Tensor&) { in.push_back({"extra", DataType::kFLOAT, makeDims({1})}); }, true, false},
+  };
+  m.insert(m.end(), paged.begin(), paged.end());
+  runAll(g, m, context);
+  {
+    Case withPages = g;
+    withPages.contract = Contract::kSlot;  // nodeFields then writes pages_per_slot
+    withPages.pagesPerSlot = 2;
+    Fields f = nodeFields(withPages);
+    Mutation const pps{"field pages_per_slot on the paged contract", "'pages_per_slot' is for the slot contract only",
+                       [](std::vector<Tensor>&, Tensor&) {}};
+    rejectEverywhere(g, f, pps, context);
+  }
+  Case const x = withExtras(g);
+  runAll(x, extrasMutations(x), context);
+  entryPointArguments(g, context, nullptr);
+  entryPointArguments(x, context, nullptr);
+}
+
+void overflowCases(IPluginResourceContext* context) {
+  Group group(kOverflowGroup);
+  requireGroup(kOverflowGroup);
+  int64_t const huge = int64_t(1) << 62;
+  Case const s = slotGood();
+  Case const p = pagedGood();
+  // The same rule at build time (configurePlugin's max profile, with the dim a wildcard) and at
+  // run time (onShapeChange, enqueue): nothing multiplies these dims but the core's checks.
+  struct Big {
+    std::string what;
+    Case min, max;
+  };
+  std::vector<Big> bigs;
+  {
+    Case big = s;
+    big.L = huge;
+    bigs.push_back({"slot L = 2^62", s, big});
+    big = s;
+    big.N = huge;  // divisible by pages_per_slot = 2
+    bigs.push_back({"slot pool numPages = 2^62", s, big});
+    big = s;
+    big.H = int64_t(1) << 31, big.D = int64_t(1) << 31, big.R = 64;
+    bigs.push_back({"slot H = D = 2^31", s, big});
+    big = p;
+    big.T = huge;
+    bigs.push_back({"paged T = 2^62", p, big});
+    big = p;
+    big.B = huge;
+    bigs.push_back({"paged kv_page_table rows B = 2^62", p, big});
+    big = withExtras(p);
+    big.N = huge, big.M = 4;
+    bigs.push_back({"paged kFP8 pool numPages = 2^62", withExtras(p), big});
+  }
+  for (Big const& b : bigs) {
+    Fields const fields = nodeFields(b.max);
+    PluginFieldCollection const fc = fields.collection();
+    PluginPtr builder(libraryCreator()->createPlugin("big", &fc, TensorRTPhase::kBUILD));
+    PluginPtr attached(runtime(builder.get())->attachToContext(context));
+    BuildDescs bd = buildDescs(b.min, b.min, b.max);
+    expectStatusFailure("configurePlugin: " + b.what + " in the max profile", "overflows int64",
+                        [&] { return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+    RuntimeDescs rd = runtimeDescs(b.max);
+    expectStatusFailure("onShapeChange: " + b.what, "overflows int64",
+                        [&] { return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+    HostStandIns host;
+    expectStatusFailure("enqueue: " + b.what, "overflows int64", [&] {
+      return runtime(attached.get())->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+    });
+  }
+}
+
+}  // namespace harness
