@@ -55,14 +55,52 @@ struct E4M3 {
   using Bits = uint8_t;
   static constexpr DType kDType = DType::kFloat8E4M3;
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e4m3_bits(f); }
+  static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e4m3x2_bits(a, b); }
 };
 struct E5M2 {
   using Bits = uint8_t;
   static constexpr DType kDType = DType::kFloat8E5M2;
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e5m2_bits(f); }
+  static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e5m2x2_bits(a, b); }
 };
 template <typename T>
 inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+// Pairs of channels through the packed conversions (one instruction for two values): widening
+// a delta vector, and the fused norms' round trips through the delta dtype. The round trips skip
+// the canonical NaN: a NaN stays a NaN through the rest of the arithmetic and is made canonical
+// when stored.
+template <typename Delta, int VEC>
+__device__ __forceinline__ void decode_pack(typename Delta::Bits const (&bits)[VEC], float (&out)[VEC]) {
+  if constexpr (std::is_same_v<Delta, F16> && VEC % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      float2 const f = __half22float2(*reinterpret_cast<__half2 const*>(&bits[i]));
+      out[i] = f.x, out[i + 1] = f.y;
+    }
+  } else if constexpr (std::is_same_v<Delta, BF16> && VEC % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      float2 const f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&bits[i]));
+      out[i] = f.x, out[i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = Delta::decode(bits[i]);
+  }
+}
+
+// x[i] and x[i + 1] rounded to the delta dtype and widened again.
+template <typename Delta>
+__device__ __forceinline__ void round_pair(float& a, float& b) {
+  if constexpr (std::is_same_v<Delta, F16>) {
+    float2 const f = __half22float2(__float22half2_rn(make_float2(a, b)));
+    a = f.x, b = f.y;
+  } else if constexpr (std::is_same_v<Delta, BF16>) {
+    float2 const f = __bfloat1622float2(__float22bfloat162_rn(make_float2(a, b)));
+    a = f.x, b = f.y;
+  }
+}
 
 // VEC elements moved as one or two aligned words (at most 16 bytes per memory instruction).
 template <typename Bits, int VEC>
@@ -118,6 +156,7 @@ struct Geometry {
   // The fused norms' sum of squares by a butterfly over the head's items (each owning chunks c
   // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
   bool norm_butterfly;
+  bool weight_vectors;  // the k-norm weight can be read VEC at a time (aligned)
 };
 
 template <int VEC>
@@ -169,18 +208,41 @@ __device__ __forceinline__ float head_inverse_rms(KVUpdateParams const& p, Geome
 
 // x[i] <- the normed value of channel `channel + i` (SPEC.md "Fused norms" 4-5).
 template <typename Delta, int VEC>
-__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const* weight) {
+__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const (*weight)[VEC]) {
+  float w[VEC];
+  if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
+  if constexpr (VEC % 2 == 0 && !std::is_same_v<Delta, F32>) {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    float u = Delta::decode(Delta::encode(mul_rn(x[i], inv_rms)));
-    if (weight != nullptr) u = Delta::decode(Delta::encode(mul_rn(u, Delta::decode(weight[i]))));
-    x[i] = u;
+    for (int i = 0; i < VEC; i += 2) {
+      float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
+      round_pair<Delta>(a, b);
+      if (weight != nullptr) {
+        a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
+        round_pair<Delta>(a, b);
+      }
+      x[i] = a, x[i + 1] = b;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float u = Delta::decode(Delta::encode(mul_rn(x[i], inv_rms)));
+      if (weight != nullptr) u = Delta::decode(Delta::encode(mul_rn(u, w[i])));
+      x[i] = u;
+    }
   }
 }
 
 template <typename Pool, int VEC>
 __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC], float inv_scale) {
   Pack<typename Pool::Bits, VEC> out;
+  if constexpr (kIsFp8<Pool> && VEC % 2 == 0 && DFLASH_FP8_HARDWARE) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      uint16_t const two = Pool::encode2(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale));
+      out.v[i] = uint8_t(two), out.v[i + 1] = uint8_t(two >> 8);
+    }
+    return out;
+  }
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
     if constexpr (kIsFp8<Pool>)
@@ -250,6 +312,24 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     k1 = load_pack<DPack>(k_delta + src + half);
     v1 = load_pack<DPack>(v_delta + src + half);
   }
+  // Scales and norm weights do not depend on the addressing data either.
+  float k_scale = 1.0f, v_scale = 1.0f;
+  if constexpr (kIsFp8<Pool>) {
+    k_scale = __ldg(p.k_scale + scale_index(p, layer, h));
+    v_scale = __ldg(p.v_scale + scale_index(p, layer, h));
+  }
+  DPack w0, w1;
+  bool const k_norm = NORM && p.k_norm, v_norm = NORM && p.v_norm;
+  if (k_norm) {
+    DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
+    if (g.weight_vectors) {
+      w0 = load_pack<DPack>(weight);
+      if (pair) w1 = load_pack<DPack>(weight + half);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) w0.v[i] = weight[i], w1.v[i] = pair ? weight[half + i] : DBits(0);
+    }
+  }
   // Paged rope rows are token-aligned: known before the page table is read.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
@@ -279,28 +359,23 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   int64_t const stride = token_stride(p);
   PBits* const k_dst = layer_pool + rows.k_row * stride + int64_t(h) * p.head_dim + channel;
   PBits* const v_dst = layer_pool + rows.v_row * stride + int64_t(h) * p.head_dim + channel;
-  float inv_k = 1.0f, inv_v = 1.0f;
-  if constexpr (kIsFp8<Pool>) {
-    inv_k = div_rn(1.0f, __ldg(p.k_scale + scale_index(p, layer, h)));
-    inv_v = div_rn(1.0f, __ldg(p.v_scale + scale_index(p, layer, h)));
-  }
+  float const inv_k = kIsFp8<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
+  float const inv_v = kIsFp8<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
 
   // ---- keys ----
-  bool const k_norm = NORM && p.k_norm, v_norm = NORM && p.v_norm;
   bool const k_copy = kSame && !k_norm && !rotate;
   if (k_copy) {
     store_pack(k_dst, *reinterpret_cast<Pack<PBits, VEC> const*>(&k0));
     if (pair) store_pack(k_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&k1));
   } else {
     float x0[VEC], x1[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) x0[i] = Delta::decode(k0.v[i]), x1[i] = pair ? Delta::decode(k1.v[i]) : 0.0f;
+    decode_pack<Delta, VEC>(k0.v, x0);
+    decode_pack<Delta, VEC>(k1.v, x1);  // unused (uninitialised bits) unless pair
     if constexpr (NORM) {
       if (k_norm) {
         float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, k_delta + head_start);
-        DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
-        apply_norm<Delta, VEC>(x0, inv_rms, weight);
-        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, weight + half);
+        apply_norm<Delta, VEC>(x0, inv_rms, &w0.v);
+        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, &w1.v);
       }
     }
     if (rotate) {
@@ -321,8 +396,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     if (pair) store_pack(v_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&v1));
   } else {
     float x0[VEC], x1[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) x0[i] = Delta::decode(v0.v[i]), x1[i] = pair ? Delta::decode(v1.v[i]) : 0.0f;
+    decode_pack<Delta, VEC>(v0.v, x0);
+    decode_pack<Delta, VEC>(v1.v, x1);  // unused unless pair
     if constexpr (NORM) {
       if (v_norm) {
         float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, v_delta + head_start);
@@ -368,6 +443,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.norm_butterfly = (p.k_norm || p.v_norm) && butterfly_fits(p, VEC);
+  g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   int64_t const items_x = std::min(head_items, kBlockThreads);
   int64_t const item_chunks = (head_items + items_x - 1) / items_x;
   int64_t const heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;

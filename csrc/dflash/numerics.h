@@ -16,6 +16,17 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
+// Ada and Hopper convert to FP8 in hardware (cvt.rn.satfinite: round to nearest even, saturate
+// to the largest finite value) with the same results as the software rounding below, NaN aside,
+// which is mended to the canonical NaN; tools/fp8_cvt_check.cu compares the two over all 2^32
+// float32 inputs. -DDFLASH_FP8_SOFTWARE=1 uses the software rounding on the device as well.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !DFLASH_FP8_SOFTWARE
+#define DFLASH_FP8_HARDWARE 1
+#else
+#define DFLASH_FP8_HARDWARE 0
 #endif
 
 namespace dflash {
@@ -163,8 +174,40 @@ DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
   float const rounded = add_rn(float_of(a), float_of(kSubnormalMagicBits));
   return uint8_t(sign | (bits_of(rounded) - kSubnormalMagicBits));
 }
-DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits(float f) { return float_to_fp8_bits<3, 7, 0x7eu>(f); }
-DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits(float f) { return float_to_fp8_bits<2, 15, 0x7bu>(f); }
+DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits_software(float f) { return float_to_fp8_bits<3, 7, 0x7eu>(f); }
+DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits_software(float f) { return float_to_fp8_bits<2, 15, 0x7bu>(f); }
+
+#if defined(__CUDACC__)
+// Two conversions per instruction; any NaN code (e4m3fn: 0x7F/0xFF; e5m2: 0x7D..0x7F, 0xFD..0xFF)
+// becomes the canonical 0x7F.
+__device__ __forceinline__ uint16_t float2_to_e4m3x2_bits(float lo, float hi) {
+  uint32_t const r = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+  uint32_t const b0 = (r & 0x7fu) == 0x7fu ? 0x7fu : r & 0xffu;
+  uint32_t const b1 = (r & 0x7f00u) == 0x7f00u ? 0x7fu : (r >> 8) & 0xffu;
+  return uint16_t(b0 | (b1 << 8));
+}
+__device__ __forceinline__ uint16_t float2_to_e5m2x2_bits(float lo, float hi) {
+  uint32_t const r = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
+  uint32_t const b0 = (r & 0x7fu) > 0x7cu ? 0x7fu : r & 0xffu;
+  uint32_t const b1 = (r & 0x7f00u) > 0x7c00u ? 0x7fu : (r >> 8) & 0xffu;
+  return uint16_t(b0 | (b1 << 8));
+}
+#endif
+
+DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits(float f) {
+#if DFLASH_FP8_HARDWARE
+  return uint8_t(float2_to_e4m3x2_bits(f, 0.0f));
+#else
+  return float_to_e4m3_bits_software(f);
+#endif
+}
+DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits(float f) {
+#if DFLASH_FP8_HARDWARE
+  return uint8_t(float2_to_e5m2x2_bits(f, 0.0f));
+#else
+  return float_to_e5m2_bits_software(f);
+#endif
+}
 
 // ---- fused norms --------------------------------------------------------------------------------
 

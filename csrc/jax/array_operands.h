@@ -75,7 +75,9 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<nb::ndarray<>>& kee
                            ", got one on DLPack device type " + std::to_string(array.device_type()))
                               .c_str());
   int64_t expected_stride = 1;
-  for (size_t i = array.ndim(); i-- > 0;) {
+  bool empty = false;
+  for (size_t i = 0; i < array.ndim(); ++i) empty |= array.shape(i) == 0;
+  for (size_t i = array.ndim(); !empty && i-- > 0;) {
     if (array.shape(i) > 1 && array.stride(i) != expected_stride)
       throw nb::value_error((name + ": expected a C-contiguous array" +
                              (spec.writable ? " (it is updated in place; a copy would lose the update)" : "") +
@@ -87,9 +89,10 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<nb::ndarray<>>& kee
   DType const own = dtype_of(array.dtype());
   if (spec.declared != DType::kOther) {
     bool const same_width = int64_t(array.dtype().bits) == 8 * dtype_bytes(spec.declared);
-    bool const bits_view = nb::dlpack::dtype_code(array.dtype().code) == nb::dlpack::dtype_code::UInt;
+    auto const code = nb::dlpack::dtype_code(array.dtype().code);
+    bool const bits_view = code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int;
     if (!same_width || !(own == spec.declared || bits_view))
-      throw nb::type_error((name + ": expected " + dtype_name(spec.declared) + " elements (or a uint" +
+      throw nb::type_error((name + ": expected " + dtype_name(spec.declared) + " elements (or a uint/int" +
                             std::to_string(8 * dtype_bytes(spec.declared)) + " view of their bits), got " +
                             given_dtype(array.dtype()))
                                .c_str());
