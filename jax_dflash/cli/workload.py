@@ -45,8 +45,11 @@ MAX_STEPS_IN_FLIGHT = 4
 HARVEST_BUDGET_BYTES = 1 << 30
 # Untimed steps that write nothing, run on the run's own state before the timed loop.
 WARMUP_STEPS = 5
-# Timed replays of the decode steps, with and without the update, for the update's share.
-SHARE_ROUNDS = 2
+# Timed replays of the decode steps, with and without the update, for the update's share:
+# rounds alternate between the two until each has run this long (within the round limits);
+# the best round of each counts, which drops the noise of a busy machine.
+SHARE_SECONDS = 0.25
+SHARE_ROUNDS = (3, 50)
 # Sequences the read-back check samples.
 READBACK_SEQUENCES = 4
 
@@ -493,7 +496,6 @@ class Workload:
             ring=window is not None, fused_norm=fused_norm, fp8=self.fp8)
         self._consts: pipeline.Constants | None = None
         self._compiled: dict = {}
-        self._readback_rng = np.random.default_rng([seed, 1])
 
     # ---- sizes of the summary
 
@@ -624,7 +626,9 @@ class Workload:
         n = max(1, min(timed_steps, self.steps))
         _, seconds = self._loop(compiled, state, self.prefill_steps, n)
         per_step = seconds / n
-        total_steps = self.prefill_steps + self.steps * (1 + 2 * SHARE_ROUNDS)
+        run_seconds = per_step * self.steps
+        rounds = int(np.clip(np.ceil(SHARE_SECONDS / max(run_seconds, 1e-9)), *SHARE_ROUNDS))
+        total_steps = self.prefill_steps + self.steps * (1 + 2 * rounds)
         return compile_s + per_step * total_steps, per_step
 
     def run(self, impl: str, *, check: bool = True, measure_update: bool = True,
@@ -661,7 +665,9 @@ class Workload:
         best_without = None
         if measure_update:
             without, _ = self._compiled_step(impl, False)
-            for _ in range(SHARE_ROUNDS):
+            low, high = SHARE_ROUNDS
+            rounds = int(np.clip(np.ceil(SHARE_SECONDS / max(seconds, 1e-9)), low, high))
+            for _ in range(rounds):
                 state, s = self._loop(without, self._state(pools, self.prefill_steps),
                                       self.prefill_steps, self.steps)
                 pools = state[0]
@@ -683,6 +689,16 @@ class Workload:
             verdict = "bit-exact" if mismatches == 0 else "differs"
         return ImplResult(impl, label, timing, self.accepted_tokens, self.update_bytes,
                           best, best_without, verdict, mismatches, max_ulp, elements, rb)
+
+    def deltas(self, impl: str = "kernel") -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The deltas every step (prefill included) gives the update, as the check collects
+        them, computed by the same step without the update."""
+        compiled, _ = self._compiled_step(impl, False)
+        collector = _StepCollector()
+        state = self._state(jax.device_put(self.initial_pool, self.device), 0)
+        self._loop(compiled, state, 0, self.prefill_steps + self.steps, collector=collector)
+        collector.flush()
+        return collector.steps
 
     # ---- the checks
 
@@ -722,7 +738,8 @@ class Workload:
         return pool
 
     def readback_views(self) -> list[readback.SequenceView]:
-        rng = self._readback_rng
+        """The sequences the read-back check samples (the same ones for a given seed)."""
+        rng = np.random.default_rng([self.seed, 1])
         p = self.preset
         views = []
         if self.plan is None:
@@ -769,4 +786,4 @@ class Workload:
         return readback.check_sequences(
             pools, self.readback_views(), self.recompute, delta_dtype=self.delta_dtype,
             rotary_dim=self.geometry.rotary_dim, k_scale=k_scale, v_scale=v_scale,
-            rng=self._readback_rng)
+            rng=np.random.default_rng([self.seed, 2]))
