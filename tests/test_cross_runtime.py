@@ -29,7 +29,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
+onnx = pytest.importorskip(
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
 
 import jax_dflash  # noqa: E402
 from jax_dflash import reference  # noqa: E402

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
+onnx = pytest.importorskip(
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
 
 from onnx import TensorProto  # noqa: E402
 

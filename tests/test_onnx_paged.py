@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-onnx = pytest.importorskip("onnx", reason="the 'onnx' package is not installed")
+onnx = pytest.importorskip(
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
 
 import jax_dflash  # noqa: E402
 from jax_dflash import reference  # noqa: E402
