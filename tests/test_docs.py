@@ -302,3 +302,11 @@ def test_shell_lines_are_split_and_classified(tmp_path):
     reasons = [why_not_run(c) for _, c in lines]
     assert reasons[1] is None and reasons[2] is None, reasons
     assert "make" in reasons[0] and "trtexec" in reasons[3] and "'cd'" in reasons[4], reasons
+
+
+def test_changelog_has_a_section_for_the_version():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    headings = re.findall(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert headings and headings[0] == "Unreleased", headings
+    assert version in headings, f"CHANGELOG.md has no '## {version}' section: {headings}"
