@@ -106,11 +106,11 @@ def _run_jax_cpu(args, pages_per_slot, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reference_node_matches_numpy_and_jax(dtype, seed):
-    # Hostile positions: padding, pass-through past S, drops past the slot, negative starts.
+    # Hostile positions: padding, pass-through past S, drops past the slot, negative starts
+    # (starts are drawn over the whole slot of 384 rows; S = 300 rotates most keys).
     problem = make_problem(np.random.default_rng(seed), dtype=dtype, batch=3, delta_len=5,
                            heads=2, head_dim=12, rotary_dim=8, page_size=P, pages_per_slot=3,
-                           max_batch=4, rope_batch=3 if seed == 1 else 1,
-                           rope_seq_len=10)
+                           max_batch=4, rope_batch=3 if seed == 1 else 1, rope_seq_len=300)
     pool_before = problem.past_key_value.copy()
     model = _single_node_model(problem.args(), problem.pages_per_slot)
     (onnx_out,) = reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
