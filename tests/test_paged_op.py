@@ -29,6 +29,7 @@ from jax_dflash import reference
 PAGED_TARGET = 'custom_call_target="dflash_target_kv_cache_update_paged"'
 
 
+@pytest.mark.parametrize("hostile", [False, True], ids=["valid", "hostile"])
 @pytest.mark.parametrize("ring", [False, True], ids=["flat", "ring"])
 @pytest.mark.parametrize(
     "shape",
@@ -51,9 +52,16 @@ PAGED_TARGET = 'custom_call_target="dflash_target_kv_cache_update_paged"'
     ],
     ids=lambda s: "T{tokens}B{batch}H{heads}D{head_dim}P{page_size}".format(**s),
 )
-def test_matches_reference(backend, shape, ring):
-    problem = make_paged_problem(np.random.default_rng(2024), ring=ring, **shape)
-    assert_bits_equal(run_op(problem, backend), expected(problem))
+def test_matches_reference(backend, shape, ring, hostile):
+    """Valid tokens (every one writes), or hostile ones (padding, foreign owners, negative
+    positions, positions past the table, bad page ids: whatever is left may be nothing)."""
+    problem = make_paged_problem(np.random.default_rng(2024), ring=ring, hostile=hostile,
+                                 **shape)
+    want = expected(problem)
+    if not hostile:
+        written = (want.view(np.uint8) != problem.past_key_value.view(np.uint8))
+        assert written.reshape(2, -1).any(-1).all(), "writes nothing to a plane"
+    assert_bits_equal(run_op(problem, backend), want)
 
 
 @st.composite
