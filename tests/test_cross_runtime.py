@@ -406,28 +406,50 @@ def _harness_or_skip():
     return trt_harness, trt_harness._built(trt.contract_harness_path)
 
 
+def _node_for_case(meta):
+    """The ONNX node of a dumped harness case: the slot node, or the paged one (Edge-LLM's
+    field-less node when the case uses no extension)."""
+    norms = meta["k_norm"] or meta["v_norm"]
+    options = dict(fp8_pool=meta["pool_dtype"] == "float8_e4m3fn", k_norm=meta["k_norm"],
+                   v_norm=meta["v_norm"], **({"norm_eps": meta["norm_eps"]} if norms else {}))
+    if meta["contract"] == "slot":
+        return dflash_onnx.make_update_node(pages_per_slot=meta["pages_per_slot"], **options)
+    return dflash_onnx.make_paged_update_node(ring=meta["ring"], **options)
+
+
 def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
     """The plugin node, three ways: TensorRT's enqueue (CUDA), ONNX's reference run (the CPU
-    kernel through the OpRun) and the JAX op on CUDA, on the harness's hostile inputs."""
+    kernel through the OpRun) and the JAX op on CUDA, on the harness's hostile inputs of both
+    contracts (every pool dtype, FP8 scales, norms, ring)."""
     trt_harness, harness = _harness_or_skip()
-    trt_harness._run_harness(harness, "--gpu", "--dump", str(tmp_path), timeout=600)
-    cases = sorted(p for p in tmp_path.iterdir() if (p / "meta.json").is_file())
-    assert cases, f"{harness} --gpu --dump wrote no cases"
+    report = trt_harness._run_harness(harness, "--gpu", "--dump", str(tmp_path / "dump"),
+                                      report=tmp_path / "report.json", timeout=600)
+    dumps = report["dumps"]
+    assert {d["contract"] for d in dumps} == {"slot", "paged"}, dumps
     gpu = gpu_devices()[0]
-    for case in cases:
-        meta, arrays = trt_harness._load_case(case)
-        args = [arrays[name] for name in ARG_NAMES]
-        trt_pool = arrays[dflash_onnx.OUTPUT_NAME]
-        model = _single_node_model(args, meta["pages_per_slot"])
-        (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(ARG_NAMES, args)))
-        update = jax.jit(lambda *a, n=meta["pages_per_slot"]: jax_dflash.target_kv_cache_update(
-            *a, pages_per_slot=n))
-        jax_pool = np.asarray(update(*[jax.device_put(a, gpu) for a in args]))
+    edge_llm_cases = 0
+    for entry in dumps:
+        meta, arrays = trt_harness._load_case(entry["dir"])
+        node = _node_for_case(meta)
+        assert list(node.input) == meta["inputs"], meta["name"]  # the plugin's input order
+        edge_llm_cases += node.domain == dflash_onnx.EDGE_LLM_DOMAIN
+        operands = [arrays[name] for name in node.input]
+        model = dflash_onnx.make_node_model(node, operands)
+        (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
+        args, kwargs = trt_harness._op_arguments(meta, arrays)
+        op = (jax_dflash.target_kv_cache_update if meta["contract"] == "slot"
+              else jax_dflash.target_kv_cache_update_paged)
+        on_gpu = {k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v
+                  for k, v in kwargs.items()}
+        jax_pool = np.asarray(jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
+            *[jax.device_put(a, gpu) for a in args]))
+        trt_pool = arrays[meta["output"]]
         try:
             assert_bits_equal(onnx_pool, trt_pool)
             assert_bits_equal(jax_pool, trt_pool)
         except AssertionError as e:
-            raise AssertionError(f"case {case.name}: {e}") from None
+            raise AssertionError(f"case {meta['name']}: {e}") from None
+    assert edge_llm_cases > 0  # Edge-LLM 0.11's own node ran against the plugin too
 
 
 def test_trt_engine_runs_the_exported_graph():
