@@ -1,10 +1,15 @@
 """The TensorRT plugin library, proven by the contract harness that plays TensorRT's calls.
 
-CPU (always, where the plugin was built): the harness runs the builder's and the runtime's call
-sequence for every dtype, and every bad-input path (error codes and logged messages); the library
-exports the loadLibrary entry points and depends on no TensorRT library.
-GPU (the H200): the harness also runs enqueue on device buffers and dumps inputs and pools; the
-pool the plugin produced equals the JAX op's output on the same inputs, bit for bit.
+CPU (wherever the plugin was built): the harness runs the builder's and the runtime's call
+sequence for both contracts (slot: Edge-LLM 0.10, paged: 0.11), every pool dtype, FP8 pools and the
+fused norms, and every bad-input path; it writes one JSON entry per check (``--report``), which
+this file reads. ``--check-shapes`` gives the plugin's own verdict on cases written here.
+GPU (the H200): the harness also enqueues on device buffers and dumps inputs and pools; every pool
+the plugin produced equals the JAX op's on the GPU and the NumPy reference's, bit for bit.
+
+The harness is the installed one (``jax_dflash._ext.contract_harness_path()``);
+``DFLASH_TRT_HARNESS=/path/to/dflash_trt_contract_harness`` runs another build instead (e.g. a
+build directory's ``trt_plugin/dflash_trt_contract_harness``).
 """
 
 from __future__ import annotations
@@ -17,74 +22,24 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import assert_bits_equal, gpu_devices
-from jax_dflash import reference
+from jax_dflash import _shapes, reference
 from jax_dflash.interop import trt
+from jax_dflash.testing import assert_bits_equal, gpu_devices
 
 REPO = Path(__file__).resolve().parent.parent
-DTYPE_NAMES = ("float16", "bfloat16", "float32")
-CONTRACT_ORDER = (  # the calls a TensorRT builder, then runtime, make, in this order
-    "creator getFieldNames",
-    "createPlugin(kBUILD)",
-    "capability kCORE",
-    "capability kBUILD",
-    "capability kRUNTIME",
-    "getOutputDataTypes",
-    "getOutputShapes",
-    "supportsFormatCombination accepts",
-    "configurePlugin with min/opt/max",
-    "getWorkspaceSize",
-    "getAliasedInput(0) == 2",
-    "getFieldsToSerialize",
-    "createPlugin(kRUNTIME) from the serialized fields",
-    "attachToContext",
-    "onShapeChange",
-    "enqueue",
-)
-BAD_INPUTS = (  # each must be rejected with an error code and a logged message
-    "createPlugin(kRUNTIME) without pages_per_slot",
-    "configurePlugin with pages_per_slot missing",
-    "enqueue with pages_per_slot missing",
-    "createPlugin with a null field collection",
-    "pages_per_slot of type FLOAT32",
-    "pages_per_slot = 0",
-    "getOutputDataTypes with int8 tensors",
-    "getOutputDataTypes with a pool dtype unlike k_delta's",
-    "getOutputShapes: pool of rank 4",
-    "getOutputShapes: pool page size 64",
-    "getOutputShapes: numPages not divisible by pages_per_slot",
-    "supportsFormatCombination pos 7",
-    "supportsFormatCombination null inOut",
-    "configurePlugin: B > slots in the max profile",
-    "configurePlugin: S > cap",
-    "configurePlugin: R odd",
-    "configurePlugin: R > D",
-    "configurePlugin: numPages % pages_per_slot != 0",
-    "configurePlugin: pool in a non-linear format",
-    "configurePlugin: v_delta in bf16/fp16 mismatch",
-    "enqueue: B > slots",
-    "enqueue: S > cap",
-    "enqueue: R odd",
-    "enqueue: R > D",
-    "enqueue: numPages % pages_per_slot != 0",
-    "enqueue: rope batch not 1 or B",
-    "enqueue: page size 64",
-    "enqueue: pool of rank 6",
-    "enqueue: k_delta int32",
-    "enqueue: rope format kCHW32",
-    "enqueue: null input descriptors",
-    "enqueue: null pointer arrays",
-    "enqueue: null k_delta pointer",
-    "enqueue: null present_key_value pointer",
-    "onShapeChange: B > slots",
-    "initDFlashPluginWithRegistry twice in one namespace",
-    "initDFlashPlugin without TensorRT loaded",
-)
-NPY_NAMES = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions",
-             "delta_lengths")
+HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
+# Groups of checks each mode must report (the harness lists them in "required_groups" too).
+CPU_GROUPS = {"slot_contract", "paged_contract", "fields", "slot_bad_inputs", "paged_bad_inputs",
+              "overflow", "registration"}
+GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged"}
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float32": np.dtype(np.float32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+DELTA_TYPED = ("k_delta", "v_delta", "k_norm_weight")  # stored in the delta dtype
+POOL_TYPED = ("past_key_value", "present_key_value")  # stored in the pool dtype
 
 
 def _cuda_toolkit_present() -> bool:
@@ -108,6 +63,15 @@ def _built(path_function):
                     f"headers): {e}")
 
 
+def _harness_path() -> str:
+    override = os.environ.get(HARNESS_OVERRIDE)
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"{HARNESS_OVERRIDE}={override!r}: expected a file, found none")
+        return str(Path(override).resolve())
+    return trt.contract_harness_path()
+
+
 @pytest.fixture(scope="module")
 def plugin_library():
     return _built(trt.trt_plugin_library_path)
@@ -115,28 +79,48 @@ def plugin_library():
 
 @pytest.fixture(scope="module")
 def harness():
-    return _built(trt.contract_harness_path)
+    return _built(_harness_path)
 
 
-def _run_harness(harness, *args, timeout=300):
-    result = subprocess.run([harness, *args], capture_output=True, text=True, timeout=timeout)
-    lines = result.stdout.splitlines()
-    failures = [line for line in lines if line.startswith("FAIL")]
-    assert result.returncode == 0 and not failures, (
-        f"harness exited {result.returncode}; failures:\n" + "\n".join(failures)
+def _run_harness(harness, *args, timeout=300, report=None):
+    """Runs the harness with ``--report`` and returns the report (a dict); fails on any failed
+    check, naming each with its detail."""
+    report = Path(report) if report is not None else Path(
+        os.environ.get("TMPDIR", "/tmp")) / f"dflash_trt_report_{os.getpid()}_{id(args)}.json"
+    result = subprocess.run([harness, "--report", str(report), *args], capture_output=True,
+                            text=True, timeout=timeout)
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError) as e:
+        pytest.fail(f"harness exited {result.returncode} without a readable report ({e}); "
+                    f"stdout tail:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+    finally:
+        report.unlink(missing_ok=True)
+    failed = [c for c in data["checks"] if not c["passed"]]
+    assert result.returncode == 0 and not failed and data["summary"]["failed"] == 0, (
+        f"harness exited {result.returncode}; failed checks:\n"
+        + "\n".join(f"  [{c['group']}] {c['name']}: {c['detail']}" for c in failed[:40])
         + f"\nstderr:\n{result.stderr[-3000:]}")
-    passed = [line[len("PASS "):] for line in lines if line.startswith("PASS ")]
-    summary = [line for line in lines if line.startswith("SUMMARY")]
-    assert summary and re.search(r"failed=0\b", summary[0]), summary
-    return passed
+    assert data["summary"]["passed"] == len(data["checks"]) > 0
+    return data
 
 
-def test_library_path_is_inside_the_package(plugin_library):
+def _assert_groups(report, groups):
+    assert groups <= set(report["required_groups"]), report["required_groups"]
+    counts = {g: sum(c["group"] == g for c in report["checks"]) for g in report["required_groups"]}
+    empty = [g for g, n in counts.items() if n == 0]
+    assert not empty, f"required groups without any check: {empty} ({counts})"
+
+
+def test_library_path_is_inside_the_package(plugin_library, monkeypatch):
     path = Path(plugin_library)
     assert path.is_absolute() and path.name == "libdflash_trt_plugin.so"
+    if os.environ.get("DFLASH_TRT_PLUGIN_LIBRARY"):
+        monkeypatch.delenv("DFLASH_TRT_PLUGIN_LIBRARY")
+        path = Path(_built(trt.trt_plugin_library_path))
     assert path.parent.name == "lib" and path.parent.parent.name == "jax_dflash"
     import jax_dflash
-    assert jax_dflash.trt_plugin_library_path() == plugin_library
+    assert jax_dflash.trt_plugin_library_path() == str(path)
 
 
 def test_library_path_override_and_missing_file(monkeypatch, tmp_path):
@@ -149,32 +133,143 @@ def test_library_path_override_and_missing_file(monkeypatch, tmp_path):
         trt.trt_plugin_library_path()
 
 
-def test_contract_harness_cpu(harness):
-    passed = _run_harness(harness)
-    for dtype in DTYPE_NAMES:
-        tag = f"[contract_{dtype}]"
-        steps = [p for p in passed if p.endswith(tag)]
-        positions = []
-        for call in CONTRACT_ORDER:
-            hits = [i for i, step in enumerate(steps) if step.startswith(call)]
-            assert hits, f"{dtype}: the harness did not check {call!r}; checked {steps}"
-            positions.append(hits[0])
-        assert positions == sorted(positions), f"{dtype}: calls out of TensorRT's order: {steps}"
-    rejected = {p for p in passed if p.startswith("bad input rejected: ")}
-    for case in ("bad", "bad_fp32"):
-        for what in BAD_INPUTS:
-            name = f"bad input rejected: {what}"
-            if what.startswith("initDFlashPlugin"):
-                assert name in rejected, name
-            else:
-                assert f"{name} [{case}]" in rejected, f"{name} [{case}] not checked"
-    assert len(rejected) >= 2 * len(BAD_INPUTS)
-    for check in ("an attached plugin reports errors to the context's IErrorRecorder",
-                  "setPagesPerSlot() then configurePlugin succeeds",
-                  "setPagesPerSlot() value survives clone() and getFieldsToSerialize()",
-                  "the registered creator is found under its namespace (as the ONNX parser looks it up)"):
-        assert any(p.startswith(check) for p in passed), check
+def test_contract_harness_cpu(harness, tmp_path):
+    report = _run_harness(harness, report=tmp_path / "report.json")
+    assert report["mode"] == "cpu"
+    _assert_groups(report, CPU_GROUPS)
+    assert report["dumps"] == []
+    for check in report["checks"]:
+        assert set(check) == {"group", "name", "passed", "detail"}, check
+    # Bad input is most of it: every rejection is a check of its own.
+    rejected = [c for c in report["checks"] if c["group"].endswith("_bad_inputs")]
+    assert len(rejected) >= 200, len(rejected)
 
+
+def test_harness_usage_errors(harness, tmp_path):
+    for args in (["--dump", str(tmp_path)], ["--bogus"], ["--check-shapes", str(tmp_path / "none")]):
+        result = subprocess.run([harness, *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, (args, result.stdout[-500:], result.stderr[-500:])
+        assert result.stderr.strip(), args
+
+
+# ---- --check-shapes: the plugin's own verdict ------------------------------------------------
+
+def _tensor(dtype, *dims):
+    return f"{dtype}:{','.join(str(d) for d in dims)}"
+
+
+def _slot_line(name, *, fields="pages_per_slot=2", B=2, L=4, H=2, D=64, N=4, S=128, R=64,
+               pool="float16", extra=()):
+    tensors = [_tensor("float16", B, L, H, D), _tensor("float16", B, L, H, D),
+               _tensor(pool, 2, N, 128, H, D), _tensor("float32", 1, S, R),
+               _tensor("int32", B), _tensor("int32", B), *extra]
+    return f"{name}|{fields}|{';'.join(tensors)}"
+
+
+def _paged_line(name, *, fields="", T=8, H=2, D=64, N=8, B=3, M=4, R=64, pool="float16",
+                table="int32", rope_rows=None, extra=()):
+    tensors = [_tensor("float16", T, H, D), _tensor("float16", T, H, D),
+               _tensor(pool, 2, N, 128, H, D), _tensor("float32", T if rope_rows is None else rope_rows, R),
+               _tensor("int32", T), _tensor("int32", T), _tensor(table, B, 2, M), *extra]
+    return f"{name}|{fields}|{';'.join(tensors)}"
+
+
+class _Spec:
+    """A shape and dtype, for jax_dflash._shapes (which needs nothing else)."""
+
+    def __init__(self, text):
+        dtype, dims = text.split(":")
+        self.dtype = np.dtype(DTYPES.get(dtype, dtype))
+        self.shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+
+
+def _python_verdict(line):
+    """Whether jax_dflash._shapes accepts the line's operands (the JAX op's trace-time checks)."""
+    _, fields, tensors = line.split("|")
+    specs = [_Spec(t) for t in tensors.split(";")]
+    options = dict(f.split("=") for f in fields.split(",") if f)
+    base = 6 if len(specs[0].shape) == 4 else 7
+    extras = specs[base:]
+    kwargs = {}
+    if options.get("k_norm") == "1":
+        kwargs["k_norm_weight"] = extras.pop()
+    if extras:
+        kwargs["k_scale"], kwargs["v_scale"] = extras
+    try:
+        if base == 6:
+            _shapes.check_update(*specs[:6], int(options["pages_per_slot"]), **kwargs)
+        else:
+            _shapes.check_update_paged(*specs[:7], **kwargs)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def test_check_shapes_verdicts(harness, tmp_path):
+    fp8_scales = (_tensor("float32", 2), _tensor("float32", 2))
+    cases = {  # name -> (line, accepted, an operand or field the rejection must name)
+        "slot_ok": (_slot_line("slot_ok"), True, None),
+        "slot_fp8_k_norm_ok": (_slot_line(
+            "slot_fp8_k_norm_ok", fields="pages_per_slot=2,k_norm=1,v_norm=1,norm_eps=1e-5",
+            pool="float8_e4m3fn", extra=(*fp8_scales, _tensor("float16", 64))), True, None),
+        "slot_B_past_slots": (_slot_line("slot_B_past_slots", B=3), False, "k_delta"),
+        "slot_S_past_cap": (_slot_line("slot_S_past_cap", S=257), False, "rope_cos_sin"),
+        "slot_scales_on_fp16_pool": (_slot_line("slot_scales_on_fp16_pool", extra=fp8_scales),
+                                     False, "past_key_value"),
+        "slot_weight_wrong_length": (_slot_line(
+            "slot_weight_wrong_length", fields="pages_per_slot=2,k_norm=1",
+            extra=(_tensor("float16", 63),)), False, "k_norm_weight"),
+        "paged_fieldless_ok": (_paged_line("paged_fieldless_ok"), True, None),
+        "paged_fp8_ring_ok": (_paged_line("paged_fp8_ring_ok", fields="ring=1",
+                                          pool="float8_e4m3fn", extra=fp8_scales), True, None),
+        "paged_M_past_N": (_paged_line("paged_M_past_N", M=9), False, "kv_page_table"),
+        "paged_table_int64": (_paged_line("paged_table_int64", table="int64"), False,
+                              "kv_page_table"),
+        "paged_rope_rows": (_paged_line("paged_rope_rows", rope_rows=9), False, "rope_cos_sin"),
+        "paged_fp8_without_scales": (_paged_line("paged_fp8_without_scales",
+                                                 pool="float8_e4m3fn"), False, "past_key_value"),
+    }
+    plugin_only = {  # rules of TensorRT's contract, or fields: not the JAX op's business
+        "paged_T_2_62": (_paged_line("paged_T_2_62", T=2**62), False, "k_delta"),
+        "paged_with_pages_per_slot": (_paged_line("paged_with_pages_per_slot",
+                                                  fields="pages_per_slot=2"), False, "pages_per_slot"),
+        "slot_without_pages_per_slot": (_slot_line("slot_without_pages_per_slot", fields=""),
+                                        False, "pages_per_slot"),
+        "slot_pages_per_slot_twice": (_slot_line(
+            "slot_pages_per_slot_twice", fields="pages_per_slot=2,pages_per_slot=2"), False,
+            "pages_per_slot"),
+        "slot_ring": (_slot_line("slot_ring", fields="pages_per_slot=2,ring=1"), False, "ring"),
+        "paged_page_size_64": (_paged_line("paged_page_size_64").replace(",128,", ",64,", 1),
+                               False, "past_key_value"),
+    }
+    everything = {**cases, **plugin_only}
+    path = tmp_path / "cases.txt"
+    path.write_text("# name|fields|inputs\n\n" + "\n".join(v[0] for v in everything.values()) + "\n")
+    report = _run_harness(harness, "--check-shapes", str(path), report=tmp_path / "report.json")
+    assert report["mode"] == "check-shapes"
+    verdicts = {c["name"]: c for c in report["shape_cases"]}
+    assert set(verdicts) == set(everything)
+    for name, (line, accepted, named) in everything.items():
+        v = verdicts[name]
+        assert v["accepted"] is accepted, (name, v)
+        assert v["configure"]["accepted"] is v["on_shape_change"]["accepted"] is accepted, v
+        if accepted:
+            assert v["message"] == "", v
+        else:
+            assert named in v["message"] and v["message"].startswith("DFlashTargetKVCacheUpdate"), v
+    for name, (line, accepted, _) in cases.items():
+        assert _python_verdict(line) is accepted, f"{name}: jax_dflash._shapes disagrees with the plugin"
+
+
+def test_check_shapes_rejects_a_malformed_file(harness, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("only|two\n")
+    result = subprocess.run([harness, "--check-shapes", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "bad.txt:1" in result.stderr, result.stderr
+
+
+# ---- the library itself --------------------------------------------------------------------------
 
 def test_exports_the_loadlibrary_entry_points(plugin_library):
     library = ctypes.CDLL(plugin_library)
@@ -184,7 +279,7 @@ def test_exports_the_loadlibrary_entry_points(plugin_library):
     creators = library.getCreators(ctypes.byref(count))
     assert count.value == 1 and creators and creators[0]
     for name in ("setLoggerFinder", "initDFlashPlugin", "initDFlashPluginWithRegistry",
-                 "setDFlashPluginLogger"):
+                 "setDFlashPluginLogger", "getDFlashPluginTensorRTVersion"):
         assert hasattr(library, name), name
     maps = Path("/proc/self/maps").read_text()
     if "libnvinfer" not in maps:  # no TensorRT in this process: the lookup must fail, not crash
@@ -199,10 +294,11 @@ def test_exports_the_loadlibrary_entry_points(plugin_library):
                              text=True, check=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     assert {"getCreators", "setLoggerFinder", "initDFlashPlugin"} <= exported
-    # The plugin classes (dflash::trt) are exported on purpose; the kernel and cudart are not.
+    # The plugin classes (dflash::trt) are exported on purpose; the core, the kernel and cudart
+    # are not, and there is no test hook.
     leaked = sorted(s for s in exported if s.startswith(("cuda", "__cuda"))
                     or (s.startswith("_ZN6dflash") and not s.startswith("_ZN6dflash3trt")))
-    assert not leaked, f"the static CUDA runtime / kernel symbols must stay private: {leaked[:10]}"
+    assert not leaked, f"the static CUDA runtime / core symbols must stay private: {leaked[:10]}"
 
 
 def test_depends_on_no_tensorrt_library(plugin_library):
@@ -217,53 +313,93 @@ def test_depends_on_no_tensorrt_library(plugin_library):
     assert not [n for n in needed if n.startswith("libcudart")], f"cudart is linked statically: {needed}"
 
 
-# ---- GPU: the plugin's pool equals the JAX op's ------------------------------------------------
+# ---- GPU: the plugin's pools equal the JAX op's and the reference's ------------------------------
 
 def _gpu_or_skip():
     if not gpu_devices():
         pytest.skip("no GPU backend in this JAX: the plugin's GPU parity runs on the H200")
 
 
+def _load_dump(entry, directory=None):
+    """The dumped inputs (by name) and the plugin's pool, in their real dtypes."""
+    directory = Path(entry["dir"] if directory is None else directory)
+
+    def load(name):
+        array = np.load(directory / f"{name}.npy")
+        if name in DELTA_TYPED:
+            return array.view(DTYPES[entry["delta_dtype"]])
+        if name in POOL_TYPED:
+            return array.view(DTYPES[entry["pool_dtype"]])
+        return array
+
+    return {name: load(name) for name in entry["inputs"]}, load(entry["output"])
+
+
 def _load_case(directory: Path):
-    import ml_dtypes
-
-    meta = json.loads((directory / "meta.json").read_text())
-    arrays = {name: np.load(directory / f"{name}.npy") for name in (*NPY_NAMES, "present_key_value")}
-    if meta["dtype"] == "bfloat16":
-        for name in ("k_delta", "v_delta", "past_key_value", "present_key_value"):
-            arrays[name] = arrays[name].view(ml_dtypes.bfloat16)
-    return meta, arrays
+    """(meta, arrays by name) of one dump directory, as ``_load_dump`` reads it."""
+    meta = json.loads((Path(directory) / "meta.json").read_text())
+    arrays, pool = _load_dump(meta, directory)
+    return meta, {**arrays, meta["output"]: pool}
 
 
-def test_gpu_enqueue_matches_the_jax_op_bit_for_bit(harness, tmp_path):
+def _op_arguments(entry, arrays):
+    names = entry["inputs"]
+    base = 6 if entry["contract"] == "slot" else 7
+    args = [arrays[n] for n in names[:base]]
+    kwargs = {"norm_eps": entry["norm_eps"], "v_norm": entry["v_norm"]}
+    if entry["contract"] == "slot":
+        kwargs["pages_per_slot"] = entry["pages_per_slot"]
+    else:
+        kwargs["ring"] = entry["ring"]
+    if "k_scale" in arrays:
+        # TensorRT's per-tensor scale is [1]; the JAX op's is [].
+        for name in ("k_scale", "v_scale"):
+            scale = arrays[name]
+            kwargs[name] = scale.reshape(()) if entry["scale_heads"] == 1 else scale
+    if entry["k_norm"]:
+        kwargs["k_norm_weight"] = arrays["k_norm_weight"]
+    return args, kwargs
+
+
+def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, tmp_path):
     _gpu_or_skip()
     import jax
 
     import jax_dflash
 
-    passed = _run_harness(harness, "--gpu", "--dump", str(tmp_path), timeout=600)
-    cases = sorted(p for p in tmp_path.iterdir() if (p / "meta.json").exists())
-    assert len(cases) >= 15, [c.name for c in cases]
-    assert {json.loads((c / "meta.json").read_text())["dtype"] for c in cases} == set(DTYPE_NAMES)
-    for check in ("no write outside the pool", "aliased and separate outputs are identical",
-                  "a rejected enqueue (B > slots) on device buffers leaves the pool as it was"):
-        assert sum(p.startswith(check) for p in passed) == len(cases), check
+    report = _run_harness(harness, "--gpu", "--dump", str(tmp_path / "dump"),
+                          report=tmp_path / "report.json", timeout=600)
+    assert report["mode"] == "gpu"
+    _assert_groups(report, GPU_GROUPS)
+    dumps = report["dumps"]
+    # What the dumps cover, read from the index.
+    assert {d["contract"] for d in dumps} == {"slot", "paged"}
+    for contract in ("slot", "paged"):
+        mine = [d for d in dumps if d["contract"] == contract]
+        assert {d["pool_dtype"] for d in mine} == set(DTYPES), contract
+        assert any(d["k_norm"] for d in mine) and any(d["v_norm"] for d in mine), contract
+        fp8 = [d for d in mine if d["pool_dtype"] == "float8_e4m3fn"]
+        assert {d["scale_heads"] == 1 for d in fp8} == {True, False}, contract
+    assert any(d["ring"] for d in dumps if d["contract"] == "paged")
 
     gpu = gpu_devices()[0]
-    for case in cases:
-        meta, arrays = _load_case(case)
-        inputs = [arrays[name] for name in NPY_NAMES]
-        expected = jax_dflash.target_kv_cache_update(
-            *[jax.device_put(x, gpu) for x in inputs], pages_per_slot=meta["pages_per_slot"])
+    for entry in dumps:
+        arrays, plugin_pool = _load_dump(entry)
+        args, kwargs = _op_arguments(entry, arrays)
+        if entry["contract"] == "slot":
+            op, ref = jax_dflash.target_kv_cache_update, reference.target_kv_cache_update
+        else:
+            op, ref = jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged
+        on_gpu = {k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v
+                  for k, v in kwargs.items()}
+        expected = op(*[jax.device_put(a, gpu) for a in args], **on_gpu)
         try:
-            assert_bits_equal(arrays["present_key_value"], np.asarray(expected))
-            assert_bits_equal(
-                arrays["present_key_value"],
-                reference.target_kv_cache_update(*inputs, pages_per_slot=meta["pages_per_slot"]))
+            assert_bits_equal(plugin_pool, np.asarray(expected))
+            assert_bits_equal(plugin_pool, ref(*args, **kwargs))
         except AssertionError as e:
-            raise AssertionError(f"case {case.name}: {e}") from None
-        assert not np.array_equal(arrays["present_key_value"].view(np.uint8),
-                                  arrays["past_key_value"].view(np.uint8)), case.name
+            raise AssertionError(f"case {entry['name']}: {e}") from None
+        assert not np.array_equal(plugin_pool.view(np.uint8),
+                                  arrays["past_key_value"].view(np.uint8)), entry["name"]
 
 
 # ---- TensorRT itself, where installed -----------------------------------------------------------

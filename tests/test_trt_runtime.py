@@ -3,9 +3,9 @@
 Where TensorRT's Python bindings import (the lean runtime, PyPI ``tensorrt-lean-cu13-bindings`` +
 ``tensorrt-lean-cu13-libs`` 11.4, or a full ``tensorrt``): the registry loads the library with
 ``load_library`` (TensorRT calls its ``getCreators``), finds the creator by name, version and
-namespace, and creates plugins from serialized fields, for the build and the runtime phase. The
-registry path needs no GPU. Runs in a subprocess, so that TensorRT's teardown at exit cannot take
-pytest down with it.
+namespace, and creates plugins from fields for the build and the runtime phase (Edge-LLM 0.11's
+field-less node included) and refuses bad fields. The registry path needs no GPU. Runs in a
+subprocess, so that TensorRT's teardown at exit cannot take pytest down with it.
 """
 
 from __future__ import annotations
@@ -57,11 +57,22 @@ if creator is not None:
         del core, clone
     build_plugin = creator.create_plugin("dflash", fields(4), trt.TensorRTPhase.BUILD)
     facts["build_plugin"] = build_plugin is not None
-    missing = creator.create_plugin("dflash", trt.PluginFieldCollection([]), trt.TensorRTPhase.RUNTIME)
-    facts["runtime_plugin_without_field"] = missing is not None
+    # Edge-LLM 0.11's paged node has no fields: a drop-in for both phases.
+    fieldless = creator.create_plugin("dflash", trt.PluginFieldCollection([]), trt.TensorRTPhase.RUNTIME)
+    facts["runtime_plugin_without_field"] = fieldless is not None
     bad = creator.create_plugin("dflash", fields(0), trt.TensorRTPhase.BUILD)
     facts["plugin_with_zero_field"] = bad is not None
-    del plugin, build_plugin, missing, bad
+    twice = creator.create_plugin("dflash", trt.PluginFieldCollection([
+        trt.PluginField("pages_per_slot", np.array([2], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("pages_per_slot", np.array([2], np.int32), trt.PluginFieldType.INT32)]),
+        trt.TensorRTPhase.BUILD)
+    facts["plugin_with_duplicate_field"] = twice is not None
+    normed = creator.create_plugin("dflash", trt.PluginFieldCollection([
+        trt.PluginField("k_norm", np.array([1], np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("norm_eps", np.array([1e-5], np.float32), trt.PluginFieldType.FLOAT32)]),
+        trt.TensorRTPhase.RUNTIME)
+    facts["plugin_with_norm_fields"] = normed is not None
+    del plugin, build_plugin, fieldless, bad, twice, normed
 
 # The namespace route: refused (not a crash) when TensorRT's major differs from the headers'.
 library = ctypes.CDLL(library_path)
@@ -109,16 +120,21 @@ def test_plugin_in_a_real_tensorrt_registry():
     print(f"TensorRT runtime facts: {facts}")
 
     assert facts["creator_type"] == "IPluginCreatorV3One", facts
-    assert facts["field_names"] == [["pages_per_slot", 5]], facts  # PluginFieldType.INT32
+    int32, float32 = 5, 1  # PluginFieldType.INT32, FLOAT32
+    assert facts["field_names"] == [["pages_per_slot", int32], ["ring", int32], ["k_norm", int32],
+                                    ["v_norm", int32], ["norm_eps", float32]], facts
     assert facts["creator_namespace"] == ""
     # (plugin.clone() from Python is only recorded: the bindings return None for C++ plugins.)
     assert facts["runtime_plugin"] and facts["build_plugin"], facts
     assert facts["core"] == ["DFlashTargetKVCacheUpdate", "1", ""], facts
     assert facts["has_runtime_capability"] and facts["has_build_capability"], facts
+    assert facts["runtime_plugin_without_field"] and facts["plugin_with_norm_fields"], facts
     # Refused with a logged message, not a crash.
-    assert not facts["runtime_plugin_without_field"], facts
     assert not facts["plugin_with_zero_field"], facts
-    assert "pages_per_slot is missing" in result.stderr + result.stdout
+    assert not facts["plugin_with_duplicate_field"], facts
+    log = result.stderr + result.stdout
+    assert "field 'pages_per_slot': expected an int32 > 0" in log, log[-3000:]
+    assert "field 'pages_per_slot': given twice" in log, log[-3000:]
     same_major = int(facts["version"].split(".")[0]) == facts["header_version"] // 10000
     assert facts["init_namespace"] == same_major, facts
     if same_major:
