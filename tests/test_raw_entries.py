@@ -156,6 +156,34 @@ def test_cpu_pool_given_as_a_bits_view_of_another_name():
         assert_bits_equal(pool, expected_pool("slot", problem))
 
 
+EMPTY = {"slot": {"no_tokens": dict(delta_len=0), "no_rope_rows": dict(rope_seq_len=0),
+                  "no_rotary_channels": dict(rotary_dim=0)},
+         "paged": {"no_tokens": dict(tokens=0), "no_rotary_channels": dict(rotary_dim=0)}}
+
+
+@pytest.mark.parametrize("contract, empty", [(c, e) for c in EMPTY for e in EMPTY[c]])
+def test_cpu_empty_operands_are_valid(contract, empty):
+    """An operand with a zero dimension has no elements: whatever strides NumPy gives it, it is
+    contiguous, and the update is the reference's (nothing written for no tokens)."""
+    problem = make_problem(np.random.default_rng(14), **EMPTY[contract][empty]) \
+        if contract == "slot" else make_paged_problem(np.random.default_rng(14),
+                                                      **EMPTY[contract][empty])
+    pool = problem.past_key_value.copy()
+    raw_call(contract, problem, pool).run(_cpu())
+    assert_bits_equal(pool, expected_pool(contract, problem))
+
+
+def test_cpu_empty_slices_with_strides_are_contiguous():
+    """Zero-length slices of larger arrays keep their parent's strides; they are still valid."""
+    problem = make_problem(np.random.default_rng(15))
+    call = raw_call("slot", problem, problem.past_key_value.copy())
+    call.args[0], call.args[1] = problem.k_delta[:, :0], problem.v_delta[:, :0]
+    call.args[3] = problem.rope_cos_sin[:, :0]
+    assert call.args[0].strides == problem.k_delta.strides
+    call.run(_cpu())
+    assert_bits_equal(call.args[2], problem.past_key_value)
+
+
 # ---- CPU: pools that cannot be updated in place ---------------------------------------------------
 
 
