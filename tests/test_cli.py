@@ -4,10 +4,13 @@ every bad-flag exit path. Runs in-process (``cli.main``) except for the ``python
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 import json
+import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -285,3 +288,211 @@ def test_compare_bits_counts_ulps():
     assert workload.compare_bits(a, e) == (2, 1)
     tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
     assert workload.compare_bits(np.array([-tiny]), np.array([tiny])) == (1, 2)
+
+
+# ---- contracts, dtypes, windows -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["--contract", "paged", "--kv-dtype", "e4m3"],
+    ["--contract", "paged", "--window", "16", "--kv-dtype", "bf16", "--steps", "12"],
+    ["--contract", "slot", "--kv-dtype", "e5m2", "--no-fused-norm"],
+])
+def test_paged_fp8_and_window_runs_are_checked(capsys, argv):
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "6", *argv,
+                               "--json", "--no-progress")
+    assert status == 0, err
+    summary = json.loads(out)
+    [kernel] = summary["results"]
+    assert kernel["check"] == "bit-exact" and kernel["readback"]["passed"]
+    assert summary["contract"] == argv[1]
+    assert summary["shape"]["pool_dtype"] == presets.KV_DTYPES[argv[argv.index("--kv-dtype") + 1]]
+    assert summary["fused_norm"] is ("--no-fused-norm" not in argv)
+    # The pool's memory in every pool dtype, the run's own first.
+    sizes = summary["pool_bytes_by_dtype"]
+    assert list(sizes)[0] == summary["shape"]["pool_dtype"]
+    assert sizes["float32"] == 2 * sizes["bfloat16"] == 4 * sizes["float8_e4m3fn"]
+    assert 0 <= kernel["update_share"] <= 1
+    if "--window" in argv:
+        assert summary["window"] == 16 and summary["paged"]["ring"]
+        assert summary["paged"]["table_pages"] == 16 // PRESETS["tiny"].page_size + 1
+    if argv[1] == "paged":
+        assert summary["paged"]["prompts"] >= 1 and summary["written_tokens"] > 0
+    assert "read-back (dflash kernel)" in err and "passed" in err
+
+
+def test_compare_says_how_long_the_baseline_takes_before_it_starts(capsys):
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "3", "--contract",
+                               "paged", "--kv-dtype", "e4m3", "--compare", "--no-progress")
+    assert status == 0, err
+    estimate = out.index("jnp baseline: about")
+    assert estimate < out.index("jnp baseline  ")  # the estimate precedes the baseline's row
+    assert "ms per step" in out[estimate:].splitlines()[0]
+
+
+def test_a_failed_read_back_exits_1(capsys, monkeypatch):
+    from jax_dflash.cli import readback
+
+    real = readback.check_sequences
+
+    def corrupted(pools, *args, **kwargs):
+        return real(-pools, *args, **kwargs)  # every stored key and value negated
+
+    monkeypatch.setattr(workload.readback, "check_sequences", corrupted)
+    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-progress")
+    assert status == 1
+    assert "check FAILED: read-back" in err and "beyond the rounding bound" in err
+
+
+# ---- validation: every bad flag exits 2 with its reason, before the run --------------------------
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["run", "--seed", str(2**63)], "argument --seed: expected an integer < 9223372036854775808"),
+    (["run", "--window", "0"], "argument --window: expected an integer >= 1, got '0'"),
+    (["run", "--kv-dtype", "e6m1"], "argument --kv-dtype: invalid choice: 'e6m1'"),
+    (["run", "--contract", "ring"], "argument --contract: invalid choice: 'ring'"),
+])
+def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last and reason in last
+    assert out == ""
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--steps", str(10**12)], "--steps 1000000000000 --batch 8: the run would need about"),
+    (["--steps", str(10**8), "--no-check"], "at most 1000000 steps are allowed"),
+    (["--preset", "tiny", "--contract", "paged", "--window", "12"],
+     "--window 12: expected a positive multiple of the page size 8"),
+    (["--preset", "tiny", "--window", "16"], "--window 16 needs --contract paged"),
+    (["--preset", "dflash2-b8-w2048", "--contract", "slot"],
+     "preset dflash2-b8-w2048's window 2048 needs --contract paged"),
+    (["--json", "/nonexistent-folder/summary.json"],
+     "--json /nonexistent-folder/summary.json: folder /nonexistent-folder does not exist"),
+])
+def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, reason):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the workload was built before the flags were checked")
+
+    monkeypatch.setattr(workload, "Workload", no_run)
+    status, out, err = run_cli(capsys, "run", *argv)
+    assert status == 2, err
+    assert err.count("\n") == 1 and err.startswith("jax-dflash: error: ")
+    assert reason in err
+    assert out == ""
+
+
+def test_memory_estimate_names_the_size(capsys):
+    status, _, err = run_cli(capsys, "run", "--steps", str(10**12))
+    assert status == 2
+    assert "TiB of host memory" in err or "GiB of host memory" in err
+
+
+def test_json_path_that_is_a_folder_or_unwritable_exits_2_before_the_run(capsys, monkeypatch,
+                                                                          tmp_path):
+    monkeypatch.setattr(workload, "Workload", None)  # building it would raise TypeError
+    status, _, err = run_cli(capsys, "run", "--json", str(tmp_path))
+    assert status == 2 and "is a folder (expected a file path)" in err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root): no unwritable folder")
+        status, _, err = run_cli(capsys, "run", "--json", str(locked / "s.json"))
+        assert status == 2 and "is not writable" in err
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.skipif(gpu_available(), reason="this JAX has a GPU: GPU-sized presets are allowed")
+def test_gpu_sized_presets_refuse_the_cpu_without_force(capsys, monkeypatch):
+    monkeypatch.setattr(workload, "Workload", None)
+    status, out, err = run_cli(capsys, "run", "--preset", "qwen3-8b-b16")
+    assert status == 2 and err.count("\n") == 1
+    assert "preset qwen3-8b-b16 is GPU-sized (pool 2.5 GiB" in err and "--force" in err
+
+
+def test_fused_norm_and_fp8_need_an_op_and_a_jax_that_have_them(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "op_supports", lambda name: False)
+    status, _, err = run_cli(capsys, "run", "--preset", "tiny", "--fused-norm")
+    assert status == 2 and "--fused-norm: the installed jax_dflash op takes no k_norm_weight" in err
+    status, _, err = run_cli(capsys, "run", "--preset", "tiny", "--kv-dtype", "e4m3")
+    assert status == 2 and "takes no k_scale/v_scale" in err
+    monkeypatch.delattr(jax.numpy, "float8_e5m2")
+    status, _, err = run_cli(capsys, "run", "--preset", "tiny", "--kv-dtype", "e5m2")
+    assert status == 2 and f"this JAX ({jax.__version__}) has no jnp.float8_e5m2" in err
+
+
+def test_presets_mark_their_assumptions():
+    for name in ("kimi-k2.5-dflash", "qwen3.5-27b", "dflash2-b8-w2048", "llama3.1-8b-b10"):
+        assert "ASSUMED" in PRESETS[name].source
+    q = PRESETS["qwen3.5-27b"]
+    assert (q.num_kv_heads, q.head_dim, q.rope_dim) == (4, 256, 64)
+    k = PRESETS["kimi-k2.5-dflash"]
+    assert k.num_layers == 6 and k.hidden_size == 7168
+    d = PRESETS["dflash2-b8-w2048"]
+    assert d.block_size == 8 and d.window == 2048 and d.default_contract == "paged"
+    assert d.window % d.page_size == 0 and d.window < d.slot_capacity
+    z = PRESETS["qwen3-8b-b16"]
+    assert (z.num_layers, z.num_kv_heads, z.head_dim, z.block_size) == (5, 8, 128, 16)
+    assert not PRESETS["tiny"].gpu_sized and not PRESETS["small"].gpu_sized
+    assert all(p.gpu_sized for p in PRESETS.values() if p.page_size == 128)
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------
+
+
+def _interrupt(argv, wait_for):
+    """Starts ``python -m jax_dflash argv``, sends SIGINT once ``wait_for(proc)`` is true."""
+    proc = subprocess.Popen([sys.executable, "-m", "jax_dflash", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
+def test_sigint_during_the_run_exits_130_at_once():
+    def header_printed(proc):
+        assert proc.stdout.readline().startswith("jax-dflash run: preset small")
+
+    status, out, err = _interrupt(["run", "--steps", "100000", "--no-check", "--no-progress"],
+                                  header_printed)
+    assert status == 130, err
+    assert err.strip() == "jax-dflash: interrupted"  # the one line, no traceback
+
+
+def _imports_jax_with_the_package() -> bool:
+    done = subprocess.run([sys.executable, "-c", "import sys, jax_dflash; "
+                           "print('jax' in sys.modules)"], capture_output=True, text=True,
+                          timeout=120)
+    return done.stdout.strip() == "True"
+
+
+def test_sigint_while_importing_jax_exits_130_without_a_traceback():
+    if _imports_jax_with_the_package():
+        pytest.skip("`import jax_dflash` imports jax (its __init__ imports ops/_ext eagerly), "
+                    "so an interrupt can land before the command line installs its handler")
+
+    def loading_jaxlib(proc):
+        maps = pathlib.Path(f"/proc/{proc.pid}/maps")
+        for _ in range(2000):
+            if proc.poll() is not None:
+                return
+            try:
+                if "jaxlib" in maps.read_text():
+                    return
+            except OSError:
+                return
+            time.sleep(0.005)
+
+    status, out, err = _interrupt(["run", "--preset", "tiny"], loading_jaxlib)
+    assert status == 130, err
+    assert "Traceback" not in err and err.strip() == "jax-dflash: interrupted"
