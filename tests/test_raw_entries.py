@@ -398,12 +398,12 @@ class _Torch:
         if x is None:
             return None
         x = np.ascontiguousarray(x)
-        if x.dtype == np.uint16:  # NumPy's uint16 has no torch counterpart in from_numpy
-            return self.torch.from_numpy(x.view(np.int16)).cuda().view(self.torch.uint16)
+        if x.dtype == np.uint16:  # bits() makes uint16 views of bfloat16 only: hand over bfloat16
+            return self.torch.from_numpy(x.view(np.int16)).cuda().view(self.torch.bfloat16)
         return self.torch.from_numpy(x).cuda()
 
     def to_host(self, x):
-        if x.dtype == self.torch.uint16:
+        if x.dtype == self.torch.bfloat16:
             return x.view(self.torch.int16).cpu().numpy().view(np.uint16)
         return x.cpu().numpy()
 
@@ -436,7 +436,8 @@ class _Jax:
         self.device = jax.devices("gpu")[0]
 
     def to_device(self, x):
-        return None if x is None else self.jax.device_put(x, self.device)
+        # device_put is asynchronous, on JAX's own stream: finished before a launch reads it.
+        return None if x is None else self.jax.device_put(x, self.device).block_until_ready()
 
     def to_host(self, x):
         return np.asarray(x)
@@ -446,6 +447,8 @@ class _Jax:
 
 
 ARRAY_LIBRARIES = {"torch": _Torch, "cupy": _Cupy, "jax": _Jax}
+# torch hands bfloat16 over as itself, not as uint16 bits: these bad calls are then valid ones.
+TORCH_HAS_BFLOAT16 = {"bfloat16_bits_without_delta_dtype", "delta_dtype_fp8"}
 
 
 def _cuda_module():
@@ -521,6 +524,8 @@ def test_cuda_wrong_arguments_name_them(library, contract):
         if contract not in bad.contracts or bad.name in ("index_as_a_list", "pool_as_an_int",
                                                          "k_delta_fortran_order"):
             continue  # host-only shapes of a bad argument
+        if library == "torch" and bad.name in TORCH_HAS_BFLOAT16:
+            continue
         problem = build(contract, 44, **bad.problem)
         call = raw_call(contract, problem, bits(problem.past_key_value.copy())[0])
         bad.mutate(call)
