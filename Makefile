@@ -6,9 +6,8 @@ PIP := $(PY) -m pip
 # The headers `make build` fetches (once) for the TensorRT plugin; see BUILD.md.
 TRT_HEADERS := .deps/tensorrt/include
 # A list from pyproject.toml, e.g. $(call pyproject,build-system,requires), shell-quoted.
-# (Python 3.10 has no tomllib: pip's own copy of tomli reads it there.)
-pyproject = $$($(PY) -c 'import shlex; exec("try: import tomllib\nexcept ImportError: from pip._vendor import tomli as tomllib"); \
-  t = tomllib.load(open("pyproject.toml", "rb")); print(" ".join(map(shlex.quote, t["$(1)"]["$(2)"])))')
+pyproject = $$($(PY) -c 'import shlex, tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
+  print(" ".join(map(shlex.quote, t["$(1)"]["$(2)"])))')
 
 .PHONY: venv build test lint demo clean
 
@@ -21,7 +20,7 @@ $(VENV)/.deps-stamp: pyproject.toml
 	$(PIP) install -q --no-build-isolation -e ".[test,onnx,export,dev]"
 	# jax2onnx without its declared dependencies (flax, orbax, onnxruntime, ...), which the export
 	# never imports; the [export] extra holds the ones it does.
-	$(PIP) install -q --no-deps "jax2onnx>=0.17.1,<0.18; python_version >= '3.11'"
+	$(PIP) install -q --no-deps "jax2onnx>=0.17.1,<0.18"
 	# The TensorRT 11.4 lean runtime (no builder): the plugin-registry test loads our library into it.
 	$(PIP) install -q --no-deps "tensorrt-lean-cu13-libs==11.4.0.106" "tensorrt-lean-cu13-bindings==11.4.0.106" \
 	  || echo "TensorRT lean runtime not installable here: tests/test_trt_runtime.py will skip"

@@ -33,6 +33,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -305,7 +306,6 @@ def test_shell_lines_are_split_and_classified(tmp_path):
 
 
 def test_changelog_has_a_section_for_the_version():
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     headings = re.findall(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M)
     assert headings and headings[0] == "Unreleased", headings
