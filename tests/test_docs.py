@@ -1,4 +1,4 @@
-"""The code in README.md and BUILD.md runs as written.
+"""The code in README.md and BUILD.md runs as written, and what they say about the build holds.
 
 Every fenced block of both files is collected, in order. What runs, on CPU, each in a fresh
 process whose working directory is a scratch folder per document (shared by that document's
@@ -310,3 +310,47 @@ def test_changelog_has_a_section_for_the_version():
     headings = re.findall(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M)
     assert headings and headings[0] == "Unreleased", headings
     assert version in headings, f"CHANGELOG.md has no '## {version}' section: {headings}"
+
+
+def _build_info() -> tuple[Path, dict]:
+    import json
+
+    import jax_dflash
+
+    found = [p for d in jax_dflash.__path__ for p in Path(d).glob("build_info.json")]
+    if not found:
+        pytest.skip(
+            "no jax_dflash/build_info.json in this install: it was built before "
+            "cmake/BuildSummary.cmake was included from CMakeLists.txt"
+        )
+    return found[0], json.loads(found[0].read_text())
+
+
+def test_build_info_says_what_was_built():
+    """BUILD.md: build_info.json names each part, built or not, and that is what imports."""
+    import importlib
+
+    from jax_dflash import _ext
+
+    path, info = _build_info()
+    assert set(info) == {"cpu_extension", "cuda_extension", "trt_plugin"}, info
+    for part, entry in info.items():
+        assert isinstance(entry["built"], bool) and entry["reason"], (path, part, entry)
+
+    def importable(module):
+        try:
+            importlib.import_module(module)
+            return True
+        except ImportError:
+            return False
+
+    def plugin_present():
+        try:
+            return Path(_ext.trt_plugin_library_path()).is_file()
+        except FileNotFoundError:
+            return False
+
+    assert info["cpu_extension"]["built"] and importable("jax_dflash._dflash_cpu"), info
+    assert info["cuda_extension"]["built"] == importable("jax_dflash._dflash_cuda"), info
+    if not os.environ.get("DFLASH_TRT_PLUGIN_LIBRARY"):
+        assert info["trt_plugin"]["built"] == plugin_present(), info
