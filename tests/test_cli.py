@@ -364,6 +364,8 @@ def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
 @pytest.mark.parametrize("argv, reason", [
     (["--steps", str(10**12)], "--steps 1000000000000 --batch 8: the run would need about"),
     (["--steps", str(10**8), "--no-check"], "at most 1000000 steps are allowed"),
+    (["--contract", "paged", "--steps", "400000", "--no-check"],
+     "--steps 400000 --batch 8: the paged plan simulates every sequence's every step"),
     (["--preset", "tiny", "--contract", "paged", "--window", "12"],
      "--window 12: expected a positive multiple of the page size 8"),
     (["--preset", "tiny", "--window", "16"], "--window 16 needs --contract paged"),

@@ -94,9 +94,6 @@ class Sequence:
     slots: list[int]  # page id per table slot, -1 when none
     own: set[int]  # slots holding a page this sequence allocated
 
-    def feature_stream(self, position: int) -> int:
-        return self.prompt.id if position < self.prompt.length else self.stream
-
 
 @dataclasses.dataclass
 class Steps:
@@ -205,10 +202,9 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
         chunks.append((rows, tokens))
     prefill = empty(len(chunks))
     for n, (rows, tokens) in enumerate(chunks):
-        for row_of in rows.items():
-            prompt = prompts[row_of[0]]
-            for j, page in enumerate(prompt.pages):
-                prefill.tables[n, row_of[1], :, j % M] = (page, page + num_pages)
+        for prompt_id, row in rows.items():
+            for j, page in enumerate(prompts[prompt_id].pages):
+                prefill.tables[n, row, :, j % M] = (page, page + num_pages)
         for t, (row, prompt, pos) in enumerate(tokens):
             prefill.positions[n, t], prefill.owners[n, t], prefill.streams[n, t] = (
                 pos, row, prompt.id)
@@ -221,7 +217,7 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
     serial = 0
     started = finished = shared_refs = ring_reuses = 0
 
-    def start(row: int) -> Sequence:
+    def start() -> Sequence:
         nonlocal serial, started, shared_refs
         prompt = prompts[int(rng.integers(0, len(prompts)))]
         slots = [-1] * M
@@ -254,25 +250,31 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
     for i in range(steps):
         for b in range(batch):
             if rows_in_flight[b] is None:
-                rows_in_flight[b] = start(b)
+                rows_in_flight[b] = start()
             seq = rows_in_flight[b]
             if seq.length < seq.prompt.length:  # the prompt's tail: this sequence's own page
                 n = min(block_size, seq.prompt.length - seq.length)
             else:
                 n = min(int(drawn[i, b]), seq.target_length - seq.length)
                 accepted[i] += n
-            for t in range(n):
-                pos = seq.length + t
+            if n <= 0:
+                continue
+            first = seq.length
+            if first % P:
+                page_for(seq, first)  # checks that its page is there
+            for pos in range(first + -first % P, first + n, P):  # each page it starts
                 page_for(seq, pos)
-                k = b * block_size + t
-                decode.positions[i, k], decode.owners[i, k] = pos, b
-                decode.streams[i, k] = seq.feature_stream(pos)
+            k = b * block_size
+            pos = np.arange(first, first + n)
+            decode.positions[i, k:k + n] = pos
+            decode.owners[i, k:k + n] = b
+            decode.streams[i, k:k + n] = np.where(pos < seq.prompt.length, seq.prompt.id,
+                                                  seq.stream)
             written[i] += n
             seq.length += n
-        for b, seq in enumerate(rows_in_flight):
-            for slot, page in enumerate(seq.slots):
-                if page != -1:
-                    decode.tables[i, b, :, slot] = (page, page + num_pages)
+        live = np.array([seq.slots for seq in rows_in_flight], np.int64)  # [B, M]
+        decode.tables[i, :, 0] = live
+        decode.tables[i, :, 1] = np.where(live >= 0, live + num_pages, -1)
         if i == steps - 1:
             last = list(enumerate(rows_in_flight))
         for b, seq in enumerate(rows_in_flight):

@@ -29,6 +29,8 @@ SEED_LIMIT = 2**63  # numpy's default_rng takes any int; keep seeds in int64 for
 # Run bounds: a step costs milliseconds, so a million steps is already a long run; memory for
 # the run's per-step inputs and the check's deltas is estimated and bounded below.
 MAX_STEPS = 1_000_000
+# The paged plan is simulated on the host, about 15 us per sequence and step.
+MAX_PAGED_SEQUENCE_STEPS = 2_000_000
 HOST_MEMORY_SHARE = 0.5  # of the machine's physical memory
 
 
@@ -311,6 +313,11 @@ def validate_run(args, preset) -> dict:
             f"{human_bytes(limit)}, half of this machine's) and at most {MAX_STEPS} steps are "
             f"allowed" + ("; --no-check drops the deltas kept for the check"
                           if biggest == "checked deltas" else ""))
+    if contract == "paged" and steps * batch > MAX_PAGED_SEQUENCE_STEPS:
+        raise UsageError(
+            f"--steps {steps} --batch {batch}: the paged plan simulates every sequence's every "
+            f"step on the host (about {steps * batch * 15e-6:.0f} s here); expected steps x "
+            f"batch <= {MAX_PAGED_SEQUENCE_STEPS}")
     return dict(contract=contract, window=window, batch=batch, steps=steps, accept=accept,
                 delta_dtype=delta, pool_dtype=pool, estimated_host_bytes=need)
 

@@ -168,7 +168,7 @@ def _row(x, i):
     return jax.lax.dynamic_index_in_dim(x, jnp.minimum(i, last), keepdims=False)
 
 
-def _slot_tokens(spec: StepSpec, positions, lengths):
+def _slot_tokens(spec: StepSpec, positions):
     """Slot contract: token ``t`` of sequence ``b`` at ``positions[b] + t``; stream ``b``."""
     t = jnp.arange(spec.block_size, dtype=jnp.int32)
     pos = (positions[:, None] + t[None, :]).reshape(-1)
@@ -288,7 +288,7 @@ def make_step(spec: StepSpec, impl: str, *, with_update: bool = True) -> Callabl
         if spec.contract == "slot":
             positions = state[2]
             lengths = _row(consts.lengths, i)
-            streams, token_pos = _slot_tokens(spec, positions, lengths)
+            streams, token_pos = _slot_tokens(spec, positions)
             addr = (positions, lengths)
             rest = (positions + lengths,)
         else:

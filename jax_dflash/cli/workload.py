@@ -48,8 +48,8 @@ WARMUP_STEPS = 5
 # Timed replays of the decode steps, with and without the update, for the update's share:
 # rounds alternate between the two until each has run this long (within the round limits);
 # the best round of each counts, which drops the noise of a busy machine.
-SHARE_SECONDS = 0.25
-SHARE_ROUNDS = (3, 50)
+SHARE_SECONDS = 0.5
+SHARE_ROUNDS = (2, 200)
 # Sequences the read-back check samples.
 READBACK_SEQUENCES = 4
 
@@ -283,7 +283,7 @@ def paged_replay_groups(plan: allocator.PagedPlan, steps: range):
     """Consecutive steps merged into groups in which no pool row is written twice (a freed page
     reused, or a ring page overwritten, starts a new group): each group is one reference call,
     and the groups in step order reproduce the run."""
-    P, N = plan.page_size, plan.num_pages
+    P = plan.page_size
     group: list[int] = []
     seen: set[int] = set()
     for i in steps:
@@ -301,7 +301,6 @@ def paged_replay_groups(plan: allocator.PagedPlan, steps: range):
         seen |= rows
     if group:
         yield group
-    del N
 
 
 def _step_arrays(plan: allocator.PagedPlan, i: int):
