@@ -107,3 +107,18 @@ def test_gpu_runs_are_bit_exact(contract, kv):
     _, r = _run(contract, KV_DTYPES[kv], device=gpu_devices()[0], window=16 if
                 contract == "paged" else None, steps=12)
     assert r.check == "bit-exact" and r.readback.passed, r.readback.failure
+
+
+@pytest.mark.parametrize("contract", ["slot", "paged"])
+def test_partial_rope_as_in_qwen35(contract):
+    """RoPE on the first R < D channels (Qwen3.5's partial rotary): the rest pass through."""
+    import dataclasses
+
+    preset = dataclasses.replace(TINY, rotary_dim=16)
+    w = workload.Workload(preset, batch=3, steps=5, seed=2,
+                          accept=workload.parse_accept("uniform", 8),
+                          device=jax.devices("cpu")[0], kv_dtype="float8_e4m3fn",
+                          contract=contract)
+    r = w.run("kernel", progress=False, measure_update=False)
+    assert w.rope.shape == (1, preset.slot_capacity, 16)
+    assert r.check == "bit-exact" and r.readback.passed, r.readback.failure

@@ -19,8 +19,9 @@ factor within ``exp(+-2 max b)``, so the output ``o = sum_j p_j v_j`` is off by 
 ``exp(4 max b) * sum_j p_j ((b_j + mean_p b) |v_j - o| + e_v,j)`` (the first term is the
 weights' shift acting on the values' spread around ``o``, the second the values' own error),
 plus float32 rounding of the sums. Queries: a few random ones (a draft's queries) and sharp
-"probe" queries aimed at single positions (``q = beta k_j / |k_j|^2`` puts most of the weight
-on token ``j``), so that a wrong value moves an output by far more than the bound.
+"probe" queries aimed at sampled positions (``q = beta sqrt(D) k_j / |k_j|^2`` scores token
+``j`` at ``beta`` and puts most of the weight on it), so that a wrong value at a probed position
+moves an output by far more than the bound; a wrong key anywhere shows in the scores.
 """
 
 from __future__ import annotations
