@@ -49,6 +49,17 @@ EXT="$(ls "$BUILD"/_dflash_cpu*.so 2>/dev/null | head -1)"
 [ -n "$EXT" ] || { echo "ubsan_check: no _dflash_cpu*.so in $BUILD" >&2; exit 2; }
 HARNESS="$BUILD/trt_plugin/dflash_trt_contract_harness"
 
+# The builds must be instrumented, and the sanitizer must fire here: a signed overflow, built with
+# the same flags, has to abort with a report.
+for binary in "$EXT" ${HARNESS:+$([ -x "$HARNESS" ] && echo "$HARNESS")}; do
+  [ "$(nm -D --undefined-only "$binary" | grep -c __ubsan_handle)" -gt 0 ] ||
+    { echo "ubsan_check: $binary is not instrumented (no __ubsan_handle_* references)" >&2; exit 2; }
+done
+printf 'int main(int argc, char**) { int x = 0x7fffffff; return (x + argc) == 0; }\n' >"$BUILD/ub_self_check.cc"
+g++ $FLAGS "$BUILD/ub_self_check.cc" -o "$BUILD/ub_self_check" 2>"$LOGS/self_check.log" &&
+  ! "$BUILD/ub_self_check" 2>>"$LOGS/self_check.log" && grep -q "runtime error:" "$LOGS/self_check.log" ||
+  { echo "ubsan_check: the sanitizer did not report a known signed overflow" >&2; cat "$LOGS/self_check.log" >&2; exit 2; }
+
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=0:exitcode=86"
 PRELOAD=""
 if [[ "$SANITIZE" == *address* ]]; then
@@ -59,6 +70,7 @@ fi
 reports=0
 failures=0
 cases=0
+mismatches=0
 summary_parts=()
 
 count_reports() {  # file -> number of sanitizer reports in it
@@ -73,6 +85,8 @@ run_group() {  # name, command...
   local n_reports; n_reports="$(count_reports "$log")"
   local n_cases; n_cases="$(sed -n 's/^CASES \([0-9]*\).*/\1/p' "$log" | tail -1)"
   n_cases="${n_cases:-0}"
+  local n_mismatches; n_mismatches="$(sed -n 's/^MISMATCHES \([0-9]*\).*/\1/p' "$log" | tail -1)"
+  mismatches=$((mismatches + ${n_mismatches:-0}))
   reports=$((reports + n_reports))
   cases=$((cases + n_cases))
   if [ "$rc" -ne 0 ] || [ "$n_reports" -ne 0 ]; then
@@ -104,5 +118,5 @@ else
   harness_note=" (contract harness not built: no CUDA toolkit or TensorRT headers; CPU extension only)"
 fi
 
-echo "ubsan_check: ${cases} cases run (${summary_parts[*]}), UBSan reports: ${reports}, failed groups: ${failures}${harness_note}"
+echo "ubsan_check: ${cases} cases run (${summary_parts[*]}), UBSan reports: ${reports}, failed groups: ${failures}, outcomes differing from the suite's expectations: ${mismatches} (the suite reports those; logs in $LOGS)${harness_note}"
 [ "$reports" -eq 0 ] && [ "$failures" -eq 0 ]
