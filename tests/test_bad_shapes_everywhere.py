@@ -23,8 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ffi_abi import run_in_children  # noqa: E402  (the crash-tolerant child runner)
+from test_ffi_abi import run_in_children  # the crash-tolerant child runner (tests/ is on the path)
 
 ALL_PATHS = ("python", "op", "ffi", "plugin")
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
@@ -236,7 +235,7 @@ def op_verdict(row):
     return None
 
 
-# ---- (b) the FFI handler, in a child process ------------------------------------------------------
+# ---- (b) the FFI handler, in a child process -----------------------------------------------------
 
 
 def _ffi_run(row) -> dict:
@@ -287,7 +286,7 @@ def ffi_verdict(row):
     return None if result["status"] == "ok" else result["message"]
 
 
-# ---- (c) the plugin, through the contract harness ---------------------------------------------------
+# ---- (c) the plugin, through the contract harness ------------------------------------------------
 
 
 def plugin_line(row) -> str:

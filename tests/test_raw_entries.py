@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -53,7 +52,7 @@ class RawCall:
     args: list
     kwargs: dict
 
-    def run(self, module, entry_suffix=""):
+    def run(self, module):
         name = ("target_kv_cache_update" if self.contract == "slot" else
                 "target_kv_cache_update_paged")
         if module.__name__.endswith("_dflash_cuda"):
@@ -184,7 +183,7 @@ def test_cpu_empty_slices_with_strides_are_contiguous():
     assert_bits_equal(call.args[2], problem.past_key_value)
 
 
-# ---- CPU: pools that cannot be updated in place ---------------------------------------------------
+# ---- CPU: pools that cannot be updated in place --------------------------------------------------
 
 
 def _fortran(pool):
@@ -228,7 +227,7 @@ def test_cpu_pool_that_is_not_updatable_in_place_raises(contract, pool_dtype, la
     assert_bits_equal(np.ascontiguousarray(pool), snapshot)
 
 
-# ---- CPU: wrong arguments --------------------------------------------------------------------------
+# ---- CPU: wrong arguments ------------------------------------------------------------------------
 
 
 def _set_arg(i, fn):
