@@ -175,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
             TensorRT runtime (tensorrt or tensorrt_lean) is installed and can load it. Then
             a parity self-test: the op against the NumPy reference, bit for bit, on every
             available backend (cpu, and gpu when JAX has one) for float16, bfloat16 and
-            float32, on small random shapes with hostile positions (negative, past the slot,
-            near INT32_MAX and INT32_MIN), padding, lengths past L, per-sequence RoPE and
-            per-layer positions. Exits 1 if any case differs."""),
+            float32 deltas, on small random shapes of both contracts: hostile positions
+            (negative, past the slot, near INT32_MAX and INT32_MIN), padding, lengths past L,
+            per-sequence RoPE, per-layer positions; paged tokens with hostile owners, positions
+            and page ids, ring pages; FP8 pools with per-head scales and the fused norms.
+            Exits 1 if any case differs."""),
     )
     check.add_argument("--seed", type=_seed, default=0, metavar="S",
                        help="seed of the random cases (default: 0)")
@@ -669,8 +671,11 @@ def _tensorrt_report() -> tuple[str, str]:
         return library, f"{runtime} could not load it: {type(e).__name__}: {e}"
 
 
-def parity_cases(rng: np.random.Generator, dtype: np.dtype) -> list[tuple[str, tuple, int]]:
-    """``(name, operands, pages_per_slot)``: small shapes with hostile positions."""
+def parity_cases(rng: np.random.Generator, dtype: np.dtype) -> list[tuple[str, str, tuple, dict]]:
+    """``(name, contract, operands, keywords)``: small shapes with hostile positions, both
+    contracts, FP8 pools and the fused norms."""
+    from jax_dflash import testing
+
     int32_max, int32_min = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
     def normal(*shape):
@@ -687,33 +692,54 @@ def parity_cases(rng: np.random.Generator, dtype: np.dtype) -> list[tuple[str, t
     # straddling the slot's end, near INT32_MAX and INT32_MIN, plain; lengths: past L, zero,
     # negative.
     b, length, h, d, page, pps = 6, 5, 2, 16, 4, 3  # capacity 12
-    cases.append(("unbatched, hostile positions", (
+    cases.append(("slot: unbatched, hostile positions", "slot", (
         normal(b, length, h, d), normal(b, length, h, d), normal(2, 7 * pps, page, h, d),
         rope(1, 9, 8), i32([-2, 9, int32_max - 2, 3, int32_min, 0]), i32([5, 9, 4, 0, 5, -1]),
-    ), pps))
+    ), {"pages_per_slot": pps}))
     # Layer-batched with per-layer positions and per-sequence RoPE.
     layers, b, length, h, d, page, pps = 3, 2, 4, 3, 8, 2, 4  # capacity 8
-    cases.append(("layer-batched, per-layer positions, per-sequence RoPE", (
+    cases.append(("slot: layer-batched, per-layer positions, per-sequence RoPE", "slot", (
         normal(layers, b, length, h, d), normal(layers, b, length, h, d),
         normal(layers, 2, b * pps, page, h, d), rope(b, page * pps, d),
         rng.integers(-3, 11, (layers, b)).astype(np.int32),
         rng.integers(-1, length + 3, (layers, b)).astype(np.int32),
-    ), pps))
+    ), {"pages_per_slot": pps}))
     # Odd head dim, no rotation, one token per page; the second sequence runs off its slot.
     b, length, h, d, page, pps = 2, 3, 1, 7, 1, 5
-    cases.append(("odd head dim, no RoPE, page size 1", (
+    cases.append(("slot: odd head dim, no RoPE, page size 1", "slot", (
         normal(b, length, h, d), normal(b, length, h, d), normal(2, b * pps, page, h, d),
         rope(1, 5, 0), i32([0, 3]), i32([3, 3]),
-    ), pps))
+    ), {"pages_per_slot": pps}))
+    slot = testing.make_problem(rng, batch=3, delta_len=4, heads=2, head_dim=16, page_size=4,
+                                pages_per_slot=3, dtype=dtype, layers=2,
+                                pool_dtype="float8_e5m2", k_norm=True, scale_shape=(2, 2))
+    cases.append(("slot: layer-batched, FP8 e5m2 pool, fused k-norm", "slot", slot.args(),
+                  slot.kwargs()))
+    paged = testing.make_paged_problem(rng, tokens=12, batch=3, heads=2, head_dim=16,
+                                       rotary_dim=8, num_pages=10, page_size=4, table_pages=3,
+                                       dtype=dtype, layers=2, ring=True)
+    cases.append(("paged: layer-batched, ring, hostile tokens and table", "paged",
+                  paged.args(), paged.kwargs()))
+    paged = testing.make_paged_problem(rng, tokens=10, batch=2, heads=2, head_dim=16,
+                                       num_pages=6, page_size=4, table_pages=3, dtype=dtype,
+                                       pool_dtype="float8_e4m3fn", k_norm=True, v_norm=True)
+    cases.append(("paged: FP8 e4m3 pool, fused k- and v-norm", "paged", paged.args(),
+                  paged.kwargs()))
     return cases
 
 
+_STATIC = ("pages_per_slot", "ring", "norm_eps", "v_norm")
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted_op(pages_per_slot: int):
+def _jitted_op(contract: str):
     import jax
 
-    from jax_dflash import target_kv_cache_update
-    return jax.jit(functools.partial(target_kv_cache_update, pages_per_slot=pages_per_slot))
+    import jax_dflash
+    op = (jax_dflash.target_kv_cache_update if contract == "slot"
+          else jax_dflash.target_kv_cache_update_paged)
+    static = [n for n in _STATIC if n != ("ring" if contract == "slot" else "pages_per_slot")]
+    return jax.jit(op, static_argnames=static)
 
 
 def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]]:
@@ -726,11 +752,15 @@ def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]
     device = jax.devices(backend)[0]
     rng = np.random.default_rng(seed)
     passed, failures = 0, []
-    for name, operands, pages_per_slot in parity_cases(rng, dtype):
-        expected = reference.target_kv_cache_update(*operands, pages_per_slot=pages_per_slot)
+    for name, contract, operands, keywords in parity_cases(rng, dtype):
+        ref = (reference.target_kv_cache_update if contract == "slot"
+               else reference.target_kv_cache_update_paged)
+        expected = ref(*operands, **keywords)
         try:
             args = [jax.device_put(x, device) for x in operands]
-            actual = np.asarray(_jitted_op(pages_per_slot)(*args))
+            kw = {k: (v if k in _STATIC else jax.device_put(v, device))
+                  for k, v in keywords.items()}
+            actual = np.asarray(_jitted_op(contract)(*args, **kw))
         except Exception as e:  # noqa: BLE001 - reported as a failed case
             failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
