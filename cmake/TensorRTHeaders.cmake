@@ -5,8 +5,11 @@
 #   2. TENSORRT_ROOT (CMake or environment variable): a TensorRT install, headers in include/;
 #   3. editable builds only (make build): .deps/tensorrt/include, filled by
 #      tools/fetch_trt_headers.py (wheels never read ignored folders of the source tree);
-#   4. the headers of the PyPI wheel kernel-lens==2.0.1 (TensorRT 10.14), downloaded at configure
+#   4. a system install (e.g. /usr/include/x86_64-linux-gnu from NVIDIA's libnvinfer-dev);
+#   5. the headers of the PyPI wheel kernel-lens==2.0.1 (TensorRT 10.14), downloaded at configure
 #      time into the build directory by tools/fetch_trt_headers.py (once per build directory).
+# Without headers TENSORRT_INCLUDE_DIR is left defined but empty, so that no later search picks
+# up headers this order did not choose.
 # DFLASH_FETCH_TRT_HEADERS=OFF turns the download off (offline builds say so instead of waiting).
 
 option(DFLASH_FETCH_TRT_HEADERS "Download the TensorRT headers when no TensorRT install is given" ON)
@@ -53,9 +56,14 @@ elseif(TENSORRT_ROOT)
 else()
   _dflash_trt_headers_in("${PROJECT_SOURCE_DIR}/.deps/tensorrt/include" _in_deps)
   _dflash_trt_headers_in("${_dflash_trt_fetched}" _in_build)
+  find_path(_dflash_trt_system NvInferRuntime.h PATH_SUFFIXES tensorrt NO_CACHE
+            NO_CMAKE_ENVIRONMENT_PATH NO_SYSTEM_ENVIRONMENT_PATH)
   if(SKBUILD_STATE STREQUAL "editable" AND _in_deps)
     set(TENSORRT_INCLUDE_DIR "${PROJECT_SOURCE_DIR}/.deps/tensorrt/include")
     set(DFLASH_TRT_HEADERS_SOURCE ".deps (tools/fetch_trt_headers.py)")
+  elseif(_dflash_trt_system)
+    set(TENSORRT_INCLUDE_DIR "${_dflash_trt_system}")
+    set(DFLASH_TRT_HEADERS_SOURCE "a system install")
   elseif(_in_build)
     set(TENSORRT_INCLUDE_DIR "${_dflash_trt_fetched}")
     set(DFLASH_TRT_HEADERS_SOURCE "kernel-lens==2.0.1 (downloaded earlier into the build directory)")
@@ -77,8 +85,12 @@ else()
       set(DFLASH_TRT_HEADERS_SOURCE "kernel-lens==2.0.1 (downloaded)")
     else()
       string(STRIP "${_err}" _err)
+      string(REGEX REPLACE "^fetch_trt_headers: " "" _err "${_err}")
+      if(NOT _err)
+        set(_err "tools/fetch_trt_headers.py: ${_rc}")
+      endif()
       set(DFLASH_TRT_HEADERS_REASON
-          "the TensorRT headers could not be downloaded (offline? set TENSORRT_ROOT to a TensorRT install): ${_rc} ${_err}")
+          "the TensorRT headers could not be downloaded (offline? set TENSORRT_ROOT to a TensorRT install): ${_err}")
     endif()
   endif()
 endif()
@@ -86,5 +98,6 @@ endif()
 if(TENSORRT_INCLUDE_DIR)
   message(STATUS "TensorRT headers: ${TENSORRT_INCLUDE_DIR} (${DFLASH_TRT_HEADERS_SOURCE})")
 else()
+  set(TENSORRT_INCLUDE_DIR "")
   message(WARNING "TensorRT headers: ${DFLASH_TRT_HEADERS_REASON}; the TensorRT plugin is left out")
 endif()

@@ -81,7 +81,9 @@ def _download_with_pip(tmp: Path) -> Path:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * TIMEOUT_S)
     wheels = sorted(tmp.glob("kernel_lens-*.whl"))
     if result.returncode != 0 or not wheels:
-        raise FetchError(f"pip download {PACKAGE} failed: {result.stderr.strip()[-400:]}")
+        errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR:")]
+        why = " ".join(errors[-2:]) if errors else result.stderr.strip()[-300:]
+        raise FetchError(f"pip download {PACKAGE} failed: {why}")
     return wheels[0]
 
 
