@@ -456,7 +456,8 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   int64_t const blocks_wanted = 2 * int64_t(multiprocessor_count());
   int64_t const token_blocks = p.num_layers * sequences * tokens * head_groups;
   int64_t const spread = (token_blocks + blocks_wanted - 1) / blocks_wanted;
-  int64_t const tokens_z = std::max<int64_t>(1, std::min({max_tokens, spread, tokens}));
+  constexpr int64_t kMaxBlockZ = 64;  // CUDA's limit on blockDim.z
+  int64_t const tokens_z = std::max<int64_t>(1, std::min({max_tokens, spread, tokens, kMaxBlockZ}));
   int64_t const grid_x = (tokens + tokens_z - 1) / tokens_z * head_groups;
   if (grid_x >= (int64_t(1) << 31) || sequences >= (int64_t(1) << 31) || p.num_layers >= (int64_t(1) << 31) ||
       tokens >= (int64_t(1) << 32))

@@ -56,16 +56,24 @@ struct ArraySpec {
   nb::handle object;  // None for an absent optional operand
   DType declared = DType::kOther;  // delta_dtype / pool_dtype given by name; kOther: the array's own
   bool writable = false;
+  char const* dtype_keyword = nullptr;  // the keyword that names this operand's dtype, if any
+};
+
+// The arrays of one call, kept alive while their data is used: the pool writable, the rest may be
+// read-only (np.asarray of a jax.Array is).
+struct KeptArrays {
+  std::vector<nb::ndarray<>> writable;
+  std::vector<nb::ndarray<nb::ro>> read_only;
 };
 
 // One array operand: type, device, layout and dtype checked, each error naming the argument.
-template <typename Device>
-TensorDesc describe_array(ArraySpec const& spec, std::vector<nb::ndarray<>>& keep) {
+template <typename Device, typename Array>
+TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   std::string const name = spec.name;
   if (spec.writable && nb::hasattr(spec.object, "flags") &&
       !nb::cast<bool>(spec.object.attr("flags").attr("writeable")))
     throw nb::value_error((name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
-  nb::ndarray<> array;
+  Array array;
   if (!nb::try_cast(spec.object, array, /*convert=*/false))
     throw nb::type_error((name + ": expected an array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
                           nb::cast<std::string>(nb::str(spec.object.type().attr("__name__"))))
@@ -98,6 +106,13 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<nb::ndarray<>>& kee
                                .c_str());
     desc.dtype = spec.declared;
   } else {
+    if (own == DType::kOther)
+      throw nb::value_error((name + ": expected a dtype the update takes, got " + given_dtype(array.dtype()) +
+                             (spec.dtype_keyword != nullptr
+                                  ? std::string(" (bfloat16 and FP8 arrays cross as uint16/uint8 views named with ") +
+                                        spec.dtype_keyword + "=\"...\")"
+                                  : std::string()))
+                                .c_str());
     desc.dtype = own;
   }
   desc.rank = int32_t(array.ndim());
@@ -113,7 +128,7 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<nb::ndarray<>>& kee
 template <typename Device>
 KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> const& base, nb::handle k_scale,
                                   nb::handle v_scale, nb::handle k_norm_weight, std::string const& delta_dtype,
-                                  std::string const& pool_dtype, std::vector<nb::ndarray<>>& keep) {
+                                  std::string const& pool_dtype, KeptArrays& keep) {
   attrs.k_norm = !k_norm_weight.is_none();
   if (k_scale.is_none() != v_scale.is_none())
     throw nb::value_error(k_scale.is_none() ? "k_scale: v_scale is given, so k_scale is expected too, got None"
@@ -124,15 +139,18 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
   for (size_t i = 0; i < base.size(); ++i) {
     char const* name = operand_name(attrs, int32_t(i), int32_t(base.size()));
     DType const declared = i < 2 ? delta : i == 2 ? pool : DType::kOther;
-    specs.push_back({name, base[i], declared, /*writable=*/i == 2});
+    char const* keyword = i < 2 ? "delta_dtype" : i == 2 ? "pool_dtype" : nullptr;
+    specs.push_back({name, base[i], declared, /*writable=*/i == 2, keyword});
   }
   if (!k_scale.is_none()) {
     specs.push_back({"k_scale", k_scale});
     specs.push_back({"v_scale", v_scale});
   }
-  if (attrs.k_norm) specs.push_back({"k_norm_weight", k_norm_weight, delta});
+  if (attrs.k_norm) specs.push_back({"k_norm_weight", k_norm_weight, delta, false, "delta_dtype"});
   std::vector<TensorDesc> operands;
-  for (ArraySpec const& spec : specs) operands.push_back(describe_array<Device>(spec, keep));
+  for (ArraySpec const& spec : specs)
+    operands.push_back(spec.writable ? describe_array<Device>(spec, keep.writable)
+                                     : describe_array<Device>(spec, keep.read_only));
   KVUpdateParams p;
   if (std::string e = params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
       !e.empty())

@@ -9,34 +9,30 @@
 namespace dflash::jax {
 namespace {
 
-ffi::Error run_cpu(Contract contract, std::vector<ffi::AnyBuffer> const& base, ffi::RemainingArgs extras,
-                   ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   KVUpdateParams p;
-  if (ffi::Error e = decode_call(contract, base, extras, *result, attrs, &p); e.failure()) return e;
+  std::optional<ffi::AnyBuffer> pool, result;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
   // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked
   // dims and dtype), start from the pool.
-  if (result->untyped_data() != base[2].untyped_data())
-    std::memcpy(result->untyped_data(), base[2].untyped_data(), base[2].size_bytes());
+  if (result->untyped_data() != pool->untyped_data())
+    std::memcpy(result->untyped_data(), pool->untyped_data(), pool->size_bytes());
   target_kv_cache_update_cpu(p);
   return ffi::Error::Success();
 }
 
-ffi::Error slot_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
-                    ffi::AnyBuffer starts, ffi::AnyBuffer lengths, ffi::RemainingArgs extras,
-                    ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
-  return run_cpu(Contract::kSlot, {k, v, pool, rope, starts, lengths}, extras, result, attrs);
+ffi::Error slot_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  return run_cpu(Contract::kSlot, args, rets, attrs);
 }
 
-ffi::Error paged_cpu(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
-                     ffi::AnyBuffer positions, ffi::AnyBuffer owners, ffi::AnyBuffer table,
-                     ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
-  return run_cpu(Contract::kPaged, {k, v, pool, rope, positions, owners, table}, extras, result, attrs);
+ffi::Error paged_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  return run_cpu(Contract::kPaged, args, rets, attrs);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, slot_cpu, bind_slot_call(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCpu, paged_cpu, bind_paged_call(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, slot_cpu, bind_update_call(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCpu, paged_cpu, bind_update_call(ffi::Ffi::Bind()));
 
 namespace {
 
@@ -54,7 +50,7 @@ void update_slot_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, 
   attrs.pages_per_slot = pages_per_slot;
   attrs.v_norm = v_norm;
   attrs.norm_eps = norm_eps;
-  std::vector<nb::ndarray<>> keep;
+  KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(
       attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale, v_scale,
       k_norm_weight, delta_dtype, pool_dtype, keep));
@@ -69,7 +65,7 @@ void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool,
   attrs.ring = ring;
   attrs.v_norm = v_norm;
   attrs.norm_eps = norm_eps;
-  std::vector<nb::ndarray<>> keep;
+  KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(
       attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
       k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep));

@@ -15,15 +15,16 @@ ffi::Error cuda_error(Contract contract, cudaError_t status) {
   return ffi::Error::Internal(std::string(target_name(contract)) + ": CUDA error: " + cudaGetErrorString(status));
 }
 
-ffi::Error run_cuda(Contract contract, cudaStream_t stream, std::vector<ffi::AnyBuffer> const& base,
-                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
+ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                    ffi::Dictionary attrs) {
   KVUpdateParams p;
-  if (ffi::Error e = decode_call(contract, base, extras, *result, attrs, &p); e.failure()) return e;
+  std::optional<ffi::AnyBuffer> pool, result;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
   // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked dims
   // and dtype), start from the pool.
-  if (result->untyped_data() != base[2].untyped_data()) {
-    cudaError_t const copied = cudaMemcpyAsync(result->untyped_data(), base[2].untyped_data(), base[2].size_bytes(),
-                                               cudaMemcpyDeviceToDevice, stream);
+  if (result->untyped_data() != pool->untyped_data()) {
+    cudaError_t const copied =
+        cudaMemcpyAsync(result->untyped_data(), pool->untyped_data(), pool->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (copied != cudaSuccess) return cuda_error(contract, copied);
   }
   if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)
@@ -31,25 +32,21 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, std::vector<ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error slot_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool, ffi::AnyBuffer rope,
-                     ffi::AnyBuffer starts, ffi::AnyBuffer lengths, ffi::RemainingArgs extras,
-                     ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
-  return run_cuda(Contract::kSlot, stream, {k, v, pool, rope, starts, lengths}, extras, result, attrs);
+ffi::Error slot_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  return run_cuda(Contract::kSlot, stream, args, rets, attrs);
 }
 
-ffi::Error paged_cuda(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer pool,
-                      ffi::AnyBuffer rope, ffi::AnyBuffer positions, ffi::AnyBuffer owners, ffi::AnyBuffer table,
-                      ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> result, ffi::Dictionary attrs) {
-  return run_cuda(Contract::kPaged, stream, {k, v, pool, rope, positions, owners, table}, extras, result, attrs);
+ffi::Error paged_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  return run_cuda(Contract::kPaged, stream, args, rets, attrs);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCuda, slot_cuda,
-                              bind_slot_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              bind_update_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCuda, paged_cuda,
-                              bind_paged_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              bind_update_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 namespace {
@@ -68,7 +65,7 @@ void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::ha
   attrs.pages_per_slot = pages_per_slot;
   attrs.v_norm = v_norm;
   attrs.norm_eps = norm_eps;
-  std::vector<nb::ndarray<>> keep;
+  KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale,
               v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
@@ -84,7 +81,7 @@ void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::h
   attrs.ring = ring;
   attrs.v_norm = v_norm;
   attrs.norm_eps = norm_eps;
-  std::vector<nb::ndarray<>> keep;
+  KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
               k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),

@@ -4,6 +4,7 @@
 // returned to XLA, never a crash or a write outside the result.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -84,59 +85,51 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
   return ffi::Error::Success();
 }
 
-// Decodes one call: the base operands, the extras (RemainingArgs), the result and the attributes.
-// On success *p describes the update with p->pool pointing at the result (which the caller first
-// fills with the pool when XLA did not alias them).
-inline ffi::Error decode_call(Contract contract, std::vector<ffi::AnyBuffer> const& base,
-                              ffi::RemainingArgs const& extras, ffi::AnyBuffer const& result,
-                              ffi::Dictionary const& attrs, KVUpdateParams* p) {
+// Decodes one call: every operand and result (all bound as remaining arguments/results, so that a
+// wrong count is this target's own error naming what is expected) and the attributes. On success
+// *p describes the update with p->pool pointing at the result, *pool is the pool operand and
+// *result the result (the caller first copies the pool into it when XLA did not alias them).
+inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args, ffi::RemainingRets const& rets,
+                              ffi::Dictionary const& attrs, KVUpdateParams* p, std::optional<ffi::AnyBuffer>* pool,
+                              std::optional<ffi::AnyBuffer>* result) {
   UpdateAttrs a;
   if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
+  int32_t const base = base_operand_count(contract);
+  if (args.size() < size_t(base) || args.size() > size_t(base + 3))
+    return invalid(contract, "expected " + std::to_string(base) + " operands (" +
+                                 (contract == Contract::kSlot
+                                      ? "k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, "
+                                        "delta_lengths"
+                                      : "k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, "
+                                        "delta_token_to_sequence, kv_page_table") +
+                                 "), then k_scale and v_scale for an FP8 pool, then k_norm_weight with k_norm; got " +
+                                 std::to_string(args.size()) + " operands");
+  if (rets.size() != 1)
+    return invalid(contract, "expected 1 result (present_key_value, the pool updated in place), got " +
+                                 std::to_string(rets.size()) + " results");
   std::vector<TensorDesc> operands;
-  for (ffi::AnyBuffer const& buffer : base) operands.push_back(describe(buffer));
-  for (size_t i = 0; i < extras.size(); ++i) {
-    auto buffer = extras.get<ffi::AnyBuffer>(i);
-    if (!buffer.has_value())
-      return invalid(contract, "operand " + std::to_string(base.size() + i) + " is not an array");
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (!buffer.has_value()) return invalid(contract, "operand " + std::to_string(i) + " is not an array");
+    if (i == 2) pool->emplace(*buffer);
     operands.push_back(describe(*buffer));
   }
-  if (std::string e = check_result(describe(result), operands[2]); !e.empty()) return invalid(contract, e);
+  auto out = rets.get<ffi::AnyBuffer>(0);
+  if (!out.has_value()) return invalid(contract, "present_key_value: the result is not an array");
+  result->emplace(**out);
+  if (std::string e = check_result(describe(**result), operands[2]); !e.empty()) return invalid(contract, e);
   if (std::string e = params_from_operands(operands.data(), int32_t(operands.size()), a, p, /*need_data=*/true);
       !e.empty())
     return invalid(contract, e);
-  p->pool = result.untyped_data();
+  p->pool = (*result)->untyped_data();
   return ffi::Error::Success();
 }
 
-// The bindings of both targets, after the platform context (if any): SPEC.md's operands in
-// order, then the extras, one result (aliasing the pool) and the attributes as a dictionary.
+// The binding of both targets, after the platform context (if any): SPEC.md's operands in order
+// then the extras, one result (aliasing the pool), the attributes as a dictionary.
 template <typename Binding>
-auto bind_slot_call(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // k_delta
-      .template Arg<ffi::AnyBuffer>()  // v_delta
-      .template Arg<ffi::AnyBuffer>()  // past_key_value
-      .template Arg<ffi::AnyBuffer>()  // rope_cos_sin
-      .template Arg<ffi::AnyBuffer>()  // delta_start_positions
-      .template Arg<ffi::AnyBuffer>()  // delta_lengths
-      .RemainingArgs()                 // k_scale, v_scale (FP8 pool); k_norm_weight (k_norm)
-      .template Ret<ffi::AnyBuffer>()  // present_key_value
-      .template Attrs<ffi::Dictionary>();
-}
-
-template <typename Binding>
-auto bind_paged_call(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // k_delta
-      .template Arg<ffi::AnyBuffer>()  // v_delta
-      .template Arg<ffi::AnyBuffer>()  // past_key_value
-      .template Arg<ffi::AnyBuffer>()  // rope_cos_sin
-      .template Arg<ffi::AnyBuffer>()  // delta_positions
-      .template Arg<ffi::AnyBuffer>()  // delta_token_to_sequence
-      .template Arg<ffi::AnyBuffer>()  // kv_page_table
-      .RemainingArgs()                 // k_scale, v_scale (FP8 pool); k_norm_weight (k_norm)
-      .template Ret<ffi::AnyBuffer>()  // present_key_value
-      .template Attrs<ffi::Dictionary>();
+auto bind_update_call(Binding binding) {
+  return std::move(binding).RemainingArgs().RemainingRets().template Attrs<ffi::Dictionary>();
 }
 
 }  // namespace dflash::jax
