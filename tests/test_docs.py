@@ -213,11 +213,17 @@ def scratch(tmp_path_factory):
     return folders
 
 
+def _is_checkout(entry: str) -> bool:
+    return Path(entry).resolve() == REPO
+
+
 def _env(block: Block) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     # `python` and `jax-dflash` of the environment running the suite.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.pop("PYTHONPATH", None)
+    # Extra paths (e.g. optional packages installed with --target) stay; the checkout does not.
+    kept = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and not _is_checkout(e)]
+    env["PYTHONPATH"] = os.pathsep.join(kept)
     if "devices" in block.options:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(block.options['devices'])}"
     return env
