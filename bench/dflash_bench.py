@@ -1418,7 +1418,7 @@ def plot(results: dict, path: Path) -> str | None:
                         for e in results["shapes"] if e["name"] in EDGE_LLM_0_11_US)
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="X", color="gray", linestyle="none",
+            ax.plot(xs, ys, marker="X", color="black", linestyle="none",
                     label="Edge-LLM 0.11 (quoted)")
     peak = results.get("peak_copy_bandwidth", {}).get("bytes_per_s")
     sizes = [e["bytes"]["total"] for e in results["shapes"]]
