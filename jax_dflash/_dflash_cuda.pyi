@@ -1,0 +1,49 @@
+"""The CUDA extension: the XLA FFI handlers of both contracts and the raw launcher over DLPack
+arrays (jax, torch, cupy), the one the TensorRT plugin calls too."""
+
+from typing import Any
+
+def registrations() -> dict[str, Any]:
+    """FFI handler capsules by target name: dflash_target_kv_cache_update(_paged)."""
+
+def launch(
+    k_delta: Any,
+    v_delta: Any,
+    pool: Any,
+    rope_cos_sin: Any,
+    delta_start_positions: Any,
+    delta_lengths: Any,
+    k_scale: Any | None = None,
+    v_scale: Any | None = None,
+    k_norm_weight: Any | None = None,
+    *,
+    pages_per_slot: int,
+    v_norm: bool = False,
+    norm_eps: float = 1e-6,
+    delta_dtype: str = "",
+    pool_dtype: str = "",
+    stream: int = 0,
+) -> None:
+    """Enqueues the slot-contract update on ``stream`` (a cudaStream_t as int); ``pool`` (a CUDA
+    array) is updated in place. FP8 pools cross as uint8 views with ``pool_dtype`` naming them."""
+
+def launch_paged(
+    k_delta: Any,
+    v_delta: Any,
+    pool: Any,
+    rope_cos_sin: Any,
+    delta_positions: Any,
+    delta_token_to_sequence: Any,
+    kv_page_table: Any,
+    k_scale: Any | None = None,
+    v_scale: Any | None = None,
+    k_norm_weight: Any | None = None,
+    *,
+    ring: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = 1e-6,
+    delta_dtype: str = "",
+    pool_dtype: str = "",
+    stream: int = 0,
+) -> None:
+    """Enqueues the paged-contract update on ``stream``; ``pool`` is updated in place."""
