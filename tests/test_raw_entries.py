@@ -183,6 +183,21 @@ def test_cpu_empty_slices_with_strides_are_contiguous():
     assert_bits_equal(call.args[2], problem.past_key_value)
 
 
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_cpu_read_only_inputs_are_accepted(contract):
+    """Only the pool is written: read-only inputs (np.asarray of a jax.Array is one) are fine."""
+    problem = build(contract, 16, dtype=F16, pool_dtype=E4M3, k_norm=True)
+    pool = problem.past_key_value.copy()
+    call = raw_call(contract, problem, bits(pool)[0])
+    for i, x in enumerate(call.args):
+        if isinstance(x, np.ndarray) and i != 2:
+            x = x.copy()
+            x.flags.writeable = False
+            call.args[i] = x
+    call.run(_cpu())
+    assert_bits_equal(pool, expected_pool(contract, problem))
+
+
 # ---- CPU: pools that cannot be updated in place --------------------------------------------------
 
 
