@@ -101,6 +101,8 @@ def group_raw(tally):
                 tally.run(f"layout-{contract}-{pool_dtype}-{layout}",
                           raw.test_cpu_pool_that_is_not_updatable_in_place_raises, contract,
                           pool_dtype, layout)
+        tally.run(f"read_only_inputs-{contract}", raw.test_cpu_read_only_inputs_are_accepted,
+                  contract)
         for empty in raw.EMPTY[contract]:
             tally.run(f"empty-{contract}-{empty}", raw.test_cpu_empty_operands_are_valid,
                       contract, empty)
