@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from _install_check import pytest_report_header  # noqa: F401  (first: tests the installed jax_dflash)
+
 import jax
 import pytest
 

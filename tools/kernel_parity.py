@@ -190,7 +190,7 @@ def _load_old(path):
     return module
 
 
-def timing(old_path=None):
+def timing(old_path=None, only=None):
     import torch
 
     import jax_dflash._dflash_cuda as cuda
@@ -210,6 +210,8 @@ def timing(old_path=None):
         ("slot B=8 L=2048 e4m3", "slot", 8, 2048, "float8_e4m3fn", False),
         ("paged B=8 L=2048 e4m3", "paged", 8, 2048, "float8_e4m3fn", False),
     ]:
+        if only and only not in name:
+            continue
         pps = max(64 if contract == "paged" else 16, -(-length // page))
         pages = batch * pps
         pool_t = torch.uint8 if pool_name.startswith("float8") else torch.float16
@@ -259,7 +261,7 @@ def timing(old_path=None):
                            stream=stream.cuda_stream)
             rows.append((name + " (old kernel)", _graph_time(torch, stream, old_one, sets)))
         rows.append((name, _graph_time(torch, stream, one, sets)))
-        del bufs
+        bufs.clear()  # free the device buffers before the next shape
         torch.cuda.empty_cache()
     print("timing (CUDA-graph replay of 64 launches over rotating buffers; us per update, median of 15):")
     for name, us in rows:
@@ -296,12 +298,13 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--old-module", default=None, help="an older _dflash_cuda*.so to time against")
+    parser.add_argument("--only", default=None, help="time only the shapes whose name contains this")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    failures = parity(args.cases, args.seed)
+    failures = parity(args.cases, args.seed) if args.cases else 0
     print(f"parity took {time.perf_counter() - start:.1f} s")
     if not args.no_timing:
-        timing(args.old_module)
+        timing(args.old_module, args.only)
     return 1 if failures else 0
 
 

@@ -175,12 +175,31 @@ DFLASH_HOST_DEVICE PoolRows slot_rows(KVUpdateParams const& p, int64_t slot, int
   return rows;
 }
 
-// Paged contract, step 1: the page-table entry index of a token, or -1 when nothing is written
-// (owner outside [0, B), negative position, page index past M without ring).
-DFLASH_HOST_DEVICE int64_t page_table_index(KVUpdateParams const& p, int64_t layer, int64_t owner,
-                                            int64_t pos) {
+// Paged contract, step 1: page index and row of a token's position, pos / P and pos % P (pos >= 0).
+// page_shift = log2(P) when P is a power of two (TensorRT's 128 is): the CUDA kernel's hot path
+// then shifts instead of dividing; -1 divides.
+DFLASH_HOST_DEVICE int32_t page_shift_of(int64_t page_size) {
+  if (page_size <= 0 || page_size > (int64_t(1) << 30) || (page_size & (page_size - 1)) != 0) return -1;
+  int32_t shift = 0;
+  while ((int64_t(1) << shift) < page_size) ++shift;
+  return shift;
+}
+DFLASH_HOST_DEVICE void page_and_row(KVUpdateParams const& p, int64_t pos, int32_t page_shift, int64_t* page,
+                                     int64_t* row) {
+  if (page_shift >= 0) {
+    *page = pos >> page_shift;
+    *row = pos & ((int64_t(1) << page_shift) - 1);
+  } else {
+    *page = pos / p.page_size;
+    *row = pos - *page * p.page_size;
+  }
+}
+
+// Step 2: the page-table entry of a token, or -1 when nothing is written (owner outside [0, B),
+// negative position, page index past M without ring).
+DFLASH_HOST_DEVICE int64_t page_table_index(KVUpdateParams const& p, int64_t layer, int64_t owner, int64_t pos,
+                                            int64_t page) {
   if (owner < 0 || owner >= p.batch || pos < 0 || p.table_pages <= 0) return -1;
-  int64_t page = pos / p.page_size;
   if (page >= p.table_pages) {
     if (!p.ring) return -1;
     page %= p.table_pages;
@@ -188,15 +207,12 @@ DFLASH_HOST_DEVICE int64_t page_table_index(KVUpdateParams const& p, int64_t lay
   int64_t const table_layer = p.table_per_layer ? layer : 0;
   return ((table_layer * p.batch + owner) * 2) * p.table_pages + page;  // [.., b, 0, page]
 }
-// Step 2, given the K and V page ids read at that index (V at index + M): K ids must lie in
+// Step 3, given the K and V page ids read at that index (V at index + M): K ids must lie in
 // [0, N) and V ids in [N, 2N), else neither plane is written. V ids index the [2N, P, H, D]
 // view directly, which is why they carry the +N offset.
-DFLASH_HOST_DEVICE PoolRows paged_rows(KVUpdateParams const& p, int64_t k_page, int64_t v_page,
-                                       int64_t pos) {
+DFLASH_HOST_DEVICE PoolRows paged_rows(KVUpdateParams const& p, int64_t k_page, int64_t v_page, int64_t row) {
   PoolRows rows;
-  if (k_page < 0 || k_page >= p.num_pages || v_page < p.num_pages || v_page >= 2 * p.num_pages)
-    return rows;
-  int64_t const row = pos % p.page_size;
+  if (k_page < 0 || k_page >= p.num_pages || v_page < p.num_pages || v_page >= 2 * p.num_pages) return rows;
   rows.k_row = k_page * p.page_size + row;
   rows.v_row = v_page * p.page_size + row;
   return rows;

@@ -157,6 +157,7 @@ struct Geometry {
   // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
   bool norm_butterfly;
   bool weight_vectors;  // the k-norm weight can be read VEC at a time (aligned)
+  int32_t page_shift;   // log2(P), or -1 (paged contract: see page_and_row)
 };
 
 template <int VEC>
@@ -210,15 +211,24 @@ __device__ __forceinline__ float head_inverse_rms(KVUpdateParams const& p, Geome
 template <typename Delta, int VEC>
 __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const (*weight)[VEC]) {
   float w[VEC];
-  if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
+  if (!std::is_same_v<Delta, F16> && weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
   if constexpr (VEC % 2 == 0 && !std::is_same_v<Delta, F32>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
-      round_pair<Delta>(a, b);
-      if (weight != nullptr) {
-        a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
+      if constexpr (std::is_same_v<Delta, F16>) {
+        // float16: u * w as one float16 multiply (correctly rounded, subnormals kept) is the
+        // float32 product rounded to float16, the spec's arithmetic.
+        __half2 u = __float22half2_rn(make_float2(a, b));
+        if (weight != nullptr) u = __hmul2_rn(u, *reinterpret_cast<__half2 const*>(&(*weight)[i]));
+        float2 const f = __half22float2(u);
+        a = f.x, b = f.y;
+      } else {
         round_pair<Delta>(a, b);
+        if (weight != nullptr) {
+          a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
+          round_pair<Delta>(a, b);
+        }
       }
       x[i] = a, x[i + 1] = b;
     }
@@ -342,9 +352,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     pos = written_position(start, length, t, slot_capacity(p));
     rows = slot_rows(p, b, pos);
   } else {
-    int64_t const entry = page_table_index(p, layer, owner, pos);
+    int64_t page = 0, row = 0;
+    if (pos >= 0) page_and_row(p, pos, g.page_shift, &page, &row);
+    int64_t const entry = page_table_index(p, layer, owner, pos, page);
     if (entry >= 0)
-      rows = paged_rows(p, __ldg(p.page_table + entry), __ldg(p.page_table + entry + p.table_pages), pos);
+      rows = paged_rows(p, __ldg(p.page_table + entry), __ldg(p.page_table + entry + p.table_pages), row);
   }
   // Uniform over a head's items (one token), so a butterfly below never loses lanes.
   if (rows.k_row < 0) return;
@@ -443,6 +455,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.norm_butterfly = (p.k_norm || p.v_norm) && butterfly_fits(p, VEC);
+  g.page_shift = page_shift_of(p.page_size);
   g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   int64_t const items_x = std::min(head_items, kBlockThreads);
   int64_t const item_chunks = (head_items + items_x - 1) / items_x;
