@@ -468,7 +468,9 @@ def test_sigint_during_the_run_exits_130_at_once():
     status, out, err = _interrupt(["run", "--steps", "100000", "--no-check", "--no-progress"],
                                   header_printed)
     assert status == 130, err
-    assert err.strip() == "jax-dflash: interrupted"  # the one line, no traceback
+    # The one line last (a GPU's runtime may log before it), and no traceback.
+    assert err.strip().splitlines()[-1] == "jax-dflash: interrupted"
+    assert "Traceback" not in err
 
 
 def _imports_jax_with_the_package() -> bool:
@@ -497,4 +499,4 @@ def test_sigint_while_importing_jax_exits_130_without_a_traceback():
 
     status, out, err = _interrupt(["run", "--preset", "tiny"], loading_jaxlib)
     assert status == 130, err
-    assert "Traceback" not in err and err.strip() == "jax-dflash: interrupted"
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "jax-dflash: interrupted"
