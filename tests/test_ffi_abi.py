@@ -270,15 +270,16 @@ def _cases() -> list[Case]:
          ("present_key_value",))
     both("result_aliased_other_dims", (), _result(lambda s: (*s[:1], s[1] - 1, *s[2:]),
                                                   alias=True), ("input_output_aliases",))
-    both("two_results", (), _results(2), ("results",))
-    both("no_result", (), _results(0), ("results",))
+    both("two_results", (), _results(2), ("present_key_value", "got 2"))
+    both("no_result", (), _results(0), ("present_key_value", "got 0"))
 
     # Operand counts and the extras.
     for contract in ("slot", "paged"):
         last = "delta_lengths" if contract == "slot" else "kv_page_table"
         target = SLOT_TARGET if contract == "slot" else PAGED_TARGET
+        base = 6 if contract == "slot" else 7
         cases.append(Case("missing_last_base_operand", contract, (), _drop(last),
-                          (target, "operands")))
+                          (target, f"expected {base} operands", f"got {base - 1} operands")))
         cases.append(Case("missing_rope_with_extras", contract, _fp8(k_norm=True),
                           _drop("rope_cos_sin"), (target, "operands", "got 8|got 9")))
     both("extra_int32_operand", (), _append("extra", _int32_scalar), ("got 7|got 8", "operands"))

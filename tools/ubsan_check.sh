@@ -63,7 +63,8 @@ g++ $FLAGS "$BUILD/ub_self_check.cc" -o "$BUILD/ub_self_check" 2>"$LOGS/self_che
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=0:exitcode=86"
 PRELOAD=""
 if [[ "$SANITIZE" == *address* ]]; then
-  PRELOAD="$(g++ -print-file-name=libasan.so)"
+  # libstdc++ too: else ASan cannot find the real __cxa_throw under a Python that does not link it.
+  PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)"
   export ASAN_OPTIONS="detect_leaks=0:exitcode=87"
 fi
 
