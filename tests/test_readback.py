@@ -38,7 +38,7 @@ def good_run(request):
 
 def test_a_correct_pool_passes(good_run):
     w, pools = good_run
-    result = w.readback(jax.numpy.asarray(pools))
+    result = w.readback(jax.device_put(pools, w.device))
     assert result.passed, result.failure
     assert result.sequences > 0 and result.tokens > 0 and result.queries > 0
     # The differences are roundings, well inside the bound but not all zero.
@@ -58,7 +58,7 @@ def test_one_flipped_key_fails(good_run):
     layer = int(rng.integers(bad.shape[0]))
     page, row = int(view.k_pages[i]), int(view.rows[i])
     bad[layer, 0, page, row] = -bad[layer, 0, page, row]  # one stored token's key, negated
-    result = w.readback(jax.numpy.asarray(bad))
+    result = w.readback(jax.device_put(bad, w.device))
     assert not result.passed
     assert f"layer {layer}" in result.failure and "scores" in result.failure
 
@@ -72,7 +72,7 @@ def test_two_swapped_pages_fail(good_run):
     a, b = pages[0], pages[-1]
     bad = pools.copy()
     bad[:, :, [a, b]] = bad[:, :, [b, a]]
-    result = w.readback(jax.numpy.asarray(bad))
+    result = w.readback(jax.device_put(bad, w.device))
     assert not result.passed, "swapping two pages went unnoticed"
 
 

@@ -121,6 +121,11 @@ def check_sequences(pools, views: list[SequenceView], recompute: Callable, *, de
     ``recompute(streams, positions, at_least)`` returns float32 ``(normed_keys, keys, values)``, each
     ``[layers, n_padded, H, D]`` with ``n_padded >= n`` (padding to a few sizes keeps the
     compilations few): the k-normed keys before RoPE, after RoPE, and the values."""
+    device = next(iter(pools.devices()))  # everything the check reads goes where the pool is
+
+    def put(x):
+        return jax.device_put(x, device)
+
     worst_s = worst_o = 0.0
     tokens = queries = 0
     failure = None
@@ -129,18 +134,18 @@ def check_sequences(pools, views: list[SequenceView], recompute: Callable, *, de
         n = len(view.positions)
         if n == 0:
             continue
-        x, k_ref, v_ref = recompute(view.streams, view.positions, longest)
+        x, k_ref, v_ref = (put(a) for a in recompute(view.streams, view.positions, longest))
         layers, n_padded, heads, head_dim = k_ref.shape
         mask = np.arange(n_padded) < n
         q_random = rng.standard_normal((layers, random_queries, heads, head_dim), np.float32)
         picks = np.stack([rng.choice(n, size=probes, replace=n < probes)
                           for _ in range(layers)])
-        kp, vp, rows = (jnp.asarray(np.pad(a, (0, n_padded - n)).astype(np.int32))
+        kp, vp, rows = (put(np.pad(a, (0, n_padded - n)).astype(np.int32))
                         for a in (view.k_pages, view.v_pages, view.rows))
-        scales = None if k_scale is None else (jnp.asarray(k_scale), jnp.asarray(v_scale))
+        scales = None if k_scale is None else (put(k_scale), put(v_scale))
         rs, ro, where_s, where_o = _check_view(
-            pools, kp, vp, rows, scales, x, k_ref, v_ref, jnp.asarray(q_random),
-            jnp.asarray(picks), jnp.asarray(mask), rotary_dim=rotary_dim,
+            pools, kp, vp, rows, scales, x, k_ref, v_ref, put(q_random),
+            put(picks), put(mask), rotary_dim=rotary_dim,
             u_delta=unit_roundoff(delta_dtype), pool_dtype=jnp.dtype(pools.dtype))
         rs, ro = np.asarray(rs), np.asarray(ro)  # per layer
         for layer in range(layers):
