@@ -211,6 +211,8 @@ def _quantize(y, pool_dtype, inv_scale):
 
 
 def rope_jnp(k, rows, rotary_dim):
+    """Rotate-half RoPE in jnp on the first ``rotary_dim`` channels of ``k`` ``[..., T, H, D]``
+    with token-aligned rows ``[..., T, R]`` (``R/2`` cosines then ``R/2`` sines)."""
     half = rotary_dim // 2
     c, s = rows[..., None, :half], rows[..., None, half:rotary_dim]
     x1, x2 = k[..., :half], k[..., half:rotary_dim]

@@ -737,7 +737,10 @@ class Workload:
         return pool
 
     def readback_views(self) -> list[readback.SequenceView]:
-        """The sequences the read-back check samples (the same ones for a given seed)."""
+        """The sequences the read-back check samples (the same ones for a given seed), with the
+        positions the run wrote and the pool still holds: in a slot, from the sequence's start
+        (what lies before it was never written); in pages, the whole sequence, its shared prompt
+        pages included, or with a window what the ring still holds."""
         rng = np.random.default_rng([self.seed, 1])
         p = self.preset
         views = []
