@@ -119,5 +119,5 @@ else
   harness_note=" (contract harness not built: no CUDA toolkit or TensorRT headers; CPU extension only)"
 fi
 
-echo "ubsan_check: ${cases} cases run (${summary_parts[*]}), UBSan reports: ${reports}, failed groups: ${failures}, outcomes differing from the suite's expectations: ${mismatches} (the suite reports those; logs in $LOGS)${harness_note}"
+echo "ubsan_check: ${cases} cases run (${summary_parts[*]}), $([[ "$SANITIZE" == *address* ]] && echo "UBSan/ASan" || echo "UBSan") reports: ${reports}, failed groups: ${failures}, outcomes differing from the suite's expectations: ${mismatches} (the suite reports those; logs in $LOGS)${harness_note}"
 [ "$reports" -eq 0 ] && [ "$failures" -eq 0 ]
