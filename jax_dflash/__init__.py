@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
+import importlib
 from importlib import metadata as _metadata
 
-from jax_dflash import reference
-from jax_dflash._ext import trt_plugin_library_path
-from jax_dflash.ops import (
-    target_kv_cache_update,
-    target_kv_cache_update_p,
-    target_kv_cache_update_paged,
-    target_kv_cache_update_paged_p,
-)
-from jax_dflash.paged import gather_rope, identity_page_table, token_positions
-from jax_dflash.rope import rope_cos_sin
+# Imported on first use, so that `import jax_dflash` (and the command line's Ctrl-C handler,
+# installed before it) does not wait for jax to import.
+_EXPORTS = {
+    "gather_rope": "jax_dflash.paged",
+    "identity_page_table": "jax_dflash.paged",
+    "reference": None,  # the module jax_dflash.reference itself
+    "rope_cos_sin": "jax_dflash.rope",
+    "target_kv_cache_update": "jax_dflash.ops",
+    "target_kv_cache_update_p": "jax_dflash.ops",
+    "target_kv_cache_update_paged": "jax_dflash.ops",
+    "target_kv_cache_update_paged_p": "jax_dflash.ops",
+    "token_positions": "jax_dflash.paged",
+    "trt_plugin_library_path": "jax_dflash._ext",
+}
 
-__all__ = [
-    "gather_rope",
-    "identity_page_table",
-    "reference",
-    "rope_cos_sin",
-    "target_kv_cache_update",
-    "target_kv_cache_update_p",
-    "target_kv_cache_update_paged",
-    "target_kv_cache_update_paged_p",
-    "token_positions",
-    "trt_plugin_library_path",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jax_dflash' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = (importlib.import_module(f"jax_dflash.{name}") if module is None
+             else getattr(importlib.import_module(module), name))
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 try:
     __version__ = _metadata.version("jax-dflash")

@@ -222,6 +222,11 @@ def _check_pool(pool_arr):
         raise TypeError(
             f"past_key_value: expected dtype {_names(POOL_DTYPES)}, got {pool_dtype}"
         )
+    # The kernels address the pool with 64-bit offsets (the native checks refuse the same).
+    if math.prod(pool) * pool_dtype.itemsize > INT64_MAX:
+        raise ValueError(
+            f"past_key_value: its size in bytes overflows int64 (shape {pool}, {pool_dtype})"
+        )
     return pool, layered, lead, pool_dtype
 
 

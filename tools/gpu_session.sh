@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the H200, in one call: build, test, benchmark, sanitizer.
 #
-#   tools/gpu_session.sh                         # all stages: info build extras test flashinfer bench sanitize probe
+#   tools/gpu_session.sh                         # all stages: info build extras test parity flashinfer bench sanitize workload probe
 #   tools/gpu_session.sh build bench             # only these stages, in this order
 #
 # Every stage runs even when an earlier one failed (a failed build makes the later ones fail
@@ -60,7 +60,30 @@ stage_extras() {
 }
 
 stage_test() {
-  "$PY" -m pytest -q -ra
+  # Several workers when pytest-xdist is there; JAX must not preallocate the GPU in each of them.
+  local workers=()
+  if "$PY" -c 'import xdist' 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -ra -p no:cacheprovider "${workers[@]}"
+}
+
+# The CUDA kernel against the CPU kernel over random cases of every path, the FP8 conversion
+# over all 2^32 inputs, and a quick timing (tools/kernel_parity.py, tools/fp8_cvt_check.cu).
+stage_parity() {
+  nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/fp8_cvt_check.cu -o /tmp/fp8_cvt_check && /tmp/fp8_cvt_check &&
+    "$PY" tools/kernel_parity.py --cases "${PARITY_CASES:-800}"
+}
+
+# The main job on the GPU: the preset table of BENCHMARKS.md (pool memory and steps/s per pool
+# dtype, fused norm against the unfused pipeline), each run checked against the reference.
+stage_workload() {
+  local preset=${WORKLOAD_PRESET:-qwen3-8b-b16} status=0
+  for args in "--kv-dtype fp16" "--kv-dtype e4m3" "--kv-dtype fp16 --contract paged" \
+              "--kv-dtype e4m3 --contract paged" "--kv-dtype fp16 --compare"; do
+    # shellcheck disable=SC2086 # args is a list of words on purpose
+    "$PY" -m jax_dflash run --preset "$preset" --backend gpu --no-progress $args \
+      --json "$OUT/workload_$(echo "$args" | tr -c 'a-z0-9' '_').json" || status=1
+  done
+  return $status
 }
 
 stage_flashinfer() {
@@ -136,7 +159,7 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [flashinfer]=240 [bench]=300 [sanitize]=240 [probe]=240)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=300 [sanitize]=240 [probe]=240 [workload]=180)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
@@ -160,11 +183,11 @@ run_stage() {
 }
 
 stages=("$@")
-if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test flashinfer bench sanitize probe); fi
+if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test parity flashinfer bench sanitize workload probe); fi
 for s in "${stages[@]}"; do
   case "$s" in
-    info|build|extras|test|flashinfer|bench|sanitize|probe) run_stage "$s" ;;
-    *) echo "unknown stage '$s': expected info, build, extras, test, flashinfer, bench, sanitize or probe"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload or probe"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
   esac
 done
 
