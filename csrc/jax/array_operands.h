@@ -73,6 +73,11 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   if (spec.writable && nb::hasattr(spec.object, "flags") &&
       !nb::cast<bool>(spec.object.attr("flags").attr("writeable")))
     throw nb::value_error((name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
+  // A jax.Array is immutable: writing into its buffer would change a value JAX still holds.
+  if (spec.writable && nb::cast<std::string>(spec.object.type().attr("__module__")).rfind("jax", 0) == 0)
+    throw nb::value_error((name + ": expected a writable array (NumPy, torch, cupy), got a jax.Array, which is "
+                                  "immutable; use jax_dflash.target_kv_cache_update(_paged) for JAX arrays")
+                              .c_str());
   Array array;
   if (!nb::try_cast(spec.object, array, /*convert=*/false))
     throw nb::type_error((name + ": expected an array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
@@ -142,9 +147,19 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
     char const* keyword = i < 2 ? "delta_dtype" : i == 2 ? "pool_dtype" : nullptr;
     specs.push_back({name, base[i], declared, /*writable=*/i == 2, keyword});
   }
+  // Scales may be Python or NumPy scalars too (per-tensor scales), as in the JAX op.
+  nb::object k_scale_array, v_scale_array;
   if (!k_scale.is_none()) {
-    specs.push_back({"k_scale", k_scale});
-    specs.push_back({"v_scale", v_scale});
+    auto as_array = [](nb::handle scale) -> nb::object {
+      nb::module_ const numpy = nb::module_::import_("numpy");
+      bool const scalar = nb::isinstance<nb::float_>(scale) || nb::isinstance<nb::int_>(scale) ||
+                          nb::isinstance(scale, numpy.attr("generic"));
+      return scalar ? numpy.attr("asarray")(scale, "float32") : nb::borrow(scale);
+    };
+    k_scale_array = as_array(k_scale);
+    v_scale_array = as_array(v_scale);
+    specs.push_back({"k_scale", k_scale_array});
+    specs.push_back({"v_scale", v_scale_array});
   }
   if (attrs.k_norm) specs.push_back({"k_norm_weight", k_norm_weight, delta, false, "delta_dtype"});
   std::vector<TensorDesc> operands;
