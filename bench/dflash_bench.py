@@ -70,11 +70,29 @@ from pathlib import Path
 
 import numpy as np
 
-CONTENDERS = ("ours_jax", "ours_raw", "paged_jax", "paged_raw", "knorm_jax", "unfused_jax",
-              "rmsnorm_jax", "jax_baseline", "flashinfer", "copy")
-JAX_CONTENDERS = ("ours_jax", "paged_jax", "knorm_jax", "unfused_jax", "rmsnorm_jax",
-                  "jax_baseline")
-DEFAULT_OUT = Path(".")  # the current directory; pass --out bench/results to refresh the committed results
+CONTENDERS = (
+    "ours_jax",
+    "ours_raw",
+    "paged_jax",
+    "paged_raw",
+    "knorm_jax",
+    "unfused_jax",
+    "rmsnorm_jax",
+    "jax_baseline",
+    "flashinfer",
+    "copy",
+)
+JAX_CONTENDERS = (
+    "ours_jax",
+    "paged_jax",
+    "knorm_jax",
+    "unfused_jax",
+    "rmsnorm_jax",
+    "jax_baseline",
+)
+DEFAULT_OUT = Path(
+    "."
+)  # the current directory; pass --out bench/results to refresh the committed results
 L2_BYTES = {"gpu": 60e6, "cpu": 32e6}  # H200 L2; a typical CPU last-level cache
 MAX_SETS = {"gpu": 32, "cpu": 8}
 # Unused pool rows are filled with this value; a kernel that writes where it should not shows up.
@@ -85,8 +103,13 @@ NORM_EPS = 1e-6
 NORM_OUTPUT_BYTES = 4e9
 
 # TensorRT Edge-LLM 0.11's kernel on this H200, fp16, H=8, D=128 (not runnable here: quoted).
-EDGE_LLM_0_11_US = {"decode_b1": 2.64, "decode_b8": 3.17, "decode_b64": 8.38,
-                    "prefill_b1_l4096": 26.5, "prefill_b8_l2048": 103.4}
+EDGE_LLM_0_11_US = {
+    "decode_b1": 2.64,
+    "decode_b8": 3.17,
+    "decode_b64": 8.38,
+    "prefill_b1_l4096": 26.5,
+    "prefill_b8_l2048": 103.4,
+}
 
 
 class Skip(Exception):
@@ -178,9 +201,15 @@ class BenchShape:
 def _np_dtype(name: str) -> np.dtype:
     import ml_dtypes
 
-    return np.dtype({"float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
-                     "float32": np.float32, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-                     "float8_e5m2": ml_dtypes.float8_e5m2}[name])
+    return np.dtype(
+        {
+            "float16": np.float16,
+            "bfloat16": ml_dtypes.bfloat16,
+            "float32": np.float32,
+            "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+            "float8_e5m2": ml_dtypes.float8_e5m2,
+        }[name]
+    )
 
 
 def _gpu_shapes() -> list[BenchShape]:
@@ -266,8 +295,7 @@ class Problem:
     def gather_order(self) -> tuple[np.ndarray, np.ndarray]:
         """(K pages, V pages) of the whole table in slot order: the paged pool gathered by them
         is, page for page, the slot pool (every sequence's pages a permutation of the pool)."""
-        return (self.table[:, 0].reshape(-1),
-                self.table[:, 1].reshape(-1) - self.shape.num_pages)
+        return (self.table[:, 0].reshape(-1), self.table[:, 1].reshape(-1) - self.shape.num_pages)
 
     def expected(self, variant: str) -> np.ndarray:
         """The sample after one update with set 0, from the NumPy reference: ``slot``,
@@ -284,19 +312,35 @@ class Problem:
         k, v = self.k_sets[0][layer0][:n], self.v_sets[0][layer0][:n]
         if variant == "slot":
             return reference.target_kv_cache_update(
-                k, v, self.sample_init, self.rope, self.start_sets[0][:n], self.lengths[:n],
-                pages_per_slot=s.pages_per_slot, **self.scales())
+                k,
+                v,
+                self.sample_init,
+                self.rope,
+                self.start_sets[0][:n],
+                self.lengths[:n],
+                pages_per_slot=s.pages_per_slot,
+                **self.scales(),
+            )
         tokens = n * s.delta_len
         m = s.pages_per_slot
         pages = np.arange(n * m, dtype=np.int32).reshape(n, m)
         sub_table = np.stack([pages, pages + n * m], axis=1)  # the sample pages, in order
-        norm = ({"k_norm_weight": self.k_norm_weight, "norm_eps": NORM_EPS}
-                if variant == "knorm" else {})
+        norm = (
+            {"k_norm_weight": self.k_norm_weight, "norm_eps": NORM_EPS}
+            if variant == "knorm"
+            else {}
+        )
         return reference.target_kv_cache_update_paged(
             k.reshape(tokens, s.num_kv_heads, s.head_dim),
-            v.reshape(tokens, s.num_kv_heads, s.head_dim), self.sample_init,
-            self.paged_rope_sets[0][:tokens], self.position_sets[0][:tokens],
-            self.owners[:tokens], sub_table, **self.scales(), **norm)
+            v.reshape(tokens, s.num_kv_heads, s.head_dim),
+            self.sample_init,
+            self.paged_rope_sets[0][:tokens],
+            self.position_sets[0][:tokens],
+            self.owners[:tokens],
+            sub_table,
+            **self.scales(),
+            **norm,
+        )
 
     def expected_normed_keys(self) -> np.ndarray:
         """HF RMSNorm of set 0's first sampled keys (float32 normalize, round, times weight)."""
@@ -364,23 +408,44 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
     sample_init = rng.standard_normal(
         (2, slots * m, shape.page_size, shape.num_kv_heads, shape.head_dim), dtype=np.float32
     ).astype(shape.np_pool_dtype)
-    return Problem(shape, k_sets, v_sets, start_sets, lengths, rope, position_sets,
-                   paged_rope_sets, owners, table, k_scale, v_scale, k_norm_weight, sample_init,
-                   slots, bytes_moved(shape, start_sets[0], lengths))
+    return Problem(
+        shape,
+        k_sets,
+        v_sets,
+        start_sets,
+        lengths,
+        rope,
+        position_sets,
+        paged_rope_sets,
+        owners,
+        table,
+        k_scale,
+        v_scale,
+        k_norm_weight,
+        sample_init,
+        slots,
+        bytes_moved(shape, start_sets[0], lengths),
+    )
 
 
 # ---- correctness --------------------------------------------------------------------------------
 
-_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23,
-        "float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2}
+_EPS = {
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+    "float32": 2.0**-23,
+    "float8_e4m3fn": 2.0**-3,
+    "float8_e5m2": 2.0**-2,
+}
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def compare_sample(got: np.ndarray, want: np.ndarray, exact_required: bool,
-                   magnitude: float = 1.0) -> dict:
+def compare_sample(
+    got: np.ndarray, want: np.ndarray, exact_required: bool, magnitude: float = 1.0
+) -> dict:
     """A contender's sample after one update against the NumPy reference's: bit-exact, or
     within two ulps of max(|expected|, ``magnitude``)."""
     got = np.asarray(got).reshape(want.shape)
@@ -393,9 +458,14 @@ def compare_sample(got: np.ndarray, want: np.ndarray, exact_required: bool,
     tol = 2 * _EPS[want.dtype.name] * np.maximum(np.abs(want32), magnitude)
     close = bool(np.all(diff <= tol)) and not np.isnan(got32).any()
     ok = exact if exact_required else close
-    return {"ok": ok, "bit_exact": exact, "max_abs_diff": max_abs,
-            "criterion": "bit-exact" if exact_required else
-            "within 2 ulp" + (f" at magnitude {magnitude:g}" if magnitude != 1 else "")}
+    return {
+        "ok": ok,
+        "bit_exact": exact,
+        "max_abs_diff": max_abs,
+        "criterion": "bit-exact"
+        if exact_required
+        else "within 2 ulp" + (f" at magnitude {magnitude:g}" if magnitude != 1 else ""),
+    }
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -474,9 +544,15 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
             continue
         us = [x * 1e6 for x in samples[name]]
         result = dict(prepared[name].info)
-        result.update({"us": statistics.median(us), "us_min": min(us), "us_max": max(us),
-                       "samples_us": [round(x, 4) for x in us],
-                       "updates_per_measurement": calls[name] * prepared[name].updates_per_call})
+        result.update(
+            {
+                "us": statistics.median(us),
+                "us_min": min(us),
+                "us_max": max(us),
+                "samples_us": [round(x, 4) for x in us],
+                "updates_per_measurement": calls[name] * prepared[name].updates_per_call,
+            }
+        )
         if prepared[name].finish is not None:
             prepared[name].finish(result)
         out[name] = result
@@ -552,18 +628,24 @@ def _jax_update(name: str, shape: BenchShape, inputs: JaxInputs):
         sets = tuple(zip(inputs.ks, inputs.vs, inputs.starts))
         shared = (inputs.rope, inputs.lengths, inputs.scales)
         if name == "ours_jax":
+
             def update(pool, per_set, shared):
                 (k, v, starts), (rope, lengths, scales) = per_set, shared
-                return jax_dflash.target_kv_cache_update(k, v, pool, rope, starts, lengths,
-                                                         pages_per_slot=m, **scales)
+                return jax_dflash.target_kv_cache_update(
+                    k, v, pool, rope, starts, lengths, pages_per_slot=m, **scales
+                )
+
             return update, sets, shared
         one = functools.partial(baseline.target_kv_cache_update, pages_per_slot=m)
-        if shape.num_layers:  # what a JAX user writes for stacked layers: vmap the one-layer version
+        if (
+            shape.num_layers
+        ):  # what a JAX user writes for stacked layers: vmap the one-layer version
             one = jax.vmap(one, in_axes=(0, 0, 0, None, None, None))
 
         def update(pool, per_set, shared):
             (k, v, starts), (rope, lengths, _) = per_set, shared
             return one(k, v, pool, rope, starts, lengths)
+
         return update, sets, shared
 
     sets = tuple(zip(inputs.ks, inputs.vs, inputs.positions, inputs.paged_ropes))
@@ -578,8 +660,10 @@ def _jax_update(name: str, shape: BenchShape, inputs: JaxInputs):
             extra = {"k_norm_weight": weight, "norm_eps": NORM_EPS}
         elif name == "unfused_jax":
             k = rms_norm(k, weight, NORM_EPS)
-        return jax_dflash.target_kv_cache_update_paged(k, v, pool, rope, positions, owners,
-                                                       table, **scales, **extra)
+        return jax_dflash.target_kv_cache_update_paged(
+            k, v, pool, rope, positions, owners, table, **scales, **extra
+        )
+
     return update, sets, shared
 
 
@@ -619,7 +703,7 @@ def _host_timed(step, state: dict, args: tuple, chain: int, settings: Settings) 
     def finish(result: dict) -> None:
         # Wall time is device time only while the host dispatches faster than the GPU runs: when
         # dispatching a call takes most of its time, the number is host-bound (an upper bound).
-        timed = dispatch[-len(result["samples_us"]):]  # the measurements, not the calibration
+        timed = dispatch[-len(result["samples_us"]) :]  # the measurements, not the calibration
         host_us = statistics.median(timed) / chain * 1e6
         result["host_dispatch_us"] = host_us
         result["host_bound"] = host_us >= 0.8 * result["us"]
@@ -632,8 +716,13 @@ def _bit_mismatches_jax(a, b) -> int:
     import jax.numpy as jnp
 
     word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
-    return int(jax.jit(lambda x, y: jnp.sum(jax.lax.bitcast_convert_type(x, word) !=
-                                            jax.lax.bitcast_convert_type(y, word)))(a, b))
+    return int(
+        jax.jit(
+            lambda x, y: jnp.sum(
+                jax.lax.bitcast_convert_type(x, word) != jax.lax.bitcast_convert_type(y, word)
+            )
+        )(a, b)
+    )
 
 
 def _gather_jax(pool, problem: Problem):
@@ -647,8 +736,13 @@ def _gather_jax(pool, problem: Problem):
     @jax.jit
     def gather(pool, k_pages, v_pages):
         planes = jnp.moveaxis(pool, lead, 0)  # [2, (layers,) N, P, H, D]
-        return jnp.moveaxis(jnp.stack([jnp.take(planes[0], k_pages, axis=lead),
-                                       jnp.take(planes[1], v_pages, axis=lead)]), 0, lead)
+        return jnp.moveaxis(
+            jnp.stack(
+                [jnp.take(planes[0], k_pages, axis=lead), jnp.take(planes[1], v_pages, axis=lead)]
+            ),
+            0,
+            lead,
+        )
 
     return gather(pool, k_pages, v_pages)
 
@@ -662,10 +756,13 @@ def _sample_of(pool, problem: Problem, contract: str) -> np.ndarray:
         import torch
 
         dtype = problem.shape.np_pool_dtype
-        k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).to(pool.device)
-                            for p in (k_pages, v_pages))
-        return (_from_torch(pool[0].index_select(0, k_pages), dtype),
-                _from_torch(pool[1].index_select(0, v_pages), dtype))
+        k_pages, v_pages = (
+            torch.from_numpy(p.astype(np.int64)).to(pool.device) for p in (k_pages, v_pages)
+        )
+        return (
+            _from_torch(pool[0].index_select(0, k_pages), dtype),
+            _from_torch(pool[1].index_select(0, v_pages), dtype),
+        )
     return np.asarray(pool[0][k_pages]), np.asarray(pool[1][v_pages])
 
 
@@ -693,18 +790,27 @@ def _prepare_jax(name: str, problem: Problem, settings: Settings, ctx: dict) -> 
     update, sets, shared = _jax_update(name, shape, inputs)
     contract = "slot" if name in ("ours_jax", "jax_baseline") else "paged"
     once = jax.jit(update)(_jax_pool(problem, device, contract), sets[0], shared)
-    variant = {"ours_jax": "slot", "jax_baseline": "slot", "paged_jax": "paged",
-               "knorm_jax": "knorm", "unfused_jax": "knorm"}[name]
+    variant = {
+        "ours_jax": "slot",
+        "jax_baseline": "slot",
+        "paged_jax": "paged",
+        "knorm_jax": "knorm",
+        "unfused_jax": "knorm",
+    }[name]
     # The unfused pair's normed keys may differ from the fused ones by an ulp (SPEC.md, "Fused
     # norms"), which RoPE carries at the magnitude of the normed keys (below 8 here).
-    check = compare_sample(_sample_array(once, problem, contract), problem.expected(variant),
-                           exact_required=name in ("ours_jax", "paged_jax", "knorm_jax"),
-                           magnitude=8.0 if name == "unfused_jax" else 1.0)
+    check = compare_sample(
+        _sample_array(once, problem, contract),
+        problem.expected(variant),
+        exact_required=name in ("ours_jax", "paged_jax", "knorm_jax"),
+        magnitude=8.0 if name == "unfused_jax" else 1.0,
+    )
     if name == "ours_jax" and not shape.fp8:  # the whole pool, against the baseline's
         base, _, _ = _jax_update("jax_baseline", shape, inputs)
         other = jax.jit(base)(_jax_pool(problem, device, "slot"), sets[0], shared)
-        diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) -
-                                                    b.astype(jnp.float32))))(once, other)
+        diff = jax.jit(
+            lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+        )(once, other)
         check["full_pool_max_abs_diff_vs_baseline"] = float(diff)
         tol = 2 * _EPS[shape.dtype] * 8  # |rotated keys| stay well below 8 here
         check["ok"] = check["ok"] and float(diff) <= tol
@@ -733,10 +839,17 @@ def _slot_twin_jax(problem: Problem, inputs: JaxInputs, knorm: bool):
 
     s = problem.shape
     extra = {"k_norm_weight": inputs.k_norm_weight, "norm_eps": NORM_EPS} if knorm else {}
-    op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=s.pages_per_slot,
-                           **inputs.scales, **extra)
-    return jax.jit(op)(inputs.ks[0], inputs.vs[0], _jax_pool(problem, inputs.device, "slot"),
-                       inputs.rope, inputs.starts[0], inputs.lengths)
+    op = functools.partial(
+        jax_dflash.target_kv_cache_update, pages_per_slot=s.pages_per_slot, **inputs.scales, **extra
+    )
+    return jax.jit(op)(
+        inputs.ks[0],
+        inputs.vs[0],
+        _jax_pool(problem, inputs.device, "slot"),
+        inputs.rope,
+        inputs.starts[0],
+        inputs.lengths,
+    )
 
 
 def _prepare_rmsnorm(problem: Problem, settings: Settings, inputs: JaxInputs) -> Prepared:
@@ -756,14 +869,16 @@ def _prepare_rmsnorm(problem: Problem, settings: Settings, inputs: JaxInputs) ->
         return out
 
     step = jax.jit(chained, donate_argnums=0)
-    got = np.asarray(jax.jit(rms_norm, static_argnums=2)(inputs.ks[0], inputs.k_norm_weight,
-                                                         NORM_EPS))
+    got = np.asarray(
+        jax.jit(rms_norm, static_argnums=2)(inputs.ks[0], inputs.k_norm_weight, NORM_EPS)
+    )
     want = problem.expected_normed_keys()
     got = got[(0,) * len(s.lead)][: problem.sample_slots]
     check = compare_sample(got, want, exact_required=False)
     out = jnp.zeros((chain, *s.delta_shape), s.np_dtype, device=inputs.device)
-    prepared = _host_timed(step, {"carried": out}, (inputs.ks, inputs.k_norm_weight), chain,
-                           settings)
+    prepared = _host_timed(
+        step, {"carried": out}, (inputs.ks, inputs.k_norm_weight), chain, settings
+    )
     prepared.info.update({"check": check, "what": "jnp RMSNorm of the keys alone"})
     return prepared
 
@@ -783,8 +898,13 @@ def _torch():
 
 
 def _torch_dtype(torch, dtype: str):
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-            "float8_e4m3fn": torch.uint8, "float8_e5m2": torch.uint8}[dtype]
+    return {
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "float8_e4m3fn": torch.uint8,
+        "float8_e5m2": torch.uint8,
+    }[dtype]
 
 
 def _to_torch(torch, array: np.ndarray):
@@ -815,10 +935,12 @@ def _torch_pool(torch, problem: Problem, contract: str):
     if s.fp8:
         pool = torch.full(s.pool_shape, int(fill.view(np.uint8)), dtype=torch.uint8, device="cuda")
     else:
-        pool = torch.full(s.pool_shape, POOL_FILL, dtype=_torch_dtype(torch, s.dtype),
-                          device="cuda")
-    k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).cuda()
-                        for p in problem.sample_pages(contract))
+        pool = torch.full(
+            s.pool_shape, POOL_FILL, dtype=_torch_dtype(torch, s.dtype), device="cuda"
+        )
+    k_pages, v_pages = (
+        torch.from_numpy(p.astype(np.int64)).cuda() for p in problem.sample_pages(contract)
+    )
     layer = pool[0] if s.num_layers else pool
     sample = _to_torch(torch, problem.sample_init)
     layer[0].index_copy_(0, k_pages, sample[0])
@@ -883,19 +1005,32 @@ def _raw_launchers(problem: Problem, torch, inputs: TorchInputs):
     dtypes = {"pool_dtype": s.pool_dtype_name if s.fp8 else ""}
 
     def slot(pool, j: int) -> None:
-        cuda.launch(k_delta=inputs.ks[j], v_delta=inputs.vs[j], pool=pool,
-                    rope_cos_sin=inputs.rope, delta_start_positions=inputs.starts[j],
-                    delta_lengths=inputs.lengths, **inputs.scales,
-                    pages_per_slot=s.pages_per_slot, **dtypes,
-                    stream=torch.cuda.current_stream().cuda_stream)
+        cuda.launch(
+            k_delta=inputs.ks[j],
+            v_delta=inputs.vs[j],
+            pool=pool,
+            rope_cos_sin=inputs.rope,
+            delta_start_positions=inputs.starts[j],
+            delta_lengths=inputs.lengths,
+            **inputs.scales,
+            pages_per_slot=s.pages_per_slot,
+            **dtypes,
+            stream=torch.cuda.current_stream().cuda_stream,
+        )
 
     def paged(pool, j: int) -> None:
-        cuda.launch_paged(k_delta=inputs.paged_ks[j], v_delta=inputs.paged_vs[j], pool=pool,
-                          rope_cos_sin=inputs.paged_ropes[j],
-                          delta_positions=inputs.positions[j],
-                          delta_token_to_sequence=inputs.owners, kv_page_table=inputs.table,
-                          **inputs.scales, **dtypes,
-                          stream=torch.cuda.current_stream().cuda_stream)
+        cuda.launch_paged(
+            k_delta=inputs.paged_ks[j],
+            v_delta=inputs.paged_vs[j],
+            pool=pool,
+            rope_cos_sin=inputs.paged_ropes[j],
+            delta_positions=inputs.positions[j],
+            delta_token_to_sequence=inputs.owners,
+            kv_page_table=inputs.table,
+            **inputs.scales,
+            **dtypes,
+            stream=torch.cuda.current_stream().cuda_stream,
+        )
 
     return {"slot": slot, "paged": paged}
 
@@ -906,8 +1041,7 @@ def _torch_mismatches(torch, a, b) -> int:
     a, b = a.reshape(-1).view(word), b.reshape(-1).view(word)
     if torch.equal(a, b):
         return 0
-    return sum(int(torch.count_nonzero(x != y))
-               for x, y in zip(a.split(1 << 28), b.split(1 << 28)))
+    return sum(int(torch.count_nonzero(x != y)) for x, y in zip(a.split(1 << 28), b.split(1 << 28)))
 
 
 def _prepare_raw_gpu(name: str, problem: Problem, settings: Settings, ctx: dict) -> Prepared:
@@ -922,16 +1056,23 @@ def _prepare_raw_gpu(name: str, problem: Problem, settings: Settings, ctx: dict)
     pool = _torch_pool(torch, problem, contract)
     launch(pool, 0)
     torch.cuda.synchronize()
-    check = compare_sample(_sample_array(pool, problem, contract), problem.expected(contract),
-                           exact_required=True)
+    check = compare_sample(
+        _sample_array(pool, problem, contract), problem.expected(contract), exact_required=True
+    )
     if contract == "paged":  # the whole pool, gathered in slot order, against the slot launcher's
         twin = _torch_pool(torch, problem, "slot")
         launchers["slot"](twin, 0)
-        k_pages, v_pages = (torch.from_numpy(p.astype(np.int64)).cuda()
-                            for p in problem.gather_order())
+        k_pages, v_pages = (
+            torch.from_numpy(p.astype(np.int64)).cuda() for p in problem.gather_order()
+        )
         lead = len(s.lead)
-        gathered = torch.stack([pool.select(lead, 0).index_select(lead, k_pages),
-                                pool.select(lead, 1).index_select(lead, v_pages)], dim=lead)
+        gathered = torch.stack(
+            [
+                pool.select(lead, 0).index_select(lead, k_pages),
+                pool.select(lead, 1).index_select(lead, v_pages),
+            ],
+            dim=lead,
+        )
         mismatches = _torch_mismatches(torch, gathered, twin)
         check["full_pool_bits_differing_vs_slot_op"] = mismatches
         check["ok"] = check["ok"] and mismatches == 0
@@ -944,8 +1085,10 @@ def _flashinfer():
     try:
         import flashinfer
     except Exception as e:  # any import failure means: not available here
-        raise Skip(f"flashinfer is not importable ({type(e).__name__}: {e}); install "
-                   "flashinfer-python==0.2.8 (BENCHMARKS.md, Reproducing)") from e
+        raise Skip(
+            f"flashinfer is not importable ({type(e).__name__}: {e}); install "
+            "flashinfer-python==0.2.8 (BENCHMARKS.md, Reproducing)"
+        ) from e
     return flashinfer
 
 
@@ -967,10 +1110,13 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
     ks = [layers_of(k) for k in problem.k_sets]
     vs = [layers_of(v) for v in problem.v_sets]
     t_index = torch.arange(s.delta_len, dtype=torch.int32, device="cuda")
-    positions = [(_to_torch(torch, x)[:, None] + t_index[None, :]).reshape(nnz).contiguous()
-                 for x in problem.start_sets]
+    positions = [
+        (_to_torch(torch, x)[:, None] + t_index[None, :]).reshape(nnz).contiguous()
+        for x in problem.start_sets
+    ]
     batch_indices = torch.arange(s.batch, dtype=torch.int32, device="cuda").repeat_interleave(
-        s.delta_len)
+        s.delta_len
+    )
     kv_indices = torch.arange(s.num_pages, dtype=torch.int32, device="cuda")
     kv_indptr = torch.arange(s.batch + 1, dtype=torch.int32, device="cuda") * s.pages_per_slot
     last_page_len = torch.full((s.batch,), s.page_size, dtype=torch.int32, device="cuda")
@@ -982,32 +1128,53 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
 
     def rope_keys_only(pos, key):
         flashinfer.rope._apply_rope_pos_ids_cos_sin_cache(
-            q=no_query, k=key, q_rope=no_query, k_rope=key, cos_sin_cache=cos_sin,
-            pos_ids=pos, interleave=False)
+            q=no_query,
+            k=key,
+            q_rope=no_query,
+            k_rope=key,
+            cos_sin_cache=cos_sin,
+            pos_ids=pos,
+            interleave=False,
+        )
 
-    one_head_query = torch.zeros((nnz, s.head_dim), dtype=_torch_dtype(torch, s.dtype),
-                                 device="cuda")
+    one_head_query = torch.zeros(
+        (nnz, s.head_dim), dtype=_torch_dtype(torch, s.dtype), device="cuda"
+    )
 
     def rope_public(pos, key):
         flashinfer.apply_rope_with_cos_sin_cache_inplace(
-            positions=pos, query=one_head_query, key=key.view(nnz, -1), head_size=s.head_dim,
-            cos_sin_cache=cos_sin, is_neox=True)
+            positions=pos,
+            query=one_head_query,
+            key=key.view(nnz, -1),
+            head_size=s.head_dim,
+            cos_sin_cache=cos_sin,
+            is_neox=True,
+        )
 
     def update(pool, j: int, rope_fn) -> None:
         for layer in range(s.layers):
             layer_pool = pool[layer] if s.num_layers else pool
             rope_fn(positions[j], ks[j][layer])
             flashinfer.append_paged_kv_cache(
-                ks[j][layer], vs[j][layer], batch_indices, positions[j],
-                (layer_pool[0], layer_pool[1]), kv_indices, kv_indptr, last_page_len,
-                kv_layout="NHD")
+                ks[j][layer],
+                vs[j][layer],
+                batch_indices,
+                positions[j],
+                (layer_pool[0], layer_pool[1]),
+                kv_indices,
+                kv_indptr,
+                last_page_len,
+                kv_layout="NHD",
+            )
 
     # Correctness on a copy of set 0 (the rope is in place): the first variant that runs and
     # matches the reference is timed (if none matches, the last one that ran, marked wrong).
     original = [k.clone() for k in ks[0]]
     variant, check, pool, errors = None, None, None, []
-    for name, rope_fn in (("keys only (rope module, 0 query heads)", rope_keys_only),
-                          ("public API (1-head query)", rope_public)):
+    for name, rope_fn in (
+        ("keys only (rope module, 0 query heads)", rope_keys_only),
+        ("public API (1-head query)", rope_public),
+    ):
         for layer, k in enumerate(original):
             ks[0][layer].copy_(k)
         candidate = _torch_pool(torch, problem, "slot")
@@ -1018,8 +1185,9 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
             errors.append(f"{name}: {type(e).__name__}: {e}")
             continue
         variant, pool = (name, rope_fn), candidate
-        check = compare_sample(_sample_array(pool, problem, "slot"), problem.expected("slot"),
-                               exact_required=False)
+        check = compare_sample(
+            _sample_array(pool, problem, "slot"), problem.expected("slot"), exact_required=False
+        )
         if check["ok"]:
             break
         errors.append(f"{name}: result differs from the reference ({check})")
@@ -1027,8 +1195,11 @@ def _prepare_flashinfer(problem: Problem, settings: Settings) -> Prepared:
         raise Skip("flashinfer calls failed: " + " | ".join(errors))
     for layer, k in enumerate(original):
         ks[0][layer].copy_(k)
-    info = {"check": check, "variant": variant[0],
-            "version": getattr(flashinfer, "__version__", "unknown")}
+    info = {
+        "check": check,
+        "variant": variant[0],
+        "version": getattr(flashinfer, "__version__", "unknown"),
+    }
     if errors:
         info["variant_notes"] = errors
     return _graph(torch, lambda i: update(pool, i % len(ks), variant[1]), settings.chain, info)
@@ -1050,9 +1221,16 @@ def _prepare_copy_gpu(problem: Problem, settings: Settings) -> Prepared:
     size, num_sets = _copy_sets(problem, "gpu")
     sources = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(num_sets)]
     dests = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(num_sets)]
-    return _graph(torch, lambda i: dests[i % num_sets].copy_(sources[i % num_sets]),
-                  settings.chain, {"check": {"ok": True, "criterion": "none (the floor)"},
-                                   "bytes_copied": size, "copy_sets": num_sets})
+    return _graph(
+        torch,
+        lambda i: dests[i % num_sets].copy_(sources[i % num_sets]),
+        settings.chain,
+        {
+            "check": {"ok": True, "criterion": "none (the floor)"},
+            "bytes_copied": size,
+            "copy_sets": num_sets,
+        },
+    )
 
 
 def peak_copy_bandwidth_gpu() -> dict:
@@ -1120,17 +1298,34 @@ def _prepare_raw_cpu(name: str, problem: Problem, settings: Settings) -> Prepare
 
     def update(j: int) -> None:
         if contract == "slot":
-            cpu.target_kv_cache_update(ks[j], vs[j], raw_pool, problem.rope,
-                                       problem.start_sets[j], problem.lengths, **scales,
-                                       pages_per_slot=s.pages_per_slot, **dtypes)
+            cpu.target_kv_cache_update(
+                ks[j],
+                vs[j],
+                raw_pool,
+                problem.rope,
+                problem.start_sets[j],
+                problem.lengths,
+                **scales,
+                pages_per_slot=s.pages_per_slot,
+                **dtypes,
+            )
         else:
-            cpu.target_kv_cache_update_paged(paged_ks[j], paged_vs[j], raw_pool,
-                                             problem.paged_rope_sets[j], problem.position_sets[j],
-                                             problem.owners, problem.table, **scales, **dtypes)
+            cpu.target_kv_cache_update_paged(
+                paged_ks[j],
+                paged_vs[j],
+                raw_pool,
+                problem.paged_rope_sets[j],
+                problem.position_sets[j],
+                problem.owners,
+                problem.table,
+                **scales,
+                **dtypes,
+            )
 
     update(0)
-    check = compare_sample(_sample_array(pool, problem, contract), problem.expected(contract),
-                           exact_required=True)
+    check = compare_sample(
+        _sample_array(pool, problem, contract), problem.expected(contract), exact_required=True
+    )
     return _host_loop(lambda i: update(i % len(ks)), settings.chain, {"check": check})
 
 
@@ -1138,9 +1333,15 @@ def _prepare_copy_cpu(problem: Problem, settings: Settings) -> Prepared:
     size, num_sets = _copy_sets(problem, "cpu")
     sources = [np.ones(size, np.uint8) for _ in range(num_sets)]
     dests = [np.zeros(size, np.uint8) for _ in range(num_sets)]
-    return _host_loop(lambda i: np.copyto(dests[i % num_sets], sources[i % num_sets]),
-                      settings.chain, {"check": {"ok": True, "criterion": "none (the floor)"},
-                                       "bytes_copied": size, "copy_sets": num_sets})
+    return _host_loop(
+        lambda i: np.copyto(dests[i % num_sets], sources[i % num_sets]),
+        settings.chain,
+        {
+            "check": {"ok": True, "criterion": "none (the floor)"},
+            "bytes_copied": size,
+            "copy_sets": num_sets,
+        },
+    )
 
 
 def peak_copy_bandwidth_cpu() -> dict:
@@ -1158,8 +1359,9 @@ def peak_copy_bandwidth_cpu() -> dict:
 # ---- one shape ----------------------------------------------------------------------------------
 
 
-def prepare_contender(name: str, problem: Problem, settings: Settings,
-                      ctx: dict | None = None) -> Prepared | dict:
+def prepare_contender(
+    name: str, problem: Problem, settings: Settings, ctx: dict | None = None
+) -> Prepared | dict:
     """The contender set up and checked, or its result when it does not run (skipped, error,
     n/a). ``ctx`` holds what the contenders of one shape share (device copies of the inputs)."""
     backend = settings.backend
@@ -1187,14 +1389,24 @@ def prepare_contender(name: str, problem: Problem, settings: Settings,
 def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float) -> dict:
     problem = make_problem(shape, settings.backend)
     entry = {
-        "name": shape.name, "description": shape.describe(), "dtype": shape.dtype,
+        "name": shape.name,
+        "description": shape.describe(),
+        "dtype": shape.dtype,
         "pool_dtype": shape.pool_dtype_name,
-        "num_layers": shape.num_layers, "batch": shape.batch, "delta_len": shape.delta_len,
-        "tokens": shape.tokens, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-        "rotary_dim": shape.rotary_dim, "page_size": shape.page_size,
-        "pages_per_slot": shape.pages_per_slot, "slot_capacity": shape.slot_capacity,
-        "num_pages": shape.num_pages, "num_input_sets": problem.num_sets,
-        "bytes": problem.bytes, "contenders": {},
+        "num_layers": shape.num_layers,
+        "batch": shape.batch,
+        "delta_len": shape.delta_len,
+        "tokens": shape.tokens,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "rotary_dim": shape.rotary_dim,
+        "page_size": shape.page_size,
+        "pages_per_slot": shape.pages_per_slot,
+        "slot_capacity": shape.slot_capacity,
+        "num_pages": shape.num_pages,
+        "num_input_sets": problem.num_sets,
+        "bytes": problem.bytes,
+        "contenders": {},
     }
     # Every contender is set up first and they are timed together, interleaved (time_interleaved).
     prepared, results, ctx = {}, {}, {}
@@ -1211,8 +1423,9 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
     results.update(time_interleaved(prepared, settings))
     del prepared  # frees this shape's buffers before the next shape's
     if {"slot", "paged"} <= problem._expected.keys():  # both contracts' references agree
-        entry["references_agree"] = bool(np.array_equal(_bits(problem.expected("slot")),
-                                                        _bits(problem.expected("paged"))))
+        entry["references_agree"] = bool(
+            np.array_equal(_bits(problem.expected("slot")), _bits(problem.expected("paged")))
+        )
     for name in contenders:
         result = results[name]
         if "check" in result and "us" in result:
@@ -1220,8 +1433,11 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
         entry["contenders"][name] = result
         if result["status"] == "n/a":
             continue
-        shown = (f"{result['us']:.2f} us (min {result['us_min']:.2f}, max {result['us_max']:.2f})"
-                 if "us" in result else result.get("reason", ""))
+        shown = (
+            f"{result['us']:.2f} us (min {result['us_min']:.2f}, max {result['us_max']:.2f})"
+            if "us" in result
+            else result.get("reason", "")
+        )
         print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}", flush=True)
     entry["derived"] = _derived(entry, peak_bw)
     return entry
@@ -1269,15 +1485,21 @@ def evaluate_targets(results: dict) -> list[dict]:
     def ratio_target(e, who, other, limit, text):
         a, b = _us(e, who), _us(e, other)
         if a is not None and b is not None:
-            add(f"{e['name']}: {text}", a <= limit * b,
-                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)")
+            add(
+                f"{e['name']}: {text}",
+                a <= limit * b,
+                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
+            )
 
     if results["backend"] == "cpu":
         for e in results["shapes"]:
             ours, base = _us(e, "ours_jax"), _us(e, "jax_baseline")
             if ours and base:
-                add(f"{e['name']}: CPU kernel >= 2x the straightforward JAX version",
-                    base / ours >= 2.0, f"{base / ours:.2f}x ({ours:.1f} vs {base:.1f} us)")
+                add(
+                    f"{e['name']}: CPU kernel >= 2x the straightforward JAX version",
+                    base / ours >= 2.0,
+                    f"{base / ours:.2f}x ({ours:.1f} vs {base:.1f} us)",
+                )
         return targets
 
     for name, limit in (("prefill_b8_l2048", 37.0), ("decode_b64", 3.5), ("decode_b1", 2.2)):
@@ -1286,64 +1508,89 @@ def evaluate_targets(results: dict) -> list[dict]:
                 t = _us(shapes[name], who)
                 if t is not None:
                     add(f"{name}: {who} <= {limit} us", t <= limit, f"{t:.2f} us")
-    for name, whos in (("prefill_b8_l2048", ("ours_jax", "ours_raw", "paged_jax", "paged_raw")),
-                       ("prefill_b8_l2048_fp8", ("ours_jax", "ours_raw", "paged_jax",
-                                                 "paged_raw"))):
+    for name, whos in (
+        ("prefill_b8_l2048", ("ours_jax", "ours_raw", "paged_jax", "paged_raw")),
+        ("prefill_b8_l2048_fp8", ("ours_jax", "ours_raw", "paged_jax", "paged_raw")),
+    ):
         e = shapes.get(name)
         for who in whos if e else ():
             frac = bandwidth(e, who)
             if frac is not None:
-                add(f"{name}: {who} >= 90% of measured copy bandwidth (its bytes)", frac >= 0.9,
-                    f"{100 * frac:.1f}%")
+                add(
+                    f"{name}: {who} >= 90% of measured copy bandwidth (its bytes)",
+                    frac >= 0.9,
+                    f"{100 * frac:.1f}%",
+                )
     one, stacked = shapes.get("decode_b64"), shapes.get("decode_b64_5layers")
     if one and stacked:
         for who in ("ours_jax", "ours_raw"):
             a, b = _us(one, who), _us(stacked, who)
             if a and b:
-                add(f"5 stacked layers at B=64 L=16: {who} <= 1.6x one layer", b <= 1.6 * a,
-                    f"{b / a:.2f}x")
+                add(
+                    f"5 stacked layers at B=64 L=16: {who} <= 1.6x one layer",
+                    b <= 1.6 * a,
+                    f"{b / a:.2f}x",
+                )
     for e in results["shapes"]:
         fi = _us(e, "flashinfer")
         for who in ("ours_jax", "ours_raw"):
             t = _us(e, who)
             if fi is not None and t is not None:
-                add(f"{e['name']}: {who} faster than FlashInfer rope + append", t < fi,
-                    f"{t:.2f} vs {fi:.2f} us")
+                add(
+                    f"{e['name']}: {who} faster than FlashInfer rope + append",
+                    t < fi,
+                    f"{t:.2f} vs {fi:.2f} us",
+                )
         ratio_target(e, "ours_jax", "ours_raw", 1.10, "JAX path within 10% of the raw launcher")
-        ratio_target(e, "paged_jax", "paged_raw", 1.05,
-                     "paged JAX path within 5% of the paged raw launcher")
+        ratio_target(
+            e, "paged_jax", "paged_raw", 1.05, "paged JAX path within 5% of the paged raw launcher"
+        )
         ratio_target(e, "paged_jax", "ours_jax", 1.10, "paged op within 10% of the slot op (JAX)")
-        ratio_target(e, "paged_raw", "ours_raw", 1.10,
-                     "paged launcher within 10% of the slot launcher")
-        ratio_target(e, "knorm_jax", "paged_jax", 1.10,
-                     "fused k-norm at most +10% over the op without it")
+        ratio_target(
+            e, "paged_raw", "ours_raw", 1.10, "paged launcher within 10% of the slot launcher"
+        )
+        ratio_target(
+            e, "knorm_jax", "paged_jax", 1.10, "fused k-norm at most +10% over the op without it"
+        )
         fused, pair, norm = (_us(e, n) for n in ("knorm_jax", "unfused_jax", "rmsnorm_jax"))
         if None not in (fused, pair, norm):
-            add(f"{e['name']}: fused k-norm faster than the unfused pair by at least the norm's "
-                f"own time", pair - fused >= norm,
-                f"pair {pair:.2f} - fused {fused:.2f} = {pair - fused:.2f} us, norm {norm:.2f} us")
+            add(
+                f"{e['name']}: fused k-norm faster than the unfused pair by at least the norm's "
+                f"own time",
+                pair - fused >= norm,
+                f"pair {pair:.2f} - fused {fused:.2f} = {pair - fused:.2f} us, norm {norm:.2f} us",
+            )
     for name in ("prefill_b8_l2048", "decode_b64"):
         e, peer = shapes.get(name), EDGE_LLM_0_11_US.get(name)
         for who in ("paged_jax", "paged_raw") if e else ():
             t = _us(e, who)
             if t is not None:
-                add(f"{name}: {who} >= 2.5x faster than Edge-LLM 0.11 (quoted {peer} us)",
-                    peer / t >= 2.5, f"{peer / t:.2f}x ({t:.2f} us)")
+                add(
+                    f"{name}: {who} >= 2.5x faster than Edge-LLM 0.11 (quoted {peer} us)",
+                    peer / t >= 2.5,
+                    f"{peer / t:.2f}x ({t:.2f} us)",
+                )
     fp8, fp16 = shapes.get("decode_b64_fp8"), shapes.get("decode_b64")
     if fp8 and fp16:
         for who in ("ours_jax", "ours_raw", "paged_jax", "paged_raw"):
             a, b = _us(fp8, who), _us(fp16, who)
             if a is not None and b is not None:
-                add(f"decode_b64_fp8: {who} within 10% of the fp16-pool time", a <= 1.1 * b,
-                    f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)")
+                add(
+                    f"decode_b64_fp8: {who} within 10% of the fp16-pool time",
+                    a <= 1.1 * b,
+                    f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
+                )
     e = shapes.get("prefill_b8_l2048")
     if e:
         base = _us(e, "jax_baseline")
         for who in ("ours_jax", "ours_raw"):
             t = _us(e, who)
             if base is not None and t is not None:
-                add(f"prefill_b8_l2048: {who} >= 5x faster than the straightforward JAX version",
-                    base / t >= 5.0, f"{base / t:.1f}x")
+                add(
+                    f"prefill_b8_l2048: {who} >= 5x faster than the straightforward JAX version",
+                    base / t >= 5.0,
+                    f"{base / t:.1f}x",
+                )
     return targets
 
 
@@ -1370,8 +1617,11 @@ def format_table(results: dict) -> str:
     """Times per update, then (second table) the fractions of the floor and of copy bandwidth."""
     names = results["contenders"]
     peer = results["backend"] == "gpu"
-    head = (["shape", "bytes"] + [f"{n} (us)" for n in names]
-            + (["Edge-LLM 0.11, quoted (us)"] if peer else []))
+    head = (
+        ["shape", "bytes"]
+        + [f"{n} (us)" for n in names]
+        + (["Edge-LLM 0.11, quoted (us)"] if peer else [])
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in results["shapes"]:
         row = [e["description"], _fmt_bytes(e["bytes"]["total"])] + [_fmt_us(e, n) for n in names]
@@ -1379,8 +1629,7 @@ def format_table(results: dict) -> str:
             row.append(f"{EDGE_LLM_0_11_US[e['name']]}" if e["name"] in EDGE_LLM_0_11_US else "-")
         lines.append("| " + " | ".join(row) + " |")
     ours = [n for n in OURS if n in names]
-    head = (["shape"] + [f"% of floor ({n})" for n in ours]
-            + [f"% of copy BW ({n})" for n in ours])
+    head = ["shape"] + [f"% of floor ({n})" for n in ours] + [f"% of copy BW ({n})" for n in ours]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in results["shapes"]:
         d = e["derived"]
@@ -1388,8 +1637,11 @@ def format_table(results: dict) -> str:
         def pct(key, d=d):
             return f"{100 * d[key]:.0f}%" if key in d else "-"
 
-        row = ([e["description"]] + [pct(f"floor_over_{n}") for n in ours]
-               + [pct(f"{n}_fraction_of_peak_copy_bw") for n in ours])
+        row = (
+            [e["description"]]
+            + [pct(f"floor_over_{n}") for n in ours]
+            + [pct(f"{n}_fraction_of_peak_copy_bw") for n in ours]
+        )
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -1407,30 +1659,46 @@ def plot(results: dict, path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(9, 6))
     markers = dict(zip(CONTENDERS, "o^sv<>*Dph"))
     for name in results["contenders"]:
-        points = sorted((e["bytes"]["total"], _us(e, name)) for e in results["shapes"]
-                        if _us(e, name) is not None)
+        points = sorted(
+            (e["bytes"]["total"], _us(e, name))
+            for e in results["shapes"]
+            if _us(e, name) is not None
+        )
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker=markers.get(name, "x"), linestyle="none", label=name,
-                    alpha=0.8)
+            ax.plot(xs, ys, marker=markers.get(name, "x"), linestyle="none", label=name, alpha=0.8)
     if results["backend"] == "gpu":
-        points = sorted((e["bytes"]["total"], EDGE_LLM_0_11_US[e["name"]])
-                        for e in results["shapes"] if e["name"] in EDGE_LLM_0_11_US)
+        points = sorted(
+            (e["bytes"]["total"], EDGE_LLM_0_11_US[e["name"]])
+            for e in results["shapes"]
+            if e["name"] in EDGE_LLM_0_11_US
+        )
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="X", color="black", linestyle="none",
-                    label="Edge-LLM 0.11 (quoted)")
+            ax.plot(
+                xs, ys, marker="X", color="black", linestyle="none", label="Edge-LLM 0.11 (quoted)"
+            )
     peak = results.get("peak_copy_bandwidth", {}).get("bytes_per_s")
     sizes = [e["bytes"]["total"] for e in results["shapes"]]
     if peak and sizes:
         xs = np.geomspace(min(sizes), max(sizes), 50)
-        ax.plot(xs, xs / peak * 1e6, "k--", linewidth=0.8,
-                label=f"peak copy bandwidth ({peak / 1e12:.2f} TB/s)")
+        ax.plot(
+            xs,
+            xs / peak * 1e6,
+            "k--",
+            linewidth=0.8,
+            label=f"peak copy bandwidth ({peak / 1e12:.2f} TB/s)",
+        )
     for e in results["shapes"]:
         t = _us(e, "paged_jax") or _us(e, "ours_jax")
         if t is not None:
-            ax.annotate(e["name"], (e["bytes"]["total"], t), fontsize=7, xytext=(4, -10),
-                        textcoords="offset points")
+            ax.annotate(
+                e["name"],
+                (e["bytes"]["total"], t),
+                fontsize=7,
+                xytext=(4, -10),
+                textcoords="offset points",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bytes moved per update (K/V read + pool write + cos/sin read)")
@@ -1448,8 +1716,12 @@ def _versions() -> dict:
     import jax
     import jaxlib
 
-    out = {"python": platform.python_version(), "jax": jax.__version__,
-           "jaxlib": jaxlib.__version__, "numpy": np.__version__}
+    out = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
+    }
     try:
         import torch
 
@@ -1497,8 +1769,9 @@ def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds > 0, got {text!r}"
+        ) from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text}")
     return value
@@ -1509,28 +1782,57 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog,
         description="Times the DFlash target KV-cache update (slot and paged contracts, FP8 "
         "pools, the fused k-norm) against the straightforward JAX version, FlashInfer and a "
-        "device copy; prints a table, writes JSON and a PNG plot.")
-    p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu when JAX sees one (auto), else cpu with scaled-down shapes")
-    p.add_argument("--shapes", default="",
-                   help="comma-separated subset of shape names (default: all for the backend)")
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated subset of {','.join(CONTENDERS)}")
-    p.add_argument("--iters", type=_positive_int("iters"), default=None,
-                   help="updates per jitted call / CUDA graph, >= 1 (default 512 GPU, so that "
-                   "JAX's per-call dispatch stays hidden behind the GPU at decode sizes; 16 "
-                   "CPU); the straightforward JAX version uses at most 32 on GPU (compile time)")
-    p.add_argument("--repeats", type=_positive_int("repeats"), default=None,
-                   help="measurements per contender, >= 1, interleaved with the other "
-                   "contenders' (median; default 10 GPU, 5 CPU, 3 with --quick)")
-    p.add_argument("--min-time", type=_positive_seconds, default=None,
-                   help="seconds per measurement at least, finite and > 0 (default 0.05 GPU, "
-                   "0.1 CPU, 0.01 with --quick)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="directory for the JSON and PNG, created if missing (default: the "
-                   "current directory)")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer, shorter measurements (a smoke run, not for publishing)")
+        "device copy; prints a table, writes JSON and a PNG plot.",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="gpu when JAX sees one (auto), else cpu with scaled-down shapes",
+    )
+    p.add_argument(
+        "--shapes",
+        default="",
+        help="comma-separated subset of shape names (default: all for the backend)",
+    )
+    p.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated subset of {','.join(CONTENDERS)}",
+    )
+    p.add_argument(
+        "--iters",
+        type=_positive_int("iters"),
+        default=None,
+        help="updates per jitted call / CUDA graph, >= 1 (default 512 GPU, so that "
+        "JAX's per-call dispatch stays hidden behind the GPU at decode sizes; 16 "
+        "CPU); the straightforward JAX version uses at most 32 on GPU (compile time)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int("repeats"),
+        default=None,
+        help="measurements per contender, >= 1, interleaved with the other "
+        "contenders' (median; default 10 GPU, 5 CPU, 3 with --quick)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=_positive_seconds,
+        default=None,
+        help="seconds per measurement at least, finite and > 0 (default 0.05 GPU, "
+        "0.1 CPU, 0.01 with --quick)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="directory for the JSON and PNG, created if missing (default: the current directory)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer, shorter measurements (a smoke run, not for publishing)",
+    )
     p.add_argument("--list-shapes", action="store_true", help="print the shapes and exit")
     return p
 
@@ -1539,8 +1841,11 @@ def _settings(args, backend: str) -> Settings:
     gpu = backend == "gpu"
     chain = args.iters or ((64 if gpu else 4) if args.quick else (512 if gpu else 16))
     repeats = args.repeats or (3 if args.quick else 10 if gpu else 5)
-    min_time = args.min_time if args.min_time is not None else (
-        0.01 if args.quick else 0.05 if gpu else 0.1)
+    min_time = (
+        args.min_time
+        if args.min_time is not None
+        else (0.01 if args.quick else 0.05 if gpu else 0.1)
+    )
     baseline_chain = min(chain, 32) if gpu else chain
     return Settings(backend, chain, baseline_chain, repeats, min_time)
 
@@ -1566,16 +1871,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)  # bad --iters/--repeats/--min-time exit 2 here
     contenders = [n for n in args.contenders.split(",") if n]
     if bad := [n for n in contenders if n not in CONTENDERS]:
-        print(f"--contenders: unknown {bad}; expected names from {list(CONTENDERS)}",
-              file=sys.stderr)
+        print(
+            f"--contenders: unknown {bad}; expected names from {list(CONTENDERS)}", file=sys.stderr
+        )
         return 2
     if not contenders:
-        print(f"--contenders: expected at least one of {list(CONTENDERS)}, got none",
-              file=sys.stderr)
+        print(
+            f"--contenders: expected at least one of {list(CONTENDERS)}, got none", file=sys.stderr
+        )
         return 2
     if not args.list_shapes and (why := _check_out_dir(args.out)):
-        print(f"--out: expected a writable directory, got {str(args.out)!r}: {why}",
-              file=sys.stderr)
+        print(
+            f"--out: expected a writable directory, got {str(args.out)!r}: {why}", file=sys.stderr
+        )
         return 2
     backend = _detect_backend() if args.backend == "auto" else args.backend
     if backend == "gpu" and _detect_backend() != "gpu":
@@ -1584,22 +1892,30 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     available = {s.name: s for s in shapes_for(backend)}
     if args.list_shapes:
         for s in available.values():
-            print(f"{s.name:<24} {s.describe()}, M = pages_per_slot = {s.pages_per_slot}, "
-                  f"{s.num_pages} pages{', unfused pair' if s.unfused else ''}")
+            print(
+                f"{s.name:<24} {s.describe()}, M = pages_per_slot = {s.pages_per_slot}, "
+                f"{s.num_pages} pages{', unfused pair' if s.unfused else ''}"
+            )
         return 0
     wanted = [n for n in args.shapes.split(",") if n] or list(available)
     unknown = [n for n in wanted if n not in available]
     if unknown:
-        print(f"--shapes: unknown {unknown} for backend {backend}; expected names from "
-              f"{list(available)}", file=sys.stderr)
+        print(
+            f"--shapes: unknown {unknown} for backend {backend}; expected names from "
+            f"{list(available)}",
+            file=sys.stderr,
+        )
         return 2
     settings = _settings(args, backend)
 
     device = _device_name(backend)
-    print(f"DFlash KV-update benchmark: backend {backend}, device {device}; "
-          f"{settings.chain} updates per call (baseline {settings.baseline_chain}), "
-          f"{settings.repeats} interleaved measurements of >= {settings.min_time} s per "
-          f"contender", flush=True)
+    print(
+        f"DFlash KV-update benchmark: backend {backend}, device {device}; "
+        f"{settings.chain} updates per call (baseline {settings.baseline_chain}), "
+        f"{settings.repeats} interleaved measurements of >= {settings.min_time} s per "
+        f"contender",
+        flush=True,
+    )
     try:
         peak = peak_copy_bandwidth_gpu() if backend == "gpu" else peak_copy_bandwidth_cpu()
     except Skip as e:
@@ -1609,21 +1925,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     t0 = time.perf_counter()
     results = {
-        "backend": backend, "device": device,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": backend,
+        "device": device,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv]),
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "versions": _versions(),
-        "env": {k: os.environ[k] for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
-                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
-        "settings": dataclasses.asdict(settings), "quick": args.quick,
-        "contenders": contenders, "peak_copy_bandwidth": peak,
+        "env": {
+            k: os.environ[k]
+            for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        },
+        "settings": dataclasses.asdict(settings),
+        "quick": args.quick,
+        "contenders": contenders,
+        "peak_copy_bandwidth": peak,
         "edge_llm_0_11_quoted_us": EDGE_LLM_0_11_US if backend == "gpu" else {},
         "shapes": [],
     }
     for name in wanted:
-        results["shapes"].append(run_shape(available[name], settings, contenders,
-                                           peak["bytes_per_s"]))
+        results["shapes"].append(
+            run_shape(available[name], settings, contenders, peak["bytes_per_s"])
+        )
     results["targets"] = evaluate_targets(results)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
 
@@ -1632,8 +1955,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print()
     for t in results["targets"]:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
-    wrong = [(e["name"], n) for e in results["shapes"] for n, c in e["contenders"].items()
-             if c.get("status") == "wrong"]
+    wrong = [
+        (e["name"], n)
+        for e in results["shapes"]
+        for n, c in e["contenders"].items()
+        if c.get("status") == "wrong"
+    ]
     for e in results["shapes"]:
         if e.get("references_agree") is False:
             print(f"  WRONG REFERENCE: slot and paged references differ at {e['name']}")

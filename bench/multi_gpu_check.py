@@ -47,54 +47,159 @@ def cases(n: int) -> list[Case]:
     e4m3 = ml_dtypes.float8_e4m3fn
     trt = dict(heads=8, head_dim=128, page_size=128, dtype=np.float16)
     return [
-        Case("slot_heads", "slot", dict(batch=3, heads=n, max_batch=5, pages_per_slot=3),
-             dict(head_axis="x")),
-        Case("slot_slots_bf16", "slot", dict(batch=n, heads=2, dtype=ml_dtypes.bfloat16),
-             dict(batch_axis="x")),
-        Case("slot_slots_rope_batched", "slot", dict(batch=n, heads=2, rope_batch=n,
-                                                     dtype=np.float32),
-             dict(batch_axis="x", rope_batched=True)),
-        Case("slot_layered_heads", "slot", dict(layers=3, batch=2, heads=n),
-             dict(head_axis="x", layered=True)),
-        Case("slot_layered_layers", "slot",
-             dict(layers=n, batch=2, heads=2, rope_batch=2, rope_per_layer=True,
-                  positions_per_layer=True),
-             dict(layer_axis="x", layered=True, rope_batched=True, rope_per_layer=True,
-                  positions_per_layer=True)),
-        Case("slot_slots_hostile", "slot", dict(batch=n, heads=2, hostile=True),
-             dict(batch_axis="x")),
-        Case("slot_fp8_heads", "slot", dict(batch=2, heads=n, pool_dtype=e4m3),
-             dict(head_axis="x", scales="head")),
-        Case("slot_knorm_slots", "slot", dict(batch=n, heads=2, k_norm=True, v_norm=True),
-             dict(batch_axis="x", k_norm=True)),
-        Case("slot_not_donated", "slot", dict(batch=n, heads=n), dict(batch_axis="x"),
-             mode="nodonate"),
-        Case("slot_shard_map", "slot", dict(batch=n, heads=2), dict(batch_axis="x"),
-             mode="shard_map"),
-        Case("slot_trt_heads", "slot", dict(batch=2 * n, delta_len=16, pages_per_slot=2,
-                                            max_batch=3 * n, rope_seq_len=200, **trt),
-             dict(head_axis="x")),
-        Case("paged_heads", "paged", dict(tokens=12, batch=3, heads=n, num_pages=12,
-                                          table_pages=3), dict(head_axis="x")),
-        Case("paged_hostile_ring", "paged", dict(tokens=12, batch=3, heads=n, num_pages=12,
-                                                 table_pages=3, hostile=True, ring=True),
-             dict(head_axis="x")),
-        Case("paged_layered_layers", "paged",
-             dict(tokens=10, batch=2, heads=2, num_pages=8, table_pages=3, layers=n,
-                  rope_per_layer=True, positions_per_layer=True, table_per_layer=True),
-             dict(layer_axis="x", layered=True, rope_per_layer=True, positions_per_layer=True,
-                  table_per_layer=True)),
-        Case("paged_fp8_knorm_heads", "paged",
-             dict(tokens=12, batch=3, heads=n, num_pages=12, table_pages=3, pool_dtype=e4m3,
-                  k_norm=True), dict(head_axis="x", scales="head", k_norm=True)),
-        Case("paged_trt_heads", "paged", dict(tokens=64, batch=4, num_pages=8, table_pages=2,
-                                              **trt), dict(head_axis="x")),
-        Case("error_slot_pool_head_dim", "slot", dict(batch=2, heads=2, head_dim=8 * n), {},
-             expect="error", match=("past_key_value", "dim 4 (D)"),
-             pool_spec=(None, None, None, None, "x")),
-        Case("error_paged_pool_pages", "paged", dict(tokens=8, batch=2, heads=2, num_pages=4 * n,
-                                                     table_pages=2), {},
-             expect="error", match=("past_key_value",), pool_spec=(None, "x")),
+        Case(
+            "slot_heads",
+            "slot",
+            dict(batch=3, heads=n, max_batch=5, pages_per_slot=3),
+            dict(head_axis="x"),
+        ),
+        Case(
+            "slot_slots_bf16",
+            "slot",
+            dict(batch=n, heads=2, dtype=ml_dtypes.bfloat16),
+            dict(batch_axis="x"),
+        ),
+        Case(
+            "slot_slots_rope_batched",
+            "slot",
+            dict(batch=n, heads=2, rope_batch=n, dtype=np.float32),
+            dict(batch_axis="x", rope_batched=True),
+        ),
+        Case(
+            "slot_layered_heads",
+            "slot",
+            dict(layers=3, batch=2, heads=n),
+            dict(head_axis="x", layered=True),
+        ),
+        Case(
+            "slot_layered_layers",
+            "slot",
+            dict(
+                layers=n,
+                batch=2,
+                heads=2,
+                rope_batch=2,
+                rope_per_layer=True,
+                positions_per_layer=True,
+            ),
+            dict(
+                layer_axis="x",
+                layered=True,
+                rope_batched=True,
+                rope_per_layer=True,
+                positions_per_layer=True,
+            ),
+        ),
+        Case(
+            "slot_slots_hostile", "slot", dict(batch=n, heads=2, hostile=True), dict(batch_axis="x")
+        ),
+        Case(
+            "slot_fp8_heads",
+            "slot",
+            dict(batch=2, heads=n, pool_dtype=e4m3),
+            dict(head_axis="x", scales="head"),
+        ),
+        Case(
+            "slot_knorm_slots",
+            "slot",
+            dict(batch=n, heads=2, k_norm=True, v_norm=True),
+            dict(batch_axis="x", k_norm=True),
+        ),
+        Case(
+            "slot_not_donated",
+            "slot",
+            dict(batch=n, heads=n),
+            dict(batch_axis="x"),
+            mode="nodonate",
+        ),
+        Case(
+            "slot_shard_map", "slot", dict(batch=n, heads=2), dict(batch_axis="x"), mode="shard_map"
+        ),
+        Case(
+            "slot_trt_heads",
+            "slot",
+            dict(
+                batch=2 * n,
+                delta_len=16,
+                pages_per_slot=2,
+                max_batch=3 * n,
+                rope_seq_len=200,
+                **trt,
+            ),
+            dict(head_axis="x"),
+        ),
+        Case(
+            "paged_heads",
+            "paged",
+            dict(tokens=12, batch=3, heads=n, num_pages=12, table_pages=3),
+            dict(head_axis="x"),
+        ),
+        Case(
+            "paged_hostile_ring",
+            "paged",
+            dict(tokens=12, batch=3, heads=n, num_pages=12, table_pages=3, hostile=True, ring=True),
+            dict(head_axis="x"),
+        ),
+        Case(
+            "paged_layered_layers",
+            "paged",
+            dict(
+                tokens=10,
+                batch=2,
+                heads=2,
+                num_pages=8,
+                table_pages=3,
+                layers=n,
+                rope_per_layer=True,
+                positions_per_layer=True,
+                table_per_layer=True,
+            ),
+            dict(
+                layer_axis="x",
+                layered=True,
+                rope_per_layer=True,
+                positions_per_layer=True,
+                table_per_layer=True,
+            ),
+        ),
+        Case(
+            "paged_fp8_knorm_heads",
+            "paged",
+            dict(
+                tokens=12,
+                batch=3,
+                heads=n,
+                num_pages=12,
+                table_pages=3,
+                pool_dtype=e4m3,
+                k_norm=True,
+            ),
+            dict(head_axis="x", scales="head", k_norm=True),
+        ),
+        Case(
+            "paged_trt_heads",
+            "paged",
+            dict(tokens=64, batch=4, num_pages=8, table_pages=2, **trt),
+            dict(head_axis="x"),
+        ),
+        Case(
+            "error_slot_pool_head_dim",
+            "slot",
+            dict(batch=2, heads=2, head_dim=8 * n),
+            {},
+            expect="error",
+            match=("past_key_value", "dim 4 (D)"),
+            pool_spec=(None, None, None, None, "x"),
+        ),
+        Case(
+            "error_paged_pool_pages",
+            "paged",
+            dict(tokens=8, batch=2, heads=2, num_pages=4 * n, table_pages=2),
+            {},
+            expect="error",
+            match=("past_key_value",),
+            pool_spec=(None, "x"),
+        ),
     ]
 
 
@@ -128,8 +233,11 @@ def run_case(case: Case, devices) -> dict:
     static = {k: v for k, v in kwargs.items() if not isinstance(v, np.ndarray)}
     extra_names = [k for k in ("k_scale", "v_scale", "k_norm_weight") if k in kwargs]
     extras = [kwargs[k] for k in extra_names]
-    base = (jax_dflash.target_kv_cache_update if case.contract == "slot"
-            else jax_dflash.target_kv_cache_update_paged)
+    base = (
+        jax_dflash.target_kv_cache_update
+        if case.contract == "slot"
+        else jax_dflash.target_kv_cache_update_paged
+    )
 
     def op(*operands):
         n = len(args)
@@ -144,8 +252,9 @@ def run_case(case: Case, devices) -> dict:
         specs = [P()] * len(operands)
         specs[2] = P(*case.pool_spec)
     else:
-        make_specs = (sharding.partition_specs if case.contract == "slot"
-                      else sharding.paged_partition_specs)
+        make_specs = (
+            sharding.partition_specs if case.contract == "slot" else sharding.paged_partition_specs
+        )
         specs = list(make_specs(**case.specs))
     shardings = [NamedSharding(mesh, s) for s in specs]
     sharded = [jax.device_put(a, s) for a, s in zip(operands, shardings)]
@@ -173,11 +282,16 @@ def run_case(case: Case, devices) -> dict:
     record["out_has_pool_sharding"] = out.sharding.is_equivalent_to(shardings[2], expected.ndim)
     record["out_sharding"] = str(out.sharding)
     got = np.asarray(out)
-    record["mismatches"] = int(np.any(
-        got.view(np.uint8).reshape(*got.shape, -1) !=
-        expected.view(np.uint8).reshape(*expected.shape, -1), axis=-1).sum())
-    record["written"] = int(np.any(
-        expected.view(np.uint8) != np.asarray(problem.past_key_value).view(np.uint8)))
+    record["mismatches"] = int(
+        np.any(
+            got.view(np.uint8).reshape(*got.shape, -1)
+            != expected.view(np.uint8).reshape(*expected.shape, -1),
+            axis=-1,
+        ).sum()
+    )
+    record["written"] = int(
+        np.any(expected.view(np.uint8) != np.asarray(problem.past_key_value).view(np.uint8))
+    )
     return record
 
 
@@ -210,13 +324,19 @@ def check(case: Case, record: dict) -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", default="gpu", choices=("gpu", "cpu"))
-    parser.add_argument("--devices", type=int, default=None, choices=(2, 4),
-                        help="mesh size (default: 2 on GPU, 4 on CPU)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        choices=(2, 4),
+        help="mesh size (default: 2 on GPU, 4 on CPU)",
+    )
     args = parser.parse_args()
     num = args.devices or (2 if args.platform == "gpu" else 4)
     if args.platform == "cpu":  # before JAX starts its backends
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={num}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num}"
+        )
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     import jax
@@ -229,8 +349,10 @@ def main() -> int:
         return 2
     devices = devices[:num]
     print(f"jax {jax.__version__}, {len(devices)} x {devices[0].device_kind}, mesh of {num}")
-    header = (f"{'case':28} {'expect':6} {'result':6} {'bits≠':>6} {'collectives':20} "
-              f"{'aliased':8} {'out=pool':8} {'s':>5}")
+    header = (
+        f"{'case':28} {'expect':6} {'result':6} {'bits≠':>6} {'collectives':20} "
+        f"{'aliased':8} {'out=pool':8} {'s':>5}"
+    )
     print(header)
     print("-" * len(header))
     all_cases = cases(num)
@@ -246,13 +368,17 @@ def main() -> int:
         failed += why is not None
         result = "ok" if why is None else "FAIL"
         if "error" in record:
-            print(f"{case.name:28} {case.expect:6} {result:6} error: "
-                  f"{record['error'].splitlines()[0][:100]}")
+            print(
+                f"{case.name:28} {case.expect:6} {result:6} error: "
+                f"{record['error'].splitlines()[0][:100]}"
+            )
         else:
-            print(f"{case.name:28} {case.expect:6} {result:6} {record['mismatches']:>6} "
-                  f"{','.join(record['collectives']) or '-':20} "
-                  f"{record['program_aliases_pool']!s:8} {record['out_has_pool_sharding']!s:8} "
-                  f"{seconds:5.1f}")
+            print(
+                f"{case.name:28} {case.expect:6} {result:6} {record['mismatches']:>6} "
+                f"{','.join(record['collectives']) or '-':20} "
+                f"{record['program_aliases_pool']!s:8} {record['out_has_pool_sharding']!s:8} "
+                f"{seconds:5.1f}"
+            )
         if why:
             print(f"    {why}")
     print(f"{len(all_cases) - failed} of {len(all_cases)} cases as expected")

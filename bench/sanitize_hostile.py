@@ -55,10 +55,24 @@ CAPACITY = PAGE * PAGES_PER_SLOT
 # Per slot: negative start (partly written), length past L, partly past the slot, at and past
 # the slot, int32 extremes (no wrap-around into the slot), negative and zero lengths.
 HOSTILE_STARTS = np.array(
-    [-5, 3, 29, CAPACITY, CAPACITY + 100, INT32_MAX, INT32_MIN, -1000, 20, 7, 0], np.int32)
+    [-5, 3, 29, CAPACITY, CAPACITY + 100, INT32_MAX, INT32_MIN, -1000, 20, 7, 0], np.int32
+)
 HOSTILE_LENGTHS = np.array(
-    [DELTA_LEN, DELTA_LEN + 50, DELTA_LEN, DELTA_LEN, DELTA_LEN, INT32_MAX, DELTA_LEN, INT32_MIN,
-     INT32_MAX, -3, 0], np.int32)
+    [
+        DELTA_LEN,
+        DELTA_LEN + 50,
+        DELTA_LEN,
+        DELTA_LEN,
+        DELTA_LEN,
+        INT32_MAX,
+        DELTA_LEN,
+        INT32_MIN,
+        INT32_MAX,
+        -3,
+        0,
+    ],
+    np.int32,
+)
 
 # Paged contract: N=12 pages of P=16, B=4 sequences with M=5 table entries (20 > 12 pages:
 # ids repeat across sequences only on rows no valid token addresses, see paged_table_case).
@@ -91,24 +105,52 @@ def slot_cases(rng) -> list[Case]:
             else:
                 starts, lengths = HOSTILE_STARTS.copy(), HOSTILE_LENGTHS.copy()
             form = f"{layers} layers" if layers else "one layer"
-            cases.append(Case(f"slot {dtype.name}, {form}, rope batch {rope_batch}", "slot",
-                              (normal(delta), normal(delta), normal(pool), rope, starts, lengths),
-                              {"pages_per_slot": PAGES_PER_SLOT}))
+            cases.append(
+                Case(
+                    f"slot {dtype.name}, {form}, rope batch {rope_batch}",
+                    "slot",
+                    (normal(delta), normal(delta), normal(pool), rope, starts, lengths),
+                    {"pages_per_slot": PAGES_PER_SLOT},
+                )
+            )
     # FP8 pools (hostile scales: saturation, subnormals) and the fused norms, through the
     # builder's own hostile positions and lengths.
-    for pool_dtype, k_norm, v_norm, layers in ((E4M3, False, False, None), (E5M2, True, True, None),
-                                               (F16, True, False, None), (BF16, True, True, 3),
-                                               (E4M3, True, True, 3)):
-        p = testing.make_problem(rng, batch=5, delta_len=9, heads=HEADS, head_dim=HEAD_DIM,
-                                 rotary_dim=ROTARY_DIM, page_size=PAGE, pages_per_slot=2,
-                                 max_batch=7, rope_seq_len=ROPE_LEN,
-                                 dtype=BF16 if pool_dtype == E5M2 else F16,
-                                 pool_dtype=pool_dtype, layers=layers, hostile=True,
-                                 k_norm=k_norm, v_norm=v_norm, positions_per_layer=bool(layers))
+    for pool_dtype, k_norm, v_norm, layers in (
+        (E4M3, False, False, None),
+        (E5M2, True, True, None),
+        (F16, True, False, None),
+        (BF16, True, True, 3),
+        (E4M3, True, True, 3),
+    ):
+        p = testing.make_problem(
+            rng,
+            batch=5,
+            delta_len=9,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            rotary_dim=ROTARY_DIM,
+            page_size=PAGE,
+            pages_per_slot=2,
+            max_batch=7,
+            rope_seq_len=ROPE_LEN,
+            dtype=BF16 if pool_dtype == E5M2 else F16,
+            pool_dtype=pool_dtype,
+            layers=layers,
+            hostile=True,
+            k_norm=k_norm,
+            v_norm=v_norm,
+            positions_per_layer=bool(layers),
+        )
         norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
         form = f"{layers} layers" if layers else "one layer"
-        cases.append(Case(f"slot {p.k_delta.dtype.name} -> {pool_dtype.name} pool, {norms}, {form}",
-                          "slot", p.args(), p.kwargs()))
+        cases.append(
+            Case(
+                f"slot {p.k_delta.dtype.name} -> {pool_dtype.name} pool, {norms}, {form}",
+                "slot",
+                p.args(),
+                p.kwargs(),
+            )
+        )
     return cases
 
 
@@ -118,12 +160,15 @@ def paged_table_case(rng, dtype) -> Case:
     # Sequence 0: valid pages 0..4 (K) / N+0..N+4 (V); sequence 1: K ids negative, of the V
     # plane, past N, and V ids of the K plane, past 2N, negative; sequence 2: valid but the
     # tokens use only 2 of its 5 pages (M > pages used); sequence 3: valid, ring-addressed.
-    table = np.array([
-        [[0, 1, 2, 3, 4], [n + 0, n + 1, n + 2, n + 3, n + 4]],
-        [[-1, n, 2 * n - 1, INT32_MIN, 5], [n + 5, 0, 2 * n, INT32_MAX, -1]],
-        [[5, 6, 7, 8, 9], [n + 5, n + 6, n + 7, n + 8, n + 9]],
-        [[10, 11, 10, 11, 10], [n + 10, n + 11, n + 10, n + 11, n + 10]],
-    ], np.int32)
+    table = np.array(
+        [
+            [[0, 1, 2, 3, 4], [n + 0, n + 1, n + 2, n + 3, n + 4]],
+            [[-1, n, 2 * n - 1, INT32_MIN, 5], [n + 5, 0, 2 * n, INT32_MAX, -1]],
+            [[5, 6, 7, 8, 9], [n + 5, n + 6, n + 7, n + 8, n + 9]],
+            [[10, 11, 10, 11, 10], [n + 10, n + 11, n + 10, n + 11, n + 10]],
+        ],
+        np.int32,
+    )
     tokens = []  # (owner, position)
     tokens += [(0, p) for p in (0, 17, 33, 79)]  # valid, pages 0, 1, 2, 4
     tokens += [(0, m * PAGE), (0, m * PAGE + 3), (0, INT32_MAX)]  # past the table
@@ -141,8 +186,12 @@ def paged_table_case(rng, dtype) -> Case:
     v = rng.standard_normal((t, HEADS, HEAD_DIM), dtype=np.float32).astype(dtype)
     pool = rng.standard_normal((2, n, PAGE, HEADS, HEAD_DIM), dtype=np.float32).astype(dtype)
     rope = rng.uniform(-1, 1, (t, ROTARY_DIM)).astype(np.float32)
-    return Case(f"paged {dtype.name}, written-out hostile table and tokens", "paged",
-                (k, v, pool, rope, positions, owners, table), {"ring": False})
+    return Case(
+        f"paged {dtype.name}, written-out hostile table and tokens",
+        "paged",
+        (k, v, pool, rope, positions, owners, table),
+        {"ring": False},
+    )
 
 
 def paged_cases(rng) -> list[Case]:
@@ -161,24 +210,48 @@ def paged_cases(rng) -> list[Case]:
     ]
     for dtype, pool_dtype, k_norm, v_norm, layers, ring in configs:
         p = testing.make_paged_problem(
-            rng, tokens=40, batch=PAGED_BATCH, heads=HEADS, head_dim=HEAD_DIM,
-            rotary_dim=ROTARY_DIM, num_pages=24, page_size=PAGE, table_pages=PAGED_TABLE,
-            dtype=dtype, pool_dtype=pool_dtype, layers=layers, hostile=True, k_norm=k_norm,
-            v_norm=v_norm, ring=ring, positions_per_layer=bool(layers),
-            table_per_layer=bool(layers))
+            rng,
+            tokens=40,
+            batch=PAGED_BATCH,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            rotary_dim=ROTARY_DIM,
+            num_pages=24,
+            page_size=PAGE,
+            table_pages=PAGED_TABLE,
+            dtype=dtype,
+            pool_dtype=pool_dtype,
+            layers=layers,
+            hostile=True,
+            k_norm=k_norm,
+            v_norm=v_norm,
+            ring=ring,
+            positions_per_layer=bool(layers),
+            table_per_layer=bool(layers),
+        )
         pool_name = (pool_dtype or dtype).name
         norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
         form = f"{layers} layers" if layers else "one layer"
-        cases.append(Case(f"paged {dtype.name} -> {pool_name} pool, {norms}, {form}"
-                          f"{', ring' if ring else ''}", "paged", p.args(), p.kwargs()))
+        cases.append(
+            Case(
+                f"paged {dtype.name} -> {pool_name} pool, {norms}, {form}"
+                f"{', ring' if ring else ''}",
+                "paged",
+                p.args(),
+                p.kwargs(),
+            )
+        )
     return cases
 
 
 def expected_of(case: Case) -> np.ndarray:
     from jax_dflash import reference
 
-    fn = (reference.target_kv_cache_update if case.contract == "slot"
-          else reference.target_kv_cache_update_paged)
+    fn = (
+        reference.target_kv_cache_update
+        if case.contract == "slot"
+        else reference.target_kv_cache_update_paged
+    )
     return fn(*case.args, **case.kwargs)
 
 
@@ -196,8 +269,10 @@ def same_bits(got, want, label) -> bool:
         print(f"  MISMATCH {label}: shape {got.shape}, expected {want.shape}")
         return False
     where = np.argwhere(bits(got) != bits(want))
-    print(f"  MISMATCH {label}: {len(where)} elements differ, first at {tuple(where[0])}: "
-          f"{got[tuple(where[0])]!r} != {want[tuple(where[0])]!r}")
+    print(
+        f"  MISMATCH {label}: {len(where)} elements differ, first at {tuple(where[0])}: "
+        f"{got[tuple(where[0])]!r} != {want[tuple(where[0])]!r}"
+    )
     return False
 
 
@@ -212,8 +287,11 @@ def run_jax(case: Case, expected, platform="gpu") -> list[bool]:
     import jax_dflash
 
     device = jax.devices(platform)[0]
-    fn = (jax_dflash.target_kv_cache_update if case.contract == "slot"
-          else jax_dflash.target_kv_cache_update_paged)
+    fn = (
+        jax_dflash.target_kv_cache_update
+        if case.contract == "slot"
+        else jax_dflash.target_kv_cache_update_paged
+    )
     arrays = {k: v for k, v in case.kwargs.items() if isinstance(v, np.ndarray)}
     static = {k: v for k, v in case.kwargs.items() if k not in arrays}
     op = functools.partial(fn, **static)
@@ -284,13 +362,18 @@ def run_raw(case: Case, expected) -> bool | None:
             return mod.asarray(a.view(np.uint16) if a.dtype == BF16 else a)
 
         names = ("k_delta", "v_delta", "pool", "rope_cos_sin")
-        names += (("delta_start_positions", "delta_lengths") if case.contract == "slot" else
-                  ("delta_positions", "delta_token_to_sequence", "kv_page_table"))
+        names += (
+            ("delta_start_positions", "delta_lengths")
+            if case.contract == "slot"
+            else ("delta_positions", "delta_token_to_sequence", "kv_page_table")
+        )
         dev = {name: upload(a) for name, a in zip(names, case.args)}
-        extras = {k: upload(v) if isinstance(v, np.ndarray) else v
-                  for k, v in case.kwargs.items()}
-        stream = (mod.cuda.current_stream().cuda_stream if kind == "torch"
-                  else mod.cuda.get_current_stream().ptr)
+        extras = {k: upload(v) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
+        stream = (
+            mod.cuda.current_stream().cuda_stream
+            if kind == "torch"
+            else mod.cuda.get_current_stream().ptr
+        )
         launch = cuda.launch if case.contract == "slot" else cuda.launch_paged
         launch(**dev, **extras, **_raw_dtype_names(case, kind), stream=stream)
         if kind == "torch":
@@ -325,8 +408,11 @@ def run_raw_cpu(case: Case, expected) -> bool:
             if isinstance(v, np.ndarray) and v.dtype == BF16:
                 v = v.view(np.uint16)
             extras[k] = v
-        entry = (cpu.target_kv_cache_update if case.contract == "slot"
-                 else cpu.target_kv_cache_update_paged)
+        entry = (
+            cpu.target_kv_cache_update
+            if case.contract == "slot"
+            else cpu.target_kv_cache_update_paged
+        )
         entry(*views, **extras, **names)
     except Exception as e:  # noqa: BLE001
         print(f"  ERROR    {label}: {_one_line(e)}")
@@ -340,8 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
-                        help="cpu: XLA:CPU and the CPU NumPy entries (a local check of this script)")
+    parser.add_argument(
+        "--platform",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="cpu: XLA:CPU and the CPU NumPy entries (a local check of this script)",
+    )
     platform = parser.parse_args(argv).platform
     try:
         devices = jax.devices(platform)
@@ -350,30 +440,39 @@ def main(argv: list[str] | None = None) -> int:
     if not devices:
         print("SKIPPED: JAX sees no GPU here; run this on the H200 under compute-sanitizer")
         return 77
-    print(f"hostile runtime data on {devices[0].device_kind}. Slot: starts "
-          f"{HOSTILE_STARTS.tolist()}, lengths {HOSTILE_LENGTHS.tolist()}, slot capacity "
-          f"{CAPACITY}, rope length {ROPE_LEN}. Paged: written-out hostile tables and tokens, "
-          f"and the hostile builder's (jax_dflash.testing.make_paged_problem)")
+    print(
+        f"hostile runtime data on {devices[0].device_kind}. Slot: starts "
+        f"{HOSTILE_STARTS.tolist()}, lengths {HOSTILE_LENGTHS.tolist()}, slot capacity "
+        f"{CAPACITY}, rope length {ROPE_LEN}. Paged: written-out hostile tables and tokens, "
+        f"and the hostile builder's (jax_dflash.testing.make_paged_problem)"
+    )
     rng = np.random.default_rng(2026)
     summary = {"matched": 0, "mismatched": 0, "skipped": 0}
     per_contract = {}
     for case in slot_cases(rng) + paged_cases(rng):
         expected = expected_of(case)
-        assert not np.array_equal(bits(expected), bits(case.args[2])), \
+        assert not np.array_equal(bits(expected), bits(case.args[2])), (
             f"{case.label}: the case writes nothing"
+        )
         results = run_jax(case, expected, platform)
-        results.append(run_raw(case, expected) if platform == "gpu" else run_raw_cpu(case, expected))
+        results.append(
+            run_raw(case, expected) if platform == "gpu" else run_raw_cpu(case, expected)
+        )
         for r in results:
             key = {True: "matched", False: "mismatched", None: "skipped"}[r]
             summary[key] += 1
             per_contract.setdefault(case.contract, {"matched": 0, "mismatched": 0, "skipped": 0})
             per_contract[case.contract][key] += 1
     for contract, counts in per_contract.items():
-        print(f"{contract}: {counts['matched']} matched, {counts['mismatched']} mismatched, "
-              f"{counts['skipped']} skipped")
-    print(f"SUMMARY: {summary['matched']} runs matched the reference bit for bit, "
-          f"{summary['mismatched']} mismatched or failed, {summary['skipped']} skipped"
-          + ("" if platform == "gpu" else " (XLA:CPU and the CPU entries: no GPU kernel ran)"))
+        print(
+            f"{contract}: {counts['matched']} matched, {counts['mismatched']} mismatched, "
+            f"{counts['skipped']} skipped"
+        )
+    print(
+        f"SUMMARY: {summary['matched']} runs matched the reference bit for bit, "
+        f"{summary['mismatched']} mismatched or failed, {summary['skipped']} skipped"
+        + ("" if platform == "gpu" else " (XLA:CPU and the CPU entries: no GPU kernel ran)")
+    )
     return 1 if summary["mismatched"] else 0
 
 

@@ -65,8 +65,11 @@ def random_weights(config: DraftConfig, dtype, seed: int = 0) -> list[LayerWeigh
         return (std * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
     return [
-        LayerWeights(normal(config.hidden, width, std=scale), normal(config.hidden, width, std=scale),
-                     (1.0 + normal(config.head_dim, std=0.1).astype(np.float32)).astype(dtype))
+        LayerWeights(
+            normal(config.hidden, width, std=scale),
+            normal(config.hidden, width, std=scale),
+            (1.0 + normal(config.head_dim, std=0.1).astype(np.float32)).astype(dtype),
+        )
         for _ in range(config.num_layers)
     ]
 
@@ -96,17 +99,25 @@ def make_draft_context_update(weights: list[LayerWeights], config: DraftConfig):
     updated pools, one per layer, in order.
     """
 
-    def draft_context_update(target_hidden, rope_cos_sin, delta_start_positions, delta_lengths,
-                             *pools):
+    def draft_context_update(
+        target_hidden, rope_cos_sin, delta_start_positions, delta_lengths, *pools
+    ):
         if len(pools) != len(weights):
             raise ValueError(f"pools: expected {len(weights)} (one per layer), got {len(pools)}")
         updated = []
         for layer_weights, pool in zip(weights, pools):
             k, v = project_context(target_hidden, layer_weights, config, pool.dtype)
-            updated.append(jax_dflash.target_kv_cache_update(
-                k, v, pool, rope_cos_sin, delta_start_positions, delta_lengths,
-                pages_per_slot=config.pages_per_slot,
-            ))
+            updated.append(
+                jax_dflash.target_kv_cache_update(
+                    k,
+                    v,
+                    pool,
+                    rope_cos_sin,
+                    delta_start_positions,
+                    delta_lengths,
+                    pages_per_slot=config.pages_per_slot,
+                )
+            )
         return tuple(updated)
 
     return draft_context_update
@@ -121,16 +132,25 @@ def make_draft_context_update_paged(weights: list[LayerWeights], config: DraftCo
     updated pools.
     """
 
-    def draft_context_update_paged(target_hidden, rope_cos_sin, delta_positions,
-                                   delta_token_to_sequence, kv_page_table, *pools):
+    def draft_context_update_paged(
+        target_hidden, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table, *pools
+    ):
         if len(pools) != len(weights):
             raise ValueError(f"pools: expected {len(weights)} (one per layer), got {len(pools)}")
         updated = []
         for layer_weights, pool in zip(weights, pools):
             k, v = project_context(target_hidden, layer_weights, config, pool.dtype)
-            updated.append(jax_dflash.target_kv_cache_update_paged(
-                k, v, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table,
-            ))
+            updated.append(
+                jax_dflash.target_kv_cache_update_paged(
+                    k,
+                    v,
+                    pool,
+                    rope_cos_sin,
+                    delta_positions,
+                    delta_token_to_sequence,
+                    kv_page_table,
+                )
+            )
         return tuple(updated)
 
     return draft_context_update_paged
@@ -149,8 +169,13 @@ def input_specs(config: DraftConfig, batch: int, delta_len: int, dtype, rope_seq
 
 
 def input_names(config: DraftConfig) -> list[str]:
-    return ["target_hidden", "rope_cos_sin", "delta_start_positions", "delta_lengths",
-            *[f"past_key_value_{i}" for i in range(config.num_layers)]]
+    return [
+        "target_hidden",
+        "rope_cos_sin",
+        "delta_start_positions",
+        "delta_lengths",
+        *[f"past_key_value_{i}" for i in range(config.num_layers)],
+    ]
 
 
 def output_names(config: DraftConfig) -> list[str]:
@@ -172,8 +197,14 @@ def paged_input_specs(config: DraftConfig, batch: int, delta_len: int, dtype):
 
 
 def paged_input_names(config: DraftConfig) -> list[str]:
-    return ["target_hidden", "rope_cos_sin", "delta_positions", "delta_token_to_sequence",
-            "kv_page_table", *[f"past_key_value_{i}" for i in range(config.num_layers)]]
+    return [
+        "target_hidden",
+        "rope_cos_sin",
+        "delta_positions",
+        "delta_token_to_sequence",
+        "kv_page_table",
+        *[f"past_key_value_{i}" for i in range(config.num_layers)],
+    ]
 
 
 def rope_table(seq_len: int, rotary_dim: int, base: float = 10000.0) -> np.ndarray:
@@ -190,8 +221,10 @@ def random_inputs(config: DraftConfig, batch: int, delta_len: int, dtype, seed: 
     starts = rng.integers(0, config.slot_capacity, batch).astype(np.int32)
     starts[-1] = config.slot_capacity - 2  # the last sequence runs past its slot
     lengths = rng.integers(1, delta_len + 1, batch).astype(np.int32)
-    pools = [rng.standard_normal(config.pool_shape(), dtype=np.float32).astype(dtype)
-             for _ in range(config.num_layers)]
+    pools = [
+        rng.standard_normal(config.pool_shape(), dtype=np.float32).astype(dtype)
+        for _ in range(config.num_layers)
+    ]
     return [hidden, rope_table(config.slot_capacity, config.rotary_dim), starts, lengths, *pools]
 
 
@@ -232,19 +265,33 @@ def main(argv: list[str]) -> int:
     weights = random_weights(config, dtype)
     inputs = random_inputs(config, batch, delta_len, dtype)
 
-    _export_and_compare(to_onnx, reference_evaluator, make_draft_context_update(weights, config),
-                        input_specs(config, batch, delta_len, dtype), input_names(config),
-                        output_names(config), inputs, path)
-    _export_and_compare(to_onnx, reference_evaluator,
-                        make_draft_context_update_paged(weights, config),
-                        paged_input_specs(config, batch, delta_len, dtype),
-                        paged_input_names(config), output_names(config),
-                        paged_inputs(config, inputs), paged_path)
+    _export_and_compare(
+        to_onnx,
+        reference_evaluator,
+        make_draft_context_update(weights, config),
+        input_specs(config, batch, delta_len, dtype),
+        input_names(config),
+        output_names(config),
+        inputs,
+        path,
+    )
+    _export_and_compare(
+        to_onnx,
+        reference_evaluator,
+        make_draft_context_update_paged(weights, config),
+        paged_input_specs(config, batch, delta_len, dtype),
+        paged_input_names(config),
+        output_names(config),
+        paged_inputs(config, inputs),
+        paged_path,
+    )
     plugin = "$(python -c 'import jax_dflash; print(jax_dflash.trt_plugin_library_path())')"
     for onnx_path in (path, paged_path):
         engine = (onnx_path[:-5] if onnx_path.endswith(".onnx") else onnx_path) + ".plan"
-        print(f"build: trtexec --onnx={onnx_path} --dynamicPlugins={plugin} --stronglyTyped "
-              f"--preview=+aliasedPluginIO1003 --saveEngine={engine}")
+        print(
+            f"build: trtexec --onnx={onnx_path} --dynamicPlugins={plugin} --stronglyTyped "
+            f"--preview=+aliasedPluginIO1003 --saveEngine={engine}"
+        )
     return 0
 
 

@@ -27,8 +27,11 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jax_dflash' has no attribute {name!r}")
     module = _EXPORTS[name]
-    value = (importlib.import_module(f"jax_dflash.{name}") if module is None
-             else getattr(importlib.import_module(module), name))
+    value = (
+        importlib.import_module(f"jax_dflash.{name}")
+        if module is None
+        else getattr(importlib.import_module(module), name)
+    )
     globals()[name] = value
     return value
 

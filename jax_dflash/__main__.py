@@ -56,8 +56,7 @@ def install_interrupt_handler() -> None:
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     except (OSError, ValueError):  # not the main thread, or no pipes: the handler alone
         return
-    threading.Thread(target=_watch, args=(read_fd,), name="jax-dflash-sigint",
-                     daemon=True).start()
+    threading.Thread(target=_watch, args=(read_fd,), name="jax-dflash-sigint", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,14 @@ def extension(platform: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = (" (built only where a CUDA toolkit was found; see BUILD.md)"
-                if platform == "cuda" else "")
-        raise ImportError(f"jax_dflash: the {platform} extension {module} is missing{hint}: {e}") from e
+        hint = (
+            " (built only where a CUDA toolkit was found; see BUILD.md)"
+            if platform == "cuda"
+            else ""
+        )
+        raise ImportError(
+            f"jax_dflash: the {platform} extension {module} is missing{hint}: {e}"
+        ) from e
 
 
 def ensure_registered(platform: str) -> None:

@@ -23,9 +23,7 @@ except ImportError:  # pragma: no cover
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 _BF16 = np.dtype(_ml.bfloat16) if _ml else None
 DELTA_DTYPES = tuple(d for d in (_F16, _BF16, _F32) if d is not None)
-FP8_DTYPES = (
-    (np.dtype(_ml.float8_e4m3fn), np.dtype(_ml.float8_e5m2)) if _ml else ()
-)
+FP8_DTYPES = (np.dtype(_ml.float8_e4m3fn), np.dtype(_ml.float8_e5m2)) if _ml else ()
 POOL_DTYPES = DELTA_DTYPES + FP8_DTYPES
 INDEX_DTYPE = np.dtype(np.int32)
 
@@ -161,8 +159,9 @@ def check_int_attr(name: str, value, *, maximum: int = INT64_MAX) -> int:
     if value <= 0:
         raise ValueError(f"{name}: expected an int > 0, got {value}")
     if value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum} (it is an int64 attribute), "
-                         f"got {value}")
+        raise ValueError(
+            f"{name}: expected an int <= {maximum} (it is an int64 attribute), got {value}"
+        )
     return value
 
 
@@ -219,9 +218,7 @@ def _check_pool(pool_arr):
         )
     pool_dtype = _dtype("past_key_value", pool_arr)
     if pool_dtype not in POOL_DTYPES:
-        raise TypeError(
-            f"past_key_value: expected dtype {_names(POOL_DTYPES)}, got {pool_dtype}"
-        )
+        raise TypeError(f"past_key_value: expected dtype {_names(POOL_DTYPES)}, got {pool_dtype}")
     # The kernels address the pool with 64-bit offsets (the native checks refuse the same).
     if math.prod(pool) * pool_dtype.itemsize > INT64_MAX:
         raise ValueError(
@@ -230,8 +227,7 @@ def _check_pool(pool_arr):
     return pool, layered, lead, pool_dtype
 
 
-def _check_deltas(k_delta, v_delta, rank, layers_txt, dims_txt, num_layers, heads, head_dim,
-                  pool):
+def _check_deltas(k_delta, v_delta, rank, layers_txt, dims_txt, num_layers, heads, head_dim, pool):
     delta_dtype = _dtype("k_delta", k_delta)
     if delta_dtype not in DELTA_DTYPES:
         raise TypeError(f"k_delta: expected dtype {_names(DELTA_DTYPES)}, got {delta_dtype}")
@@ -261,8 +257,7 @@ def _check_deltas(k_delta, v_delta, rank, layers_txt, dims_txt, num_layers, head
 def _check_rotary(rotary_dim, head_dim):
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(
-            f"rope_cos_sin: rotary dim R = {rotary_dim} must be even and <= head dim D = "
-            f"{head_dim}"
+            f"rope_cos_sin: rotary dim R = {rotary_dim} must be even and <= head dim D = {head_dim}"
         )
 
 
@@ -282,8 +277,9 @@ def _check_index_pair(names, arrays, base_shape, num_layers, base_txt):
         s = _shape(name, x)
         per_layer = num_layers is not None and s == (num_layers, *base_shape)
         if s != base_shape and not per_layer:
-            expected = base_txt + (f" or [{num_layers}, {base_txt[1:]}" if num_layers is not None
-                                   else "")
+            expected = base_txt + (
+                f" or [{num_layers}, {base_txt[1:]}" if num_layers is not None else ""
+            )
             raise ValueError(f"{name}: expected shape {expected}, got {s}")
         if per_layer_seen is not None and per_layer != per_layer_seen:
             raise ValueError(
@@ -294,8 +290,9 @@ def _check_index_pair(names, arrays, base_shape, num_layers, base_txt):
     return bool(per_layer_seen)
 
 
-def _check_extras(k_scale, v_scale, k_norm_weight, *, pool_dtype, delta_dtype, heads, head_dim,
-                  num_layers) -> Extras:
+def _check_extras(
+    k_scale, v_scale, k_norm_weight, *, pool_dtype, delta_dtype, heads, head_dim, num_layers
+) -> Extras:
     layered = num_layers is not None
     scale_shape = None
     scales_per_layer = False
@@ -336,24 +333,33 @@ def _check_extras(k_scale, v_scale, k_norm_weight, *, pool_dtype, delta_dtype, h
     if k_norm_weight is not None:
         dtype = _dtype("k_norm_weight", k_norm_weight)
         if dtype != delta_dtype:
-            raise TypeError(
-                f"k_norm_weight: expected the delta dtype {delta_dtype}, got {dtype}"
-            )
+            raise TypeError(f"k_norm_weight: expected the delta dtype {delta_dtype}, got {dtype}")
         s = _shape("k_norm_weight", k_norm_weight)
         norm_weight_per_layer = layered and s == (num_layers, head_dim)
         if s != (head_dim,) and not norm_weight_per_layer:
             expected = f"[{head_dim}]" + (f" or [{num_layers}, {head_dim}]" if layered else "")
-            raise ValueError(
-                f"k_norm_weight: expected shape {expected} (D = {head_dim}), got {s}"
-            )
-    return Extras(scale_shape=scale_shape, scales_per_layer=scales_per_layer,
-                  k_norm=k_norm_weight is not None, norm_weight_per_layer=norm_weight_per_layer,
-                  _heads_entry=heads_entry)
+            raise ValueError(f"k_norm_weight: expected shape {expected} (D = {head_dim}), got {s}")
+    return Extras(
+        scale_shape=scale_shape,
+        scales_per_layer=scales_per_layer,
+        k_norm=k_norm_weight is not None,
+        norm_weight_per_layer=norm_weight_per_layer,
+        _heads_entry=heads_entry,
+    )
 
 
 def check_update(
-    k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-    pages_per_slot, *, k_scale=None, v_scale=None, k_norm_weight=None,
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_start_positions,
+    delta_lengths,
+    pages_per_slot,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
 ) -> UpdateShape:
     """Checks the slot-contract operands (anything with .shape and .dtype); returns their sizes.
 
@@ -365,10 +371,18 @@ def check_update(
     pages_per_slot = check_pages_per_slot(pages_per_slot)
     pool, layered, lead, pool_dtype = _check_pool(past_key_value)
     num_layers = pool[0] if layered else None
-    num_pages, page_size, heads, head_dim = pool[lead + 1:]
+    num_pages, page_size, heads, head_dim = pool[lead + 1 :]
     k, delta_dtype = _check_deltas(
-        k_delta, v_delta, 4 + lead, "[layers, " if layered else "[", "B, L, H, D", num_layers,
-        heads, head_dim, pool)
+        k_delta,
+        v_delta,
+        4 + lead,
+        "[layers, " if layered else "[",
+        "B, L, H, D",
+        num_layers,
+        heads,
+        head_dim,
+        pool,
+    )
     batch, delta_len = k[lead], k[lead + 1]
     if num_pages % pages_per_slot:
         raise ValueError(
@@ -402,23 +416,54 @@ def check_update(
     _check_rotary(rotary_dim, head_dim)
 
     positions_per_layer = _check_index_pair(
-        ("delta_start_positions", "delta_lengths"), (delta_start_positions, delta_lengths),
-        (batch,), num_layers, f"[{batch}]")
-    extras = _check_extras(k_scale, v_scale, k_norm_weight, pool_dtype=pool_dtype,
-                           delta_dtype=delta_dtype, heads=heads, head_dim=head_dim,
-                           num_layers=num_layers)
+        ("delta_start_positions", "delta_lengths"),
+        (delta_start_positions, delta_lengths),
+        (batch,),
+        num_layers,
+        f"[{batch}]",
+    )
+    extras = _check_extras(
+        k_scale,
+        v_scale,
+        k_norm_weight,
+        pool_dtype=pool_dtype,
+        delta_dtype=delta_dtype,
+        heads=heads,
+        head_dim=head_dim,
+        num_layers=num_layers,
+    )
     return UpdateShape(
-        num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, num_pages=num_pages,
-        page_size=page_size, rotary_dim=rotary_dim, rope_per_layer=rope_per_layer,
-        positions_per_layer=positions_per_layer, delta_dtype=delta_dtype, pool_dtype=pool_dtype,
-        extras=extras, batch=batch, delta_len=delta_len, pages_per_slot=pages_per_slot,
-        rope_batch=rope_batch, rope_seq_len=rope_seq_len,
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        rotary_dim=rotary_dim,
+        rope_per_layer=rope_per_layer,
+        positions_per_layer=positions_per_layer,
+        delta_dtype=delta_dtype,
+        pool_dtype=pool_dtype,
+        extras=extras,
+        batch=batch,
+        delta_len=delta_len,
+        pages_per_slot=pages_per_slot,
+        rope_batch=rope_batch,
+        rope_seq_len=rope_seq_len,
     )
 
 
 def check_update_paged(
-    k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, delta_token_to_sequence,
-    kv_page_table, *, k_scale=None, v_scale=None, k_norm_weight=None,
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_positions,
+    delta_token_to_sequence,
+    kv_page_table,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
 ) -> PagedShape:
     """Checks the paged-contract operands (anything with .shape and .dtype); returns their sizes.
 
@@ -429,17 +474,26 @@ def check_update_paged(
     """
     pool, layered, lead, pool_dtype = _check_pool(past_key_value)
     num_layers = pool[0] if layered else None
-    num_pages, page_size, heads, head_dim = pool[lead + 1:]
+    num_pages, page_size, heads, head_dim = pool[lead + 1 :]
     k, delta_dtype = _check_deltas(
-        k_delta, v_delta, 3 + lead, "[layers, " if layered else "[", "T, H, D", num_layers,
-        heads, head_dim, pool)
+        k_delta,
+        v_delta,
+        3 + lead,
+        "[layers, " if layered else "[",
+        "T, H, D",
+        num_layers,
+        heads,
+        head_dim,
+        pool,
+    )
     tokens = k[lead]
 
     _check_float32("rope_cos_sin", rope_cos_sin)
     rope = _shape("rope_cos_sin", rope_cos_sin)
     if not (len(rope) == 2 or (layered and len(rope) == 3)):
         expected = "rank 2 [T, R] (token-aligned rows)" + (
-            " or rank 3 [layers, T, R]" if layered else "")
+            " or rank 3 [layers, T, R]" if layered else ""
+        )
         raise ValueError(f"rope_cos_sin: expected {expected}, got shape {rope}")
     rope_per_layer = len(rope) == 3
     if rope_per_layer and rope[0] != num_layers:
@@ -453,8 +507,12 @@ def check_update_paged(
     _check_rotary(rotary_dim, head_dim)
 
     positions_per_layer = _check_index_pair(
-        ("delta_positions", "delta_token_to_sequence"), (delta_positions, delta_token_to_sequence),
-        (tokens,), num_layers, f"[{tokens}]")
+        ("delta_positions", "delta_token_to_sequence"),
+        (delta_positions, delta_token_to_sequence),
+        (tokens,),
+        num_layers,
+        f"[{tokens}]",
+    )
 
     table_dtype = _dtype("kv_page_table", kv_page_table)
     if table_dtype != INDEX_DTYPE:
@@ -474,14 +532,31 @@ def check_update_paged(
             f"kv_page_table: expected M <= N = {num_pages} pages per sequence (the pool's "
             f"numPages), got M = {table_pages} (shape {table})"
         )
-    extras = _check_extras(k_scale, v_scale, k_norm_weight, pool_dtype=pool_dtype,
-                           delta_dtype=delta_dtype, heads=heads, head_dim=head_dim,
-                           num_layers=num_layers)
+    extras = _check_extras(
+        k_scale,
+        v_scale,
+        k_norm_weight,
+        pool_dtype=pool_dtype,
+        delta_dtype=delta_dtype,
+        heads=heads,
+        head_dim=head_dim,
+        num_layers=num_layers,
+    )
     return PagedShape(
-        num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, num_pages=num_pages,
-        page_size=page_size, rotary_dim=rotary_dim, rope_per_layer=rope_per_layer,
-        positions_per_layer=positions_per_layer, delta_dtype=delta_dtype, pool_dtype=pool_dtype,
-        extras=extras, tokens=tokens, batch=batch, table_pages=table_pages,
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        rotary_dim=rotary_dim,
+        rope_per_layer=rope_per_layer,
+        positions_per_layer=positions_per_layer,
+        delta_dtype=delta_dtype,
+        pool_dtype=pool_dtype,
+        extras=extras,
+        tokens=tokens,
+        batch=batch,
+        table_pages=table_pages,
         table_per_layer=table_per_layer,
     )
 

@@ -11,8 +11,14 @@ import jax.numpy as jnp
 
 
 def target_kv_cache_update(
-    k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-    *, pages_per_slot: int,
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_start_positions,
+    delta_lengths,
+    *,
+    pages_per_slot: int,
 ):
     """Same result as :func:`jax_dflash.target_kv_cache_update` (unbatched form, 16/32-bit pool
     of the delta dtype, no fused norm)."""
@@ -27,8 +33,11 @@ def target_kv_cache_update(
     valid = (t[None, :] < delta_lengths[:, None]) & (pos >= 0) & (pos < capacity)
 
     rows = jnp.broadcast_to(rope_cos_sin, (batch, rope_seq_len, rotary_dim))
-    table = jnp.take_along_axis(rows, jnp.clip(pos, 0, max(rope_seq_len - 1, 0))[..., None],
-                                axis=1) if rope_seq_len else jnp.zeros((batch, delta_len, rotary_dim))
+    table = (
+        jnp.take_along_axis(rows, jnp.clip(pos, 0, max(rope_seq_len - 1, 0))[..., None], axis=1)
+        if rope_seq_len
+        else jnp.zeros((batch, delta_len, rotary_dim))
+    )
     cos = table[..., None, :half]  # [B, L, 1, R/2]
     sin = table[..., None, half:]
     k = k_delta.astype(jnp.float32)

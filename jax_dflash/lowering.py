@@ -24,8 +24,12 @@ def slot_lowering(platform: str):
 
     def rule(ctx, *operands, pages_per_slot, k_norm, v_norm, norm_eps):
         _ext.ensure_registered(platform)
-        return lower(ctx, *operands, pages_per_slot=np.int64(pages_per_slot),
-                     **_norm_attributes(k_norm, v_norm, norm_eps))
+        return lower(
+            ctx,
+            *operands,
+            pages_per_slot=np.int64(pages_per_slot),
+            **_norm_attributes(k_norm, v_norm, norm_eps),
+        )
 
     return rule
 
@@ -36,7 +40,8 @@ def paged_lowering(platform: str):
 
     def rule(ctx, *operands, ring, k_norm, v_norm, norm_eps):
         _ext.ensure_registered(platform)
-        return lower(ctx, *operands, ring=np.bool_(ring),
-                     **_norm_attributes(k_norm, v_norm, norm_eps))
+        return lower(
+            ctx, *operands, ring=np.bool_(ring), **_norm_attributes(k_norm, v_norm, norm_eps)
+        )
 
     return rule

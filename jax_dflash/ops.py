@@ -109,8 +109,9 @@ def _signature(x):
 def _check_cached(contract, pages_per_slot, base, extras):
     """The contract's checks, cached per operand shapes and dtypes: an eager call in a decode
     loop checks the same signature every step."""
-    _check_signature(contract, pages_per_slot, tuple(map(_signature, base)),
-                     tuple(map(_signature, extras)))
+    _check_signature(
+        contract, pages_per_slot, tuple(map(_signature, base)), tuple(map(_signature, extras))
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,15 +119,19 @@ def _check_signature(contract, pages_per_slot, base, extras):
     base = [_Aval(*sig) for sig in base]
     k_scale, v_scale, k_norm_weight = (None if sig is None else _Aval(*sig) for sig in extras)
     if contract == "slot":
-        check_update(*base, pages_per_slot, k_scale=k_scale, v_scale=v_scale,
-                     k_norm_weight=k_norm_weight)
+        check_update(
+            *base, pages_per_slot, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight
+        )
     else:
         check_update_paged(*base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
 
 
 def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
-    return dict(k_norm=k_norm_weight is not None, v_norm=check_bool_attr("v_norm", v_norm),
-                norm_eps=check_norm_eps(norm_eps))
+    return dict(
+        k_norm=k_norm_weight is not None,
+        v_norm=check_bool_attr("v_norm", v_norm),
+        norm_eps=check_norm_eps(norm_eps),
+    )
 
 
 # ---- the slot contract -----------------------------------------------------------------------
@@ -200,11 +205,14 @@ def target_kv_cache_update(
         given. Runtime data (positions, lengths) is never trusted: values that point outside the
         slot write nothing.
     """
-    base = [_array_operand("k_delta", k_delta), _array_operand("v_delta", v_delta),
-            _array_operand("past_key_value", past_key_value),
-            _array_operand("rope_cos_sin", rope_cos_sin),
-            _index_operand("delta_start_positions", delta_start_positions),
-            _index_operand("delta_lengths", delta_lengths)]
+    base = [
+        _array_operand("k_delta", k_delta),
+        _array_operand("v_delta", v_delta),
+        _array_operand("past_key_value", past_key_value),
+        _array_operand("rope_cos_sin", rope_cos_sin),
+        _index_operand("delta_start_positions", delta_start_positions),
+        _index_operand("delta_lengths", delta_lengths),
+    ]
     k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
     if k_norm_weight is not None:
         k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
@@ -214,8 +222,9 @@ def target_kv_cache_update(
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
     _check_cached("slot", pages_per_slot, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return _bind(target_kv_cache_update_p, [*base, *extras],
-                 dict(pages_per_slot=pages_per_slot, **params))
+    return _bind(
+        target_kv_cache_update_p, [*base, *extras], dict(pages_per_slot=pages_per_slot, **params)
+    )
 
 
 def target_kv_cache_update_paged(
@@ -279,17 +288,21 @@ def target_kv_cache_update_paged(
       TypeError, ValueError: at trace time, naming the argument, what was expected and what was
         given. Runtime data (positions, owners, page ids) is never trusted.
     """
-    base = [_array_operand("k_delta", k_delta), _array_operand("v_delta", v_delta),
-            _array_operand("past_key_value", past_key_value),
-            _array_operand("rope_cos_sin", rope_cos_sin),
-            _index_operand("delta_positions", delta_positions),
-            _index_operand("delta_token_to_sequence", delta_token_to_sequence),
-            _index_operand("kv_page_table", kv_page_table)]
+    base = [
+        _array_operand("k_delta", k_delta),
+        _array_operand("v_delta", v_delta),
+        _array_operand("past_key_value", past_key_value),
+        _array_operand("rope_cos_sin", rope_cos_sin),
+        _index_operand("delta_positions", delta_positions),
+        _index_operand("delta_token_to_sequence", delta_token_to_sequence),
+        _index_operand("kv_page_table", kv_page_table),
+    ]
     k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
     if k_norm_weight is not None:
         k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
-    params = dict(ring=check_bool_attr("ring", ring),
-                  **_norm_params(k_norm_weight, v_norm, norm_eps))
+    params = dict(
+        ring=check_bool_attr("ring", ring), **_norm_params(k_norm_weight, v_norm, norm_eps)
+    )
     _check_cached("paged", None, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
     return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
@@ -315,7 +328,7 @@ def _paged_abstract_eval(*operands, **params):
 # ---- eager calls: one jitted callable per primitive and params --------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(primitive, params: tuple):
     # jax.jit caches compilations per callable: a fresh callable per call would retrace and
     # recompile every time, so the callable is cached per params.
@@ -351,10 +364,15 @@ target_kv_cache_update_paged_p.def_impl(_impl_for(target_kv_cache_update_paged_p
 
 
 # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
-sharding.register_lowerings(target_kv_cache_update_p, lowering.slot_lowering,
-                            platforms=("cpu", "cuda"), contract="slot")
-sharding.register_lowerings(target_kv_cache_update_paged_p, lowering.paged_lowering,
-                            platforms=("cpu", "cuda"), contract="paged")
+sharding.register_lowerings(
+    target_kv_cache_update_p, lowering.slot_lowering, platforms=("cpu", "cuda"), contract="slot"
+)
+sharding.register_lowerings(
+    target_kv_cache_update_paged_p,
+    lowering.paged_lowering,
+    platforms=("cpu", "cuda"),
+    contract="paged",
+)
 
 
 # ---- batching: vmap over layers becomes the layer-batched form ---------------------------------
@@ -439,6 +457,8 @@ def _nested(primitive, args, mapped, kinds, size, params):
 
 
 batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule_for(
-    target_kv_cache_update_p, _SLOT_KINDS, _SLOT_GROUPS, SLOT_BASE)
+    target_kv_cache_update_p, _SLOT_KINDS, _SLOT_GROUPS, SLOT_BASE
+)
 batching.primitive_batchers[target_kv_cache_update_paged_p] = _batching_rule_for(
-    target_kv_cache_update_paged_p, _PAGED_KINDS, _PAGED_GROUPS, PAGED_BASE)
+    target_kv_cache_update_paged_p, _PAGED_KINDS, _PAGED_GROUPS, PAGED_BASE
+)

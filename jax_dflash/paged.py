@@ -17,8 +17,9 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 def _static_int(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected a static Python int, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(
+            f"{name}: expected a static Python int, got {type(value).__name__} {value!r}"
+        )
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return int(value)
@@ -27,8 +28,10 @@ def _static_int(name, value, minimum):
 def _int32_array(name, x, rank=None):
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else None
     if dtype != np.int32:
-        raise TypeError(f"{name}: expected an int32 array, got "
-                        f"{dtype if dtype is not None else type(x).__name__}")
+        raise TypeError(
+            f"{name}: expected an int32 array, got "
+            f"{dtype if dtype is not None else type(x).__name__}"
+        )
     if rank is not None and len(x.shape) != rank:
         raise ValueError(f"{name}: expected rank {rank}, got shape {tuple(x.shape)}")
     return jnp.asarray(x)
@@ -44,8 +47,10 @@ def token_positions(start_positions, lengths, width: int) -> tuple[jax.Array, ja
     starts = _int32_array("start_positions", start_positions)
     lengths = _int32_array("lengths", lengths)
     if starts.ndim < 1 or lengths.shape != starts.shape:
-        raise ValueError(f"lengths: expected start_positions' shape {tuple(starts.shape)} (rank "
-                         f">= 1), got {tuple(lengths.shape)}")
+        raise ValueError(
+            f"lengths: expected start_positions' shape {tuple(starts.shape)} (rank "
+            f">= 1), got {tuple(lengths.shape)}"
+        )
     batch = starts.shape[-1]
     t = jnp.arange(width, dtype=jnp.int32)
     owner = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, width))
@@ -62,13 +67,17 @@ def gather_rope(rope_cos_sin, delta_positions, delta_token_to_sequence) -> jax.A
     or ``>= S``, or the token is padding (owner < 0, or owner >= Rb when Rb > 1)."""
     rope = jnp.asarray(rope_cos_sin)
     if rope.dtype != jnp.float32 or rope.ndim != 3:
-        raise TypeError(f"rope_cos_sin: expected a float32 [Rb, S, R] array, got {rope.dtype} "
-                        f"of shape {tuple(rope.shape)}")
+        raise TypeError(
+            f"rope_cos_sin: expected a float32 [Rb, S, R] array, got {rope.dtype} "
+            f"of shape {tuple(rope.shape)}"
+        )
     positions = _int32_array("delta_positions", delta_positions, 1)
     owners = _int32_array("delta_token_to_sequence", delta_token_to_sequence, 1)
     if owners.shape != positions.shape:
-        raise ValueError(f"delta_token_to_sequence: expected delta_positions' shape "
-                         f"{tuple(positions.shape)}, got {tuple(owners.shape)}")
+        raise ValueError(
+            f"delta_token_to_sequence: expected delta_positions' shape "
+            f"{tuple(positions.shape)}, got {tuple(owners.shape)}"
+        )
     rope_batch, seq_len, rotary_dim = rope.shape
     valid = (owners >= 0) & (positions >= 0) & (positions < seq_len)
     if rope_batch > 1:
@@ -88,10 +97,13 @@ def identity_page_table(batch: int, pages_per_slot: int, num_pages: int) -> jax.
     pages_per_slot = _static_int("pages_per_slot", pages_per_slot, 1)
     num_pages = _static_int("num_pages", num_pages, 1)
     if batch * pages_per_slot > num_pages:
-        raise ValueError(f"num_pages: expected at least batch * pages_per_slot = "
-                         f"{batch * pages_per_slot} pages, got {num_pages}")
+        raise ValueError(
+            f"num_pages: expected at least batch * pages_per_slot = "
+            f"{batch * pages_per_slot} pages, got {num_pages}"
+        )
     if 2 * num_pages > _INT32_MAX + 1:
-        raise ValueError(f"num_pages: expected V ids (up to 2 * num_pages - 1) to fit int32, got "
-                         f"{num_pages}")
+        raise ValueError(
+            f"num_pages: expected V ids (up to 2 * num_pages - 1) to fit int32, got {num_pages}"
+        )
     pages = jnp.arange(batch * pages_per_slot, dtype=jnp.int32).reshape(batch, pages_per_slot)
     return jnp.stack([pages, pages + num_pages], axis=1)

@@ -21,7 +21,11 @@ _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 # Canonical quiet NaN bits of each pool dtype (SPEC.md, "NaN").
 CANONICAL_NAN = {
-    _FLOAT16: 0x7E00, _BFLOAT16: 0x7FC0, _FLOAT32: 0x7FC00000, _E4M3: 0x7F, _E5M2: 0x7F,
+    _FLOAT16: 0x7E00,
+    _BFLOAT16: 0x7FC0,
+    _FLOAT32: 0x7FC00000,
+    _E4M3: 0x7F,
+    _E5M2: 0x7F,
 }
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -170,8 +174,9 @@ def _store(delta, y, touched, pool_dtype, inv_scale):
     return out
 
 
-def _stored_rows(k, v, rope_rows, rotated, *, pool_dtype, rotary_dim, inv_k, inv_v,
-                 k_norm_weight, v_norm, eps):
+def _stored_rows(
+    k, v, rope_rows, rotated, *, pool_dtype, rotary_dim, inv_k, inv_v, k_norm_weight, v_norm, eps
+):
     """What one layer stores for n written tokens: K and V rows [n, H, D] of the pool dtype.
     rope_rows [n, R] (any values where not ``rotated``), rotated [n] bool."""
     dtype = k.dtype
@@ -211,9 +216,15 @@ def _options(v_norm, norm_eps, ring=False):
 
 
 def _extras(k_scale, v_scale, k_norm_weight):
-    return {name: np.asarray(x) for name, x in
-            (("k_scale", k_scale), ("v_scale", v_scale), ("k_norm_weight", k_norm_weight))
-            if x is not None}
+    return {
+        name: np.asarray(x)
+        for name, x in (
+            ("k_scale", k_scale),
+            ("v_scale", v_scale),
+            ("k_norm_weight", k_norm_weight),
+        )
+        if x is not None
+    }
 
 
 # ---- the slot contract --------------------------------------------------------------------------
@@ -231,8 +242,11 @@ def _slot_layer(k, v, pool, rope, starts, lengths, pages_per_slot, **stored):
     pos = pos[bs, ts]
     rotated = pos < rope_seq_len
     rb = np.zeros_like(bs) if rope_batch == 1 else bs
-    rows = rope[rb, np.minimum(pos, max(rope_seq_len - 1, 0))] if rope_seq_len else \
-        np.zeros((len(pos), rope.shape[-1]), np.float32)
+    rows = (
+        rope[rb, np.minimum(pos, max(rope_seq_len - 1, 0))]
+        if rope_seq_len
+        else np.zeros((len(pos), rope.shape[-1]), np.float32)
+    )
     k_rows, v_rows = _stored_rows(k[bs, ts], v[bs, ts], rows, rotated, **stored)
     page = bs * pages_per_slot + pos // page_size
     pool[0, page, pos % page_size] = k_rows
@@ -240,15 +254,34 @@ def _slot_layer(k, v, pool, rope, starts, lengths, pages_per_slot, **stored):
 
 
 def target_kv_cache_update(
-    k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-    *, pages_per_slot: int, k_scale=None, v_scale=None, k_norm_weight=None, norm_eps=1e-6,
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_start_positions,
+    delta_lengths,
+    *,
+    pages_per_slot: int,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
     v_norm=False,
 ) -> np.ndarray:
     """Returns a new pool: ``past_key_value`` with the accepted tokens written (SPEC.md, the slot
     contract). Accepts the unbatched and layer-batched forms of
     :func:`jax_dflash.target_kv_cache_update`; the input arrays are not modified."""
-    args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin,
-                                    delta_start_positions, delta_lengths)]
+    args = [
+        np.asarray(a)
+        for a in (
+            k_delta,
+            v_delta,
+            past_key_value,
+            rope_cos_sin,
+            delta_start_positions,
+            delta_lengths,
+        )
+    ]
     extras = _extras(k_scale, v_scale, k_norm_weight)
     _shapes.check_update(*args, pages_per_slot, **extras)
     eps = _options(v_norm, norm_eps)
@@ -256,18 +289,27 @@ def target_kv_cache_update(
     out = pool.copy()
     layered = pool.ndim == 6
     for layer in range(pool.shape[0] if layered else 1):
+
         def at(x, per_layer):
             return _layer_slice(x, layered and per_layer, layer)
 
         ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
         with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
             _slot_layer(
-                at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 4),
-                at(starts, starts.ndim == 2), at(lengths, lengths.ndim == 2), pages_per_slot,
-                pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+                at(k, True),
+                at(v, True),
+                out[layer] if layered else out,
+                at(rope, rope.ndim == 4),
+                at(starts, starts.ndim == 2),
+                at(lengths, lengths.ndim == 2),
+                pages_per_slot,
+                pool_dtype=pool.dtype,
+                rotary_dim=rope.shape[-1],
                 inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
                 inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-                k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
+                k_norm_weight=at(w, w is not None and w.ndim == 2),
+                v_norm=bool(v_norm),
+                eps=eps,
             )
     return out
 
@@ -296,15 +338,36 @@ def _paged_layer(k, v, pool, rope, positions, owners, table, ring, **stored):
 
 
 def target_kv_cache_update_paged(
-    k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, delta_token_to_sequence,
-    kv_page_table, *, ring=False, k_scale=None, v_scale=None, k_norm_weight=None, norm_eps=1e-6,
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_positions,
+    delta_token_to_sequence,
+    kv_page_table,
+    *,
+    ring=False,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
     v_norm=False,
 ) -> np.ndarray:
     """Returns a new pool: ``past_key_value`` with the tokens written (SPEC.md, the paged
     contract, with the ring option). Accepts the unbatched and layer-batched forms of
     :func:`jax_dflash.target_kv_cache_update_paged`; the input arrays are not modified."""
-    args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin,
-                                    delta_positions, delta_token_to_sequence, kv_page_table)]
+    args = [
+        np.asarray(a)
+        for a in (
+            k_delta,
+            v_delta,
+            past_key_value,
+            rope_cos_sin,
+            delta_positions,
+            delta_token_to_sequence,
+            kv_page_table,
+        )
+    ]
     extras = _extras(k_scale, v_scale, k_norm_weight)
     _shapes.check_update_paged(*args, **extras)
     eps = _options(v_norm, norm_eps, ring)
@@ -312,18 +375,27 @@ def target_kv_cache_update_paged(
     out = pool.copy()
     layered = pool.ndim == 6
     for layer in range(pool.shape[0] if layered else 1):
+
         def at(x, per_layer):
             return _layer_slice(x, layered and per_layer, layer)
 
         ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
         with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
             _paged_layer(
-                at(k, True), at(v, True), out[layer] if layered else out, at(rope, rope.ndim == 3),
-                at(positions, positions.ndim == 2), at(owners, owners.ndim == 2),
-                at(table, table.ndim == 4), bool(ring),
-                pool_dtype=pool.dtype, rotary_dim=rope.shape[-1],
+                at(k, True),
+                at(v, True),
+                out[layer] if layered else out,
+                at(rope, rope.ndim == 3),
+                at(positions, positions.ndim == 2),
+                at(owners, owners.ndim == 2),
+                at(table, table.ndim == 4),
+                bool(ring),
+                pool_dtype=pool.dtype,
+                rotary_dim=rope.shape[-1],
                 inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
                 inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-                k_norm_weight=at(w, w is not None and w.ndim == 2), v_norm=bool(v_norm), eps=eps,
+                k_norm_weight=at(w, w is not None and w.ndim == 2),
+                v_norm=bool(v_norm),
+                eps=eps,
             )
     return out

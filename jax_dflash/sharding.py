@@ -133,7 +133,8 @@ def partition_specs(
         raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
     split = Split(layers=_axes(layer_axis), slots=_axes(batch_axis), heads=_axes(head_axis))
     return _slot_specs(split, layered, rope_batched, rope_per_layer, positions_per_layer) + (
-        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer))
+        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
+    )
 
 
 def paged_partition_specs(
@@ -155,7 +156,8 @@ def paged_partition_specs(
         raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
     split = Split(layers=_axes(layer_axis), heads=_axes(head_axis))
     return _paged_specs(split, layered, rope_per_layer, positions_per_layer, table_per_layer) + (
-        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer))
+        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
+    )
 
 
 def _slot_specs(split: Split, layered, rope_batched, rope_per_layer, positions_per_layer):
@@ -183,21 +185,40 @@ def operand_specs(shape: UpdateShape | PagedShape, split: Split) -> tuple[Partit
     """Every operand's spec (the extras included) for a checked shape and a planned split."""
     layered = shape.num_layers is not None
     extras = shape.extras
-    scales = None if extras.scale_shape is None else (
-        "head" if extras.scales_per_head else "tensor")
-    tail = _extra_specs(split, layered, scales, extras.scales_per_layer, extras.k_norm,
-                        extras.norm_weight_per_layer)
+    scales = (
+        None if extras.scale_shape is None else ("head" if extras.scales_per_head else "tensor")
+    )
+    tail = _extra_specs(
+        split, layered, scales, extras.scales_per_layer, extras.k_norm, extras.norm_weight_per_layer
+    )
     if isinstance(shape, PagedShape):
-        return _paged_specs(split, layered, shape.rope_per_layer, shape.positions_per_layer,
-                            shape.table_per_layer) + tail
-    return _slot_specs(split, layered, shape.rope_batch == shape.batch, shape.rope_per_layer,
-                       shape.positions_per_layer) + tail
+        return (
+            _paged_specs(
+                split,
+                layered,
+                shape.rope_per_layer,
+                shape.positions_per_layer,
+                shape.table_per_layer,
+            )
+            + tail
+        )
+    return (
+        _slot_specs(
+            split,
+            layered,
+            shape.rope_batch == shape.batch,
+            shape.rope_per_layer,
+            shape.positions_per_layer,
+        )
+        + tail
+    )
 
 
 def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
     entries = list(spec) + [None] * (ndim - len(spec))
     return [
-        () if e is None or e is PartitionSpec.UNCONSTRAINED
+        ()
+        if e is None or e is PartitionSpec.UNCONSTRAINED
         else ((e,) if isinstance(e, str) else tuple(e))
         for e in entries
     ]
@@ -241,22 +262,30 @@ def _plan_dims(shape, dims, shards: Callable | None) -> Split:
     layered = shape.num_layers is not None
     lead = 1 if layered else 0
     spec_txt = f"sharding {_spec_text(dims)}"
-    allowed = f"the KV heads (dim {lead + 3})" + (
-        "" if paged else f", the slots (dim {lead + 1}, in whole slots)") + (
-        " and the layers (dim 0)" if layered else "")
+    allowed = (
+        f"the KV heads (dim {lead + 3})"
+        + ("" if paged else f", the slots (dim {lead + 1}, in whole slots)")
+        + (" and the layers (dim 0)" if layered else "")
+    )
     forbidden = [(0, "K/V plane"), (2, "P"), (4, "D")] + ([(1, "numPages")] if paged else [])
     for i, name in forbidden:
         if dims[lead + i]:
-            why = (": the page table may send any token to any page, so the pages cannot be "
-                   "split" if paged and i == 1 else "")
+            why = (
+                ": the page table may send any token to any page, so the pages cannot be split"
+                if paged and i == 1
+                else ""
+            )
             raise ValueError(
                 f"past_key_value: {spec_txt} splits dim {lead + i} ({name}) over mesh axes "
                 f"{dims[lead + i]}{why}; the DFlash "
                 f"{'paged ' if paged else ''}update can split only {allowed}; replicate "
                 f"dim {lead + i}"
             )
-    split = Split(layers=dims[0] if layered else (), slots=() if paged else dims[lead + 1],
-                  heads=dims[lead + 3])
+    split = Split(
+        layers=dims[0] if layered else (),
+        slots=() if paged else dims[lead + 1],
+        heads=dims[lead + 3],
+    )
     if shards is None:
         return split
     if split.layers and shape.num_layers % shards(split.layers):
@@ -310,12 +339,17 @@ def _partition(primitive, contract, params, mesh, arg_shapes, result_shape):
                 f"{pool_txt}; the DFlash update reshards it to {spec} (communication)",
                 stacklevel=2,
             )
+
     # Runs on each shard's blocks, in a fully manual context: the plain FFI call.
     def local(*operands):
         return primitive.bind(*operands, **params)
 
-    return mesh, local, NamedSharding(mesh, specs[POOL]), tuple(
-        NamedSharding(mesh, s) for s in specs)
+    return (
+        mesh,
+        local,
+        NamedSharding(mesh, specs[POOL]),
+        tuple(NamedSharding(mesh, s) for s in specs),
+    )
 
 
 def _infer_sharding_from_operands(contract, params, mesh, arg_shapes, result_shape):
@@ -331,8 +365,9 @@ def _sharding_rule(params, mesh, operand_types, result_types):
     sharding, and a small operand never pushes its own sharding onto the pool (``_partition``
     reshards it to follow the pool instead)."""
     del params, mesh, result_types
-    operands = [" ".join(f"o{i}d{j}" for j in range(len(t.shape)))
-                for i, t in enumerate(operand_types)]
+    operands = [
+        " ".join(f"o{i}d{j}" for j in range(len(t.shape))) for i, t in enumerate(operand_types)
+    ]
     return f"{', '.join(operands)} -> {operands[POOL]}"
 
 
@@ -393,8 +428,10 @@ def _visible_pool_dims(value, ndim: int) -> list[tuple[str, ...]] | None:
         if attr is None:
             return None
         sharding = _sdy.TensorShardingAttr(attr)
-        dims = [tuple(_sdy.AxisRefAttr(a).name for a in _sdy.DimensionShardingAttr(d).axes)
-                for d in sharding.dimension_shardings]
+        dims = [
+            tuple(_sdy.AxisRefAttr(a).name for a in _sdy.DimensionShardingAttr(d).axes)
+            for d in sharding.dimension_shardings
+        ]
     except Exception:  # noqa: BLE001 - an IR shape this reader does not know: the partitioner checks
         return None
     return dims if len(dims) == ndim else None
@@ -419,13 +456,18 @@ def _check_visible_pool_sharding(ctx, contract, params, operands) -> None:
     sizes = _mesh_sizes(ctx.module_context.axis_context)
     shards = None
     if sizes is not None and all(a in sizes for d in dims for a in d):
+
         def shards(axes):
             return math.prod(sizes[a] for a in axes)
+
     _plan_dims(shape, dims, shards)
 
 
 def register_lowerings(
-    primitive, local_lowering: Callable[[str], Callable], platforms: Sequence[str], *,
+    primitive,
+    local_lowering: Callable[[str], Callable],
+    platforms: Sequence[str],
+    *,
     contract: str,
 ) -> None:
     """Registers ``primitive``'s lowering for each platform: the per-shard FFI call
@@ -453,8 +495,7 @@ def register_lowerings(
         # The partitioned lowering needs the device assignment (custom_partitioning does too).
         _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
-    op_name = ("target_kv_cache_update" if contract == "slot"
-               else "target_kv_cache_update_paged")
+    op_name = "target_kv_cache_update" if contract == "slot" else "target_kv_cache_update_paged"
     for platform in platforms:
         lower_local = local_lowering(platform)
 

@@ -99,8 +99,21 @@ class _Extras:
         return out
 
 
-def _make_extras(rng, *, dtype, pool_dtype, heads, head_dim, layers, hostile, k_norm, v_norm,
-                 scale_shape, norm_eps, norm_weight_per_layer) -> _Extras:
+def _make_extras(
+    rng,
+    *,
+    dtype,
+    pool_dtype,
+    heads,
+    head_dim,
+    layers,
+    hostile,
+    k_norm,
+    v_norm,
+    scale_shape,
+    norm_eps,
+    norm_weight_per_layer,
+) -> _Extras:
     extras = _Extras(norm_eps=float(norm_eps), v_norm=bool(v_norm))
     if pool_dtype in FP8_DTYPES:
         shape = _scale_shape(scale_shape, heads, layers)
@@ -143,8 +156,14 @@ class Problem:
     v_norm: bool = False
 
     def args(self):
-        return (self.k_delta, self.v_delta, self.past_key_value, self.rope_cos_sin,
-                self.delta_start_positions, self.delta_lengths)
+        return (
+            self.k_delta,
+            self.v_delta,
+            self.past_key_value,
+            self.rope_cos_sin,
+            self.delta_start_positions,
+            self.delta_lengths,
+        )
 
     def kwargs(self) -> dict:
         """Keywords for jax_dflash.target_kv_cache_update and the reference: pages_per_slot, and
@@ -156,10 +175,26 @@ class Problem:
 def make_problem(
     rng: np.random.Generator,
     *,
-    batch=2, delta_len=4, heads=2, head_dim=16, rotary_dim=None, page_size=4, pages_per_slot=2,
-    max_batch=None, rope_batch=1, rope_seq_len=None, dtype=np.float16, layers=None,
-    hostile=True, rope_per_layer=False, positions_per_layer=False,
-    pool_dtype=None, k_norm=False, v_norm=False, scale_shape=None, norm_eps=1e-6,
+    batch=2,
+    delta_len=4,
+    heads=2,
+    head_dim=16,
+    rotary_dim=None,
+    page_size=4,
+    pages_per_slot=2,
+    max_batch=None,
+    rope_batch=1,
+    rope_seq_len=None,
+    dtype=np.float16,
+    layers=None,
+    hostile=True,
+    rope_per_layer=False,
+    positions_per_layer=False,
+    pool_dtype=None,
+    k_norm=False,
+    v_norm=False,
+    scale_shape=None,
+    norm_eps=1e-6,
     norm_weight_per_layer=False,
 ) -> Problem:
     """Random values everywhere (never zeros); positions include padding, pass-through past S,
@@ -184,8 +219,9 @@ def make_problem(
     # The draw order (pool, rope, positions, k, v, then extras) keeps the problems of a seed
     # unchanged for callers that use no extras.
     delta_shape = (*lead, batch, delta_len, heads, head_dim)
-    pool = _random_pool(rng, (*lead, 2, max_batch * pages_per_slot, page_size, heads, head_dim),
-                        pool_dtype)
+    pool = _random_pool(
+        rng, (*lead, 2, max_batch * pages_per_slot, page_size, heads, head_dim), pool_dtype
+    )
     rope_lead = lead if rope_per_layer else ()
     rope = rng.uniform(-1, 1, (*rope_lead, rope_batch, rope_seq_len, rotary_dim)).astype(np.float32)
     pos_shape = (*(lead if positions_per_layer else ()), batch)
@@ -197,12 +233,22 @@ def make_problem(
         lengths = np.full(pos_shape, delta_len, np.int32)
     k_delta, v_delta = normal(delta_shape), normal(delta_shape)
     extras = _make_extras(
-        rng, dtype=dtype, pool_dtype=pool_dtype, heads=heads, head_dim=head_dim, layers=layers,
-        hostile=hostile, k_norm=k_norm, v_norm=v_norm, scale_shape=scale_shape,
-        norm_eps=norm_eps, norm_weight_per_layer=norm_weight_per_layer,
+        rng,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        heads=heads,
+        head_dim=head_dim,
+        layers=layers,
+        hostile=hostile,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        scale_shape=scale_shape,
+        norm_eps=norm_eps,
+        norm_weight_per_layer=norm_weight_per_layer,
     )
-    return Problem(k_delta, v_delta, pool, rope, starts, lengths, pages_per_slot,
-                   **dataclasses.asdict(extras))
+    return Problem(
+        k_delta, v_delta, pool, rope, starts, lengths, pages_per_slot, **dataclasses.asdict(extras)
+    )
 
 
 # ---- the paged contract -------------------------------------------------------------------------
@@ -227,8 +273,15 @@ class PagedProblem:
     v_norm: bool = False
 
     def args(self):
-        return (self.k_delta, self.v_delta, self.past_key_value, self.rope_cos_sin,
-                self.delta_positions, self.delta_token_to_sequence, self.kv_page_table)
+        return (
+            self.k_delta,
+            self.v_delta,
+            self.past_key_value,
+            self.rope_cos_sin,
+            self.delta_positions,
+            self.delta_token_to_sequence,
+            self.kv_page_table,
+        )
 
     def kwargs(self) -> dict:
         """Keywords for jax_dflash.target_kv_cache_update_paged and the reference: ring, and
@@ -288,10 +341,26 @@ def _random_tokens(rng, tokens, batch, table_pages, page_size, hostile):
 def make_paged_problem(
     rng: np.random.Generator,
     *,
-    tokens=8, batch=2, heads=2, head_dim=16, rotary_dim=None, num_pages=8, page_size=4,
-    table_pages=2, dtype=np.float16, pool_dtype=None, layers=None, hostile=True,
-    k_norm=False, v_norm=False, scale_shape=None, norm_eps=1e-6, ring=False,
-    rope_per_layer=False, positions_per_layer=False, table_per_layer=False,
+    tokens=8,
+    batch=2,
+    heads=2,
+    head_dim=16,
+    rotary_dim=None,
+    num_pages=8,
+    page_size=4,
+    table_pages=2,
+    dtype=np.float16,
+    pool_dtype=None,
+    layers=None,
+    hostile=True,
+    k_norm=False,
+    v_norm=False,
+    scale_shape=None,
+    norm_eps=1e-6,
+    ring=False,
+    rope_per_layer=False,
+    positions_per_layer=False,
+    table_per_layer=False,
     norm_weight_per_layer=False,
 ) -> PagedProblem:
     """A random paged update: ``tokens`` tokens of ``batch`` sequences over a pool of
@@ -312,8 +381,11 @@ def make_paged_problem(
             f"batch={batch}"
         )
     lead = () if layers is None else (layers,)
-    per_layer = {"rope_per_layer": rope_per_layer, "positions_per_layer": positions_per_layer,
-                 "table_per_layer": table_per_layer}
+    per_layer = {
+        "rope_per_layer": rope_per_layer,
+        "positions_per_layer": positions_per_layer,
+        "table_per_layer": table_per_layer,
+    }
     for name, flag in per_layer.items():
         if flag and layers is None:
             raise ValueError(f"{name}: expected layers to be set, got layers=None")
@@ -324,22 +396,44 @@ def make_paged_problem(
     pool = _random_pool(rng, (*lead, 2, num_pages, page_size, heads, head_dim), pool_dtype)
     rope = rng.uniform(-1, 1, (*(lead if rope_per_layer else ()), tokens, rotary_dim))
     rope = rope.astype(np.float32)
-    token_sets = [_random_tokens(rng, tokens, batch, table_pages, page_size, hostile)
-                  for _ in range(layers if positions_per_layer else 1)]
+    token_sets = [
+        _random_tokens(rng, tokens, batch, table_pages, page_size, hostile)
+        for _ in range(layers if positions_per_layer else 1)
+    ]
     positions = np.stack([p for p, _ in token_sets]) if positions_per_layer else token_sets[0][0]
     owners = np.stack([o for _, o in token_sets]) if positions_per_layer else token_sets[0][1]
-    tables = [_random_page_table(rng, batch, table_pages, num_pages, hostile)
-              for _ in range(layers if table_per_layer else 1)]
+    tables = [
+        _random_page_table(rng, batch, table_pages, num_pages, hostile)
+        for _ in range(layers if table_per_layer else 1)
+    ]
     table = np.stack(tables) if table_per_layer else tables[0]
     delta_shape = (*lead, tokens, heads, head_dim)
     k_delta, v_delta = normal(delta_shape), normal(delta_shape)
     extras = _make_extras(
-        rng, dtype=dtype, pool_dtype=pool_dtype, heads=heads, head_dim=head_dim, layers=layers,
-        hostile=hostile, k_norm=k_norm, v_norm=v_norm, scale_shape=scale_shape,
-        norm_eps=norm_eps, norm_weight_per_layer=norm_weight_per_layer,
+        rng,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        heads=heads,
+        head_dim=head_dim,
+        layers=layers,
+        hostile=hostile,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        scale_shape=scale_shape,
+        norm_eps=norm_eps,
+        norm_weight_per_layer=norm_weight_per_layer,
     )
-    return PagedProblem(k_delta, v_delta, pool, rope, positions, owners, table, bool(ring),
-                        **dataclasses.asdict(extras))
+    return PagedProblem(
+        k_delta,
+        v_delta,
+        pool,
+        rope,
+        positions,
+        owners,
+        table,
+        bool(ring),
+        **dataclasses.asdict(extras),
+    )
 
 
 # ---- comparisons --------------------------------------------------------------------------------

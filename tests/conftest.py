@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from _install_check import pytest_report_header  # noqa: F401  (first: tests the installed jax_dflash)
-
 import jax
 import pytest
 
+from _install_check import pytest_report_header  # noqa: F401  (first: tests the installed jax_dflash)
 from jax_dflash.testing import (  # noqa: F401  (re-exported for the test modules)
     DELTA_DTYPES,
     FP8_DTYPES,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_dflash.cli import allocator
 from jax_dflash.cli.workload import parse_accept
-
 
 # ---- the allocator ----------------------------------------------------------------------------
 
@@ -58,12 +58,29 @@ def test_shared_pages_are_freed_by_their_last_holder():
 # ---- the plan ---------------------------------------------------------------------------------
 
 
-def _plan(seed=0, *, steps=30, batch=4, block=8, page=8, max_length=64, window=None,
-          accept="geometric:0.8", num_pages=None):
+def _plan(
+    seed=0,
+    *,
+    steps=30,
+    batch=4,
+    block=8,
+    page=8,
+    max_length=64,
+    window=None,
+    accept="geometric:0.8",
+    num_pages=None,
+):
     return allocator.plan_paged_run(
-        np.random.default_rng(seed), parse_accept(accept, block), steps=steps, batch=batch,
-        block_size=block, page_size=page, max_length=max_length, window=window,
-        num_pages=num_pages)
+        np.random.default_rng(seed),
+        parse_accept(accept, block),
+        steps=steps,
+        batch=batch,
+        block_size=block,
+        page_size=page,
+        max_length=max_length,
+        window=window,
+        num_pages=num_pages,
+    )
 
 
 def _replay(plan):
@@ -74,8 +91,12 @@ def _replay(plan):
     writes = {"prefill": {}, "decode": {}}
     for phase, steps in (("prefill", plan.prefill), ("decode", plan.decode)):
         for i in range(steps.count):
-            pos, own, streams, table = (steps.positions[i], steps.owners[i], steps.streams[i],
-                                        steps.tables[i])
+            pos, own, streams, table = (
+                steps.positions[i],
+                steps.owners[i],
+                steps.streams[i],
+                steps.tables[i],
+            )
             targets = set()
             for t in np.flatnonzero(own >= 0):
                 p, b = int(pos[t]), int(own[t])
@@ -100,7 +121,8 @@ def _replay(plan):
                         owners_of.setdefault(int(x), set()).add(b)
             if phase == "decode":
                 assert all(len(rows) == 1 for rows in owners_of.values()), (
-                    f"step {i}: a page written in the decode is mapped by two rows")
+                    f"step {i}: a page written in the decode is mapped by two rows"
+                )
     return pool, writes
 
 
@@ -113,13 +135,17 @@ def _check_final_sequences(plan, pool):
             slot = (p // P) % M if plan.ring else p // P
             stream = f.prompt_id if p < f.prompt_length else f.stream
             assert pool[(int(table[f.row, 0, slot]), p % P)] == (stream, p), (
-                f"row {f.row}: position {p} does not hold its own token")
+                f"row {f.row}: position {p} does not hold its own token"
+            )
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), batch=st.integers(1, 5),
-       accept=st.sampled_from(["uniform", "geometric:0.8", "fixed:8", "fixed:1"]),
-       window=st.sampled_from([None, 8, 16, 24]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 5),
+    accept=st.sampled_from(["uniform", "geometric:0.8", "fixed:8", "fixed:1"]),
+    window=st.sampled_from([None, 8, 16, 24]),
+)
 def test_every_sequence_finds_its_own_tokens(seed, batch, accept, window):
     plan = _plan(seed, batch=batch, accept=accept, window=window)
     pool, writes = _replay(plan)

@@ -28,30 +28,58 @@ from test_ffi_abi import run_in_children  # the crash-tolerant child runner (tes
 ALL_PATHS = ("python", "op", "ffi", "plugin")
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
 I64 = 2**63
-DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-          "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "int32": np.int32, "int64": np.int64}
+DTYPES = {
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float32": np.float32,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "int32": np.int32,
+    "int64": np.int64,
+}
 
-SLOT_NAMES = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions",
-              "delta_lengths")
-PAGED_NAMES = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_positions",
-               "delta_token_to_sequence", "kv_page_table")
+SLOT_NAMES = (
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_start_positions",
+    "delta_lengths",
+)
+PAGED_NAMES = (
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_positions",
+    "delta_token_to_sequence",
+    "kv_page_table",
+)
 EXTRAS = ("k_scale", "v_scale", "k_norm_weight")
 
 
-def slot_specs(B=2, L=4, H=2, D=64, N=4, P=128, S=128, R=64, Rb=1, delta="float16",
-               pool="float16"):
+def slot_specs(B=2, L=4, H=2, D=64, N=4, P=128, S=128, R=64, Rb=1, delta="float16", pool="float16"):
     """The slot operands (name -> (dtype, dims)) at TensorRT's page size: valid as given."""
-    return {"k_delta": (delta, (B, L, H, D)), "v_delta": (delta, (B, L, H, D)),
-            "past_key_value": (pool, (2, N, P, H, D)), "rope_cos_sin": ("float32", (Rb, S, R)),
-            "delta_start_positions": ("int32", (B,)), "delta_lengths": ("int32", (B,))}
+    return {
+        "k_delta": (delta, (B, L, H, D)),
+        "v_delta": (delta, (B, L, H, D)),
+        "past_key_value": (pool, (2, N, P, H, D)),
+        "rope_cos_sin": ("float32", (Rb, S, R)),
+        "delta_start_positions": ("int32", (B,)),
+        "delta_lengths": ("int32", (B,)),
+    }
 
 
 def paged_specs(T=8, H=2, D=64, N=8, P=128, B=3, M=4, R=64, delta="float16", pool="float16"):
     """The paged operands at TensorRT's page size: valid as given."""
-    return {"k_delta": (delta, (T, H, D)), "v_delta": (delta, (T, H, D)),
-            "past_key_value": (pool, (2, N, P, H, D)), "rope_cos_sin": ("float32", (T, R)),
-            "delta_positions": ("int32", (T,)), "delta_token_to_sequence": ("int32", (T,)),
-            "kv_page_table": ("int32", (B, 2, M))}
+    return {
+        "k_delta": (delta, (T, H, D)),
+        "v_delta": (delta, (T, H, D)),
+        "past_key_value": (pool, (2, N, P, H, D)),
+        "rope_cos_sin": ("float32", (T, R)),
+        "delta_positions": ("int32", (T,)),
+        "delta_token_to_sequence": ("int32", (T,)),
+        "kv_page_table": ("int32", (B, 2, M)),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,33 +118,75 @@ def _rows():
         Row("valid", "paged", p, None),
         Row("valid_fp8_k_norm", "paged", {**p_fp8, **_fp8_scales(), **weight}, None),
         # Ranks.
-        Row("k_delta_rank_5", "slot", _with(s, k_delta=("float16", (1, 2, 4, 2, 64)),
-                                            v_delta=("float16", (1, 2, 4, 2, 64))), "k_delta"),
-        Row("k_delta_rank_4", "paged", _with(p, k_delta=("float16", (1, 8, 2, 64)),
-                                             v_delta=("float16", (1, 8, 2, 64))), "k_delta"),
-        Row("pool_rank_4", "slot", _with(s, past_key_value=("float16", (8, 128, 2, 64))),
-            "past_key_value"),
-        Row("pool_rank_4", "paged", _with(p, past_key_value=("float16", (16, 128, 2, 64))),
-            "past_key_value"),
+        Row(
+            "k_delta_rank_5",
+            "slot",
+            _with(s, k_delta=("float16", (1, 2, 4, 2, 64)), v_delta=("float16", (1, 2, 4, 2, 64))),
+            "k_delta",
+        ),
+        Row(
+            "k_delta_rank_4",
+            "paged",
+            _with(p, k_delta=("float16", (1, 8, 2, 64)), v_delta=("float16", (1, 8, 2, 64))),
+            "k_delta",
+        ),
+        Row(
+            "pool_rank_4",
+            "slot",
+            _with(s, past_key_value=("float16", (8, 128, 2, 64))),
+            "past_key_value",
+        ),
+        Row(
+            "pool_rank_4",
+            "paged",
+            _with(p, past_key_value=("float16", (16, 128, 2, 64))),
+            "past_key_value",
+        ),
         Row("rope_rank_2", "slot", _with(s, rope_cos_sin=("float32", (128, 64))), "rope_cos_sin"),
-        Row("rope_rank_3", "paged", _with(p, rope_cos_sin=("float32", (1, 8, 64))),
-            "rope_cos_sin"),
-        Row("starts_rank_2", "slot", _with(s, delta_start_positions=("int32", (1, 2)),
-                                           delta_lengths=("int32", (1, 2))),
-            "delta_start_positions"),
+        Row("rope_rank_3", "paged", _with(p, rope_cos_sin=("float32", (1, 8, 64))), "rope_cos_sin"),
+        Row(
+            "starts_rank_2",
+            "slot",
+            _with(s, delta_start_positions=("int32", (1, 2)), delta_lengths=("int32", (1, 2))),
+            "delta_start_positions",
+        ),
         Row("table_rank_2", "paged", _with(p, kv_page_table=("int32", (3, 8))), "kv_page_table"),
         # H / D of the deltas against the pool's.
-        Row("heads_mismatch", "slot", _with(s, k_delta=("float16", (2, 4, 3, 64)),
-                                            v_delta=("float16", (2, 4, 3, 64))), "k_delta"),
-        Row("head_dim_mismatch", "paged", _with(p, k_delta=("float16", (8, 2, 32)),
-                                                v_delta=("float16", (8, 2, 32))), "k_delta"),
-        Row("heads_mismatch", "paged", _with(p, k_delta=("float16", (8, 1, 64)),
-                                             v_delta=("float16", (8, 1, 64))), "k_delta"),
+        Row(
+            "heads_mismatch",
+            "slot",
+            _with(s, k_delta=("float16", (2, 4, 3, 64)), v_delta=("float16", (2, 4, 3, 64))),
+            "k_delta",
+        ),
+        Row(
+            "head_dim_mismatch",
+            "paged",
+            _with(p, k_delta=("float16", (8, 2, 32)), v_delta=("float16", (8, 2, 32))),
+            "k_delta",
+        ),
+        Row(
+            "heads_mismatch",
+            "paged",
+            _with(p, k_delta=("float16", (8, 1, 64)), v_delta=("float16", (8, 1, 64))),
+            "k_delta",
+        ),
         # The page size: TensorRT's contracts fix P = 128; the JAX op takes any P > 0.
-        Row("page_size_64", "slot", slot_specs(P=64), "past_key_value", paths=("plugin",),
-            note="plugin only: P = 128 is TensorRT's contract, the JAX op accepts any P > 0"),
-        Row("page_size_64", "paged", paged_specs(P=64), "past_key_value", paths=("plugin",),
-            note="plugin only: P = 128 is TensorRT's contract, the JAX op accepts any P > 0"),
+        Row(
+            "page_size_64",
+            "slot",
+            slot_specs(P=64),
+            "past_key_value",
+            paths=("plugin",),
+            note="plugin only: P = 128 is TensorRT's contract, the JAX op accepts any P > 0",
+        ),
+        Row(
+            "page_size_64",
+            "paged",
+            paged_specs(P=64),
+            "past_key_value",
+            paths=("plugin",),
+            note="plugin only: P = 128 is TensorRT's contract, the JAX op accepts any P > 0",
+        ),
         # The rotary dim.
         Row("rotary_dim_odd", "slot", slot_specs(R=63), "rope_cos_sin"),
         Row("rotary_dim_odd", "paged", paged_specs(R=63), "rope_cos_sin"),
@@ -129,25 +199,39 @@ def _rows():
         Row("pages_not_divisible_by_pages_per_slot", "slot", slot_specs(N=5), "past_key_value"),
         # The paged contract's.
         Row("table_pages_past_pool_pages", "paged", paged_specs(M=9), "kv_page_table"),
-        Row("table_dim_1_is_3", "paged", _with(p, kv_page_table=("int32", (3, 3, 4))),
-            "kv_page_table"),
-        Row("rope_rows_not_tokens", "paged", _with(p, rope_cos_sin=("float32", (9, 64))),
-            "rope_cos_sin"),
+        Row(
+            "table_dim_1_is_3",
+            "paged",
+            _with(p, kv_page_table=("int32", (3, 3, 4))),
+            "kv_page_table",
+        ),
+        Row(
+            "rope_rows_not_tokens",
+            "paged",
+            _with(p, rope_cos_sin=("float32", (9, 64))),
+            "rope_cos_sin",
+        ),
         # Index dtypes.
-        Row("starts_int64", "slot", _with(s, delta_start_positions=("int64", (2,))),
-            "delta_start_positions"),
+        Row(
+            "starts_int64",
+            "slot",
+            _with(s, delta_start_positions=("int64", (2,))),
+            "delta_start_positions",
+        ),
         Row("lengths_int64", "slot", _with(s, delta_lengths=("int64", (2,))), "delta_lengths"),
-        Row("positions_int64", "paged", _with(p, delta_positions=("int64", (8,))),
-            "delta_positions"),
-        Row("owners_int64", "paged", _with(p, delta_token_to_sequence=("int64", (8,))),
-            "delta_token_to_sequence"),
-        Row("table_int64", "paged", _with(p, kv_page_table=("int64", (3, 2, 4))),
-            "kv_page_table"),
+        Row(
+            "positions_int64", "paged", _with(p, delta_positions=("int64", (8,))), "delta_positions"
+        ),
+        Row(
+            "owners_int64",
+            "paged",
+            _with(p, delta_token_to_sequence=("int64", (8,))),
+            "delta_token_to_sequence",
+        ),
+        Row("table_int64", "paged", _with(p, kv_page_table=("int64", (3, 2, 4))), "kv_page_table"),
         # Delta dtypes.
-        Row("v_dtype_not_k_dtype", "slot", _with(s, v_delta=("float32", (2, 4, 2, 64))),
-            "v_delta"),
-        Row("v_dtype_not_k_dtype", "paged", _with(p, v_delta=("bfloat16", (8, 2, 64))),
-            "v_delta"),
+        Row("v_dtype_not_k_dtype", "slot", _with(s, v_delta=("float32", (2, 4, 2, 64))), "v_delta"),
+        Row("v_dtype_not_k_dtype", "paged", _with(p, v_delta=("bfloat16", (8, 2, 64))), "v_delta"),
         # The extras.
         Row("scales_on_a_float16_pool", "slot", {**s, **_fp8_scales()}, "k_scale"),
         Row("scales_on_a_float16_pool", "paged", {**p, **_fp8_scales()}, "k_scale"),
@@ -155,17 +239,25 @@ def _rows():
         Row("fp8_pool_without_scales", "paged", p_fp8, "k_scale"),
         Row("scale_of_three_heads", "slot", {**s_fp8, **_fp8_scales(3)}, "k_scale"),
         Row("scale_of_three_heads", "paged", {**p_fp8, **_fp8_scales(3)}, "k_scale"),
-        Row("weight_of_63", "slot", {**s, "k_norm_weight": ("float16", (63,))},
-            "k_norm_weight"),
-        Row("weight_of_65", "paged", {**p, "k_norm_weight": ("float16", (65,))},
-            "k_norm_weight"),
+        Row("weight_of_63", "slot", {**s, "k_norm_weight": ("float16", (63,))}, "k_norm_weight"),
+        Row("weight_of_65", "paged", {**p, "k_norm_weight": ("float16", (65,))}, "k_norm_weight"),
         # A pool of 2^61 float32 elements: the count fits int64, its bytes (2^63) do not.
-        Row("pool_bytes_overflow_int64", "slot", slot_specs(N=2**46, pool="float32"),
-            "past_key_value", paths=("python", "plugin"),
-            note="no FFI or op call: such a pool cannot be allocated"),
-        Row("pool_bytes_overflow_int64", "paged", paged_specs(N=2**46, pool="float32"),
-            "past_key_value", paths=("python", "plugin"),
-            note="no FFI or op call: such a pool cannot be allocated"),
+        Row(
+            "pool_bytes_overflow_int64",
+            "slot",
+            slot_specs(N=2**46, pool="float32"),
+            "past_key_value",
+            paths=("python", "plugin"),
+            note="no FFI or op call: such a pool cannot be allocated",
+        ),
+        Row(
+            "pool_bytes_overflow_int64",
+            "paged",
+            paged_specs(N=2**46, pool="float32"),
+            "past_key_value",
+            paths=("python", "plugin"),
+            note="no FFI or op call: such a pool cannot be allocated",
+        ),
     ]
     return rows
 
@@ -249,10 +341,14 @@ def _ffi_run(row) -> dict:
     if "k_norm_weight" in extras:
         attrs["k_norm"] = np.bool_(True)
     pool = base[2]
-    target = ("dflash_target_kv_cache_update" if row.contract == "slot" else
-              "dflash_target_kv_cache_update_paged")
-    fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-                          input_output_aliases={2: 0})
+    target = (
+        "dflash_target_kv_cache_update"
+        if row.contract == "slot"
+        else "dflash_target_kv_cache_update_paged"
+    )
+    fn = jax.ffi.ffi_call(
+        target, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={2: 0}
+    )
     try:
         jax.block_until_ready(jax.jit(lambda *a: fn(*a, **attrs))(*operands))
     except Exception as e:  # noqa: BLE001  (the error is the verdict)
@@ -281,8 +377,10 @@ def ffi_verdict(row):
         _ffi_cache.update(run_in_children("cpu", ids, Path(__file__)))
     result = _ffi_cache[row.id]
     if result["status"] == "crash":
-        raise AssertionError(f"{row.id}: the FFI call crashed its process "
-                             f"(exit {result['returncode']}):\n{result['stderr']}")
+        raise AssertionError(
+            f"{row.id}: the FFI call crashed its process "
+            f"(exit {result['returncode']}):\n{result['stderr']}"
+        )
     return None if result["status"] == "ok" else result["message"]
 
 
@@ -297,7 +395,8 @@ def plugin_line(row) -> str:
     if "k_norm_weight" in row.specs:
         fields.append("k_norm=1")
     names = (SLOT_NAMES if row.contract == "slot" else PAGED_NAMES) + tuple(
-        n for n in EXTRAS if n in row.specs)
+        n for n in EXTRAS if n in row.specs
+    )
     tensors = [f"{row.specs[n][0]}:{','.join(str(d) for d in row.specs[n][1])}" for n in names]
     return f"{row.id}|{','.join(fields)}|{';'.join(tensors)}"
 
@@ -313,8 +412,10 @@ def _harness():
     try:
         return _ext.contract_harness_path()
     except FileNotFoundError as e:
-        pytest.skip(f"the TensorRT contract harness is not built here ({e}); set "
-                    f"{HARNESS_OVERRIDE} to a build's trt_plugin/dflash_trt_contract_harness")
+        pytest.skip(
+            f"the TensorRT contract harness is not built here ({e}); set "
+            f"{HARNESS_OVERRIDE} to a build's trt_plugin/dflash_trt_contract_harness"
+        )
 
 
 _plugin_cache: dict = {}
@@ -326,10 +427,15 @@ def plugin_verdict(row, tmp_dir: Path):
         cases = tmp_dir / "bad_shapes.txt"
         cases.write_text("\n".join(plugin_line(r) for r in ROWS) + "\n")
         report = tmp_dir / "report.json"
-        done = subprocess.run([harness, "--check-shapes", str(cases), "--report", str(report)],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode in (0, 1) and report.is_file(), \
+        done = subprocess.run(
+            [harness, "--check-shapes", str(cases), "--report", str(report)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode in (0, 1) and report.is_file(), (
             f"harness exit {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
         for entry in json.loads(report.read_text())["shape_cases"]:
             _plugin_cache[entry["name"]] = entry
     entry = _plugin_cache[row.id]
@@ -345,8 +451,10 @@ def _check(row, path, verdict):
     if not rejected:
         assert verdict is None, f"{row.id}: {path} rejected a row it must accept: {verdict}"
         return
-    assert verdict is not None, f"{row.id}: {path} accepted it (expected an error naming " \
-                                f"{row.names}{'; ' + row.note if row.note else ''})"
+    assert verdict is not None, (
+        f"{row.id}: {path} accepted it (expected an error naming "
+        f"{row.names}{'; ' + row.note if row.note else ''})"
+    )
     assert row.names in verdict, f"{row.id}: {path}'s message does not name {row.names}: {verdict}"
 
 
@@ -377,13 +485,27 @@ def test_plugin_checks(row, tmp_path_factory):
 def test_the_table_covers_the_rules():
     """Every rule the table is meant to exercise has a row in each contract it exists in."""
     kinds = {r.name for r in ROWS}
-    for wanted in ("valid", "pool_rank_4", "heads_mismatch", "page_size_64", "rotary_dim_odd",
-                   "rotary_dim_past_head_dim", "rope_batch_not_1_or_B",
-                   "rope_length_past_slot_capacity", "batch_past_slots",
-                   "pages_not_divisible_by_pages_per_slot", "table_pages_past_pool_pages",
-                   "table_dim_1_is_3", "rope_rows_not_tokens", "table_int64",
-                   "v_dtype_not_k_dtype", "scales_on_a_float16_pool", "fp8_pool_without_scales",
-                   "scale_of_three_heads", "pool_bytes_overflow_int64"):
+    for wanted in (
+        "valid",
+        "pool_rank_4",
+        "heads_mismatch",
+        "page_size_64",
+        "rotary_dim_odd",
+        "rotary_dim_past_head_dim",
+        "rope_batch_not_1_or_B",
+        "rope_length_past_slot_capacity",
+        "batch_past_slots",
+        "pages_not_divisible_by_pages_per_slot",
+        "table_pages_past_pool_pages",
+        "table_dim_1_is_3",
+        "rope_rows_not_tokens",
+        "table_int64",
+        "v_dtype_not_k_dtype",
+        "scales_on_a_float16_pool",
+        "fp8_pool_without_scales",
+        "scale_of_three_heads",
+        "pool_bytes_overflow_int64",
+    ):
         assert wanted in kinds, wanted
     for row in ROWS:  # each row's line parses as the harness expects: 3 fields, one per input
         assert plugin_line(row).count("|") == 2

@@ -9,14 +9,28 @@ import pytest
 
 import dflash_bench as benchmark
 
-
-GPU_ONLY = ("flashinfer",)  # on CPU "ours_raw" / "paged_raw" are the NumPy entries of the CPU kernel
+GPU_ONLY = (
+    "flashinfer",
+)  # on CPU "ours_raw" / "paged_raw" are the NumPy entries of the CPU kernel
 
 
 def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
     shapes = "decode_b8,decode_b8_5layers,decode_b8_fp8"
-    rc = benchmark.main(["--backend", "cpu", "--quick", "--shapes", shapes, "--repeats", "1",
-                         "--min-time", "0.002", "--out", str(tmp_path / "new" / "dir")])
+    rc = benchmark.main(
+        [
+            "--backend",
+            "cpu",
+            "--quick",
+            "--shapes",
+            shapes,
+            "--repeats",
+            "1",
+            "--min-time",
+            "0.002",
+            "--out",
+            str(tmp_path / "new" / "dir"),
+        ]
+    )
     assert rc == 0
     results = json.loads((tmp_path / "new" / "dir" / "kv_update_cpu.json").read_text())
     assert results["backend"] == "cpu"
@@ -52,26 +66,39 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
             assert contenders["unfused_jax"]["status"] == "n/a"
     # Bytes = K/V read + pool rows written + cos/sin read: 8 x 16 tokens x 8 heads x 128.
     b8 = by_name["decode_b8"]["bytes"]
-    assert b8 == {"kv_read": 8 * 65536, "pool_write": 8 * 65536, "rope_read": 8 * 16 * 128 * 4,
-                  "total": 8 * 139264, "written_tokens": 128}
+    assert b8 == {
+        "kv_read": 8 * 65536,
+        "pool_write": 8 * 65536,
+        "rope_read": 8 * 16 * 128 * 4,
+        "total": 8 * 139264,
+        "written_tokens": 128,
+    }
     assert by_name["decode_b8_5layers"]["bytes"]["total"] == 5 * 8 * 139264
     # FP8 pool: fp16 deltas read, one byte per pool element written.
     assert by_name["decode_b8_fp8"]["bytes"]["pool_write"] == 8 * 65536 // 2
     # The CPU target compares with the straightforward version, which has no FP8 pool.
-    assert {t["target"].split(":")[0] for t in results["targets"]} == {"decode_b8",
-                                                                        "decode_b8_5layers"}
+    assert {t["target"].split(":")[0] for t in results["targets"]} == {
+        "decode_b8",
+        "decode_b8_5layers",
+    }
     printed = capsys.readouterr().out
-    assert "| shape | bytes | ours_jax (us) | ours_raw (us) | paged_jax (us) | paged_raw (us)" in printed
+    assert (
+        "| shape | bytes | ours_jax (us) | ours_raw (us) | paged_jax (us) | paged_raw (us)"
+        in printed
+    )
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--min-time", "nan", "finite number of seconds > 0, got nan"),
-    ("--min-time", "0", "finite number of seconds > 0, got 0"),
-    ("--min-time", "-inf", "finite number of seconds > 0, got -inf"),
-    ("--iters", "0", "integer >= 1, got 0"),
-    ("--repeats", "-5", "integer >= 1, got -5"),
-    ("--repeats", "two", "integer >= 1, got 'two'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--min-time", "nan", "finite number of seconds > 0, got nan"),
+        ("--min-time", "0", "finite number of seconds > 0, got 0"),
+        ("--min-time", "-inf", "finite number of seconds > 0, got -inf"),
+        ("--iters", "0", "integer >= 1, got 0"),
+        ("--repeats", "-5", "integer >= 1, got -5"),
+        ("--repeats", "two", "integer >= 1, got 'two'"),
+    ],
+)
 def test_bad_numeric_flags_exit_2_with_the_reason(flag, value, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         benchmark.main(["--backend", "cpu", f"{flag}={value}", "--out", str(tmp_path)])
@@ -91,32 +118,59 @@ def test_out_must_be_a_writable_directory(tmp_path, capsys):
 
 
 def test_unknown_contender_and_shape_exit_2(tmp_path, capsys):
-    assert benchmark.main(["--backend", "cpu", "--contenders", "ours_jax,nope",
-                           "--out", str(tmp_path)]) == 2
+    assert (
+        benchmark.main(
+            ["--backend", "cpu", "--contenders", "ours_jax,nope", "--out", str(tmp_path)]
+        )
+        == 2
+    )
     assert "--contenders: unknown ['nope']" in capsys.readouterr().err
-    assert benchmark.main(["--backend", "cpu", "--shapes", "decode_b64_gpu_only",
-                           "--out", str(tmp_path)]) == 2
+    assert (
+        benchmark.main(
+            ["--backend", "cpu", "--shapes", "decode_b64_gpu_only", "--out", str(tmp_path)]
+        )
+        == 2
+    )
     assert "--shapes: unknown ['decode_b64_gpu_only']" in capsys.readouterr().err
 
 
 def test_gpu_targets_are_evaluated_from_the_measurements():
     """Every GPU target, on made-up times: met and missed follow the numbers."""
-    def entry(name, total=1e6, **us):
-        return {"name": name, "bytes": {"total": total},
-                "contenders": {n: {"status": "ok", "us": t} for n, t in us.items()}}
 
-    fast = dict(ours_jax=10.0, ours_raw=10.0, paged_jax=10.2, paged_raw=10.1, knorm_jax=10.5,
-                unfused_jax=14.0, rmsnorm_jax=3.0, flashinfer=20.0, jax_baseline=60.0)
-    results = {"backend": "gpu", "peak_copy_bandwidth": {"bytes_per_s": 1e11},
-               "shapes": [entry("prefill_b8_l2048", **fast),
-                          entry("decode_b64", paged_jax=3.0, paged_raw=3.4, ours_jax=3.0,
-                                ours_raw=3.0)]}
+    def entry(name, total=1e6, **us):
+        return {
+            "name": name,
+            "bytes": {"total": total},
+            "contenders": {n: {"status": "ok", "us": t} for n, t in us.items()},
+        }
+
+    fast = dict(
+        ours_jax=10.0,
+        ours_raw=10.0,
+        paged_jax=10.2,
+        paged_raw=10.1,
+        knorm_jax=10.5,
+        unfused_jax=14.0,
+        rmsnorm_jax=3.0,
+        flashinfer=20.0,
+        jax_baseline=60.0,
+    )
+    results = {
+        "backend": "gpu",
+        "peak_copy_bandwidth": {"bytes_per_s": 1e11},
+        "shapes": [
+            entry("prefill_b8_l2048", **fast),
+            entry("decode_b64", paged_jax=3.0, paged_raw=3.4, ours_jax=3.0, ours_raw=3.0),
+        ],
+    }
     met = {t["target"]: t["met"] for t in benchmark.evaluate_targets(results)}
     assert met["prefill_b8_l2048: paged op within 10% of the slot op (JAX)"]
     assert met["prefill_b8_l2048: fused k-norm at most +10% over the op without it"]
     # 14.0 - 10.5 = 3.5 >= 3.0: the fusion saves at least the norm's own time.
-    assert met["prefill_b8_l2048: fused k-norm faster than the unfused pair by at least the "
-               "norm's own time"]
+    assert met[
+        "prefill_b8_l2048: fused k-norm faster than the unfused pair by at least the "
+        "norm's own time"
+    ]
     # 1e6 bytes in 10.2 us = 98 GB/s = 98% of 100 GB/s.
     assert met["prefill_b8_l2048: paged_jax >= 90% of measured copy bandwidth (its bytes)"]
     assert met["prefill_b8_l2048: paged_jax >= 2.5x faster than Edge-LLM 0.11 (quoted 103.4 us)"]
@@ -130,8 +184,9 @@ def test_gpu_targets_are_evaluated_from_the_measurements():
 
 
 def test_correctness_gate_rejects_one_wrong_element():
-    shape = benchmark.BenchShape("tiny", 2, 4, num_kv_heads=2, head_dim=16, rotary_dim=8,
-                                 page_size=4, min_capacity=8)
+    shape = benchmark.BenchShape(
+        "tiny", 2, 4, num_kv_heads=2, head_dim=16, rotary_dim=8, page_size=4, min_capacity=8
+    )
     problem = benchmark.make_problem(shape, "cpu")
     good = problem.expected("slot").copy()
     assert benchmark.compare_sample(good, good.copy(), exact_required=True)["ok"]
@@ -150,12 +205,14 @@ def test_correctness_gate_rejects_one_wrong_element():
 def test_paged_problem_addresses_the_rows_of_the_slot_problem():
     """Token b * L + t sits at start[b] + t of sequence b, its rope row is that position's, and
     the table is a permutation of the pool's pages in each plane (V ids offset by N)."""
-    shape = benchmark.BenchShape("tiny", 3, 4, num_kv_heads=2, head_dim=16, rotary_dim=8,
-                                 page_size=4, min_capacity=8)
+    shape = benchmark.BenchShape(
+        "tiny", 3, 4, num_kv_heads=2, head_dim=16, rotary_dim=8, page_size=4, min_capacity=8
+    )
     problem = benchmark.make_problem(shape, "cpu")
     n, m = shape.num_pages, shape.pages_per_slot
-    for starts, positions, rope in zip(problem.start_sets, problem.position_sets,
-                                       problem.paged_rope_sets):
+    for starts, positions, rope in zip(
+        problem.start_sets, problem.position_sets, problem.paged_rope_sets
+    ):
         assert positions.tolist() == [int(starts[b]) + t for b in range(3) for t in range(4)]
         np.testing.assert_array_equal(rope, problem.rope[0][positions])
     assert problem.owners.tolist() == [b for b in range(3) for _ in range(4)]
@@ -181,8 +238,11 @@ def test_interleaved_timing_rotates_the_order_and_calibrates_in_the_steady_state
 
         return benchmark.Prepared(run, updates_per_call=10, info={"check": {"ok": True}})
 
-    prepared = {"a": contender("a", 1e-3, first_calls_slow=3), "b": contender("b", 2e-3),
-                "c": contender("c", 4e-3)}
+    prepared = {
+        "a": contender("a", 1e-3, first_calls_slow=3),
+        "b": contender("b", 2e-3),
+        "c": contender("c", 4e-3),
+    }
     settings = benchmark.Settings("cpu", chain=10, baseline_chain=10, repeats=6, min_time=0.05)
     results = benchmark.time_interleaved(prepared, settings)
     # Calibrated past the slow first calls: 1 ms per call -> 50 calls for 50 ms, not 5.
@@ -193,7 +253,7 @@ def test_interleaved_timing_rotates_the_order_and_calibrates_in_the_steady_state
         assert len(results[name]["samples_us"]) == 6
         assert abs(results[name]["us"] - per_call / 10 * 1e6) < 1e-6
     timed = [name for name, calls in order[-18:]]  # the 6 rounds of 3 measurements
-    rounds = [timed[i:i + 3] for i in range(0, 18, 3)]
+    rounds = [timed[i : i + 3] for i in range(0, 18, 3)]
     assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
 
@@ -202,8 +262,10 @@ def test_interleaved_timing_reports_a_contender_that_fails_and_times_the_others(
     def failing(calls):
         raise RuntimeError("device lost")
 
-    prepared = {"bad": benchmark.Prepared(failing, 1, {}),
-                "good": benchmark.Prepared(lambda calls: calls * 1e-3, 1, {"check": {"ok": True}})}
+    prepared = {
+        "bad": benchmark.Prepared(failing, 1, {}),
+        "good": benchmark.Prepared(lambda calls: calls * 1e-3, 1, {"check": {"ok": True}}),
+    }
     settings = benchmark.Settings("cpu", chain=1, baseline_chain=1, repeats=2, min_time=0.01)
     results = benchmark.time_interleaved(prepared, settings)
     assert results["bad"] == {"status": "error", "reason": "RuntimeError: device lost"}

@@ -3,7 +3,6 @@ every bad-flag exit path. Runs in-process (``cli.main``) except for the ``python
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -55,8 +54,19 @@ def test_top_level_help_lists_commands_and_presets(capsys):
 def test_run_help_documents_every_flag_and_the_preset_shapes(capsys):
     status, out, _ = run_cli(capsys, "run", "--help")
     assert status == 0
-    for flag in ("--preset", "--backend", "--steps", "--batch", "--seed", "--accept", "--dtype",
-                 "--compare", "--no-check", "--json", "--no-progress"):
+    for flag in (
+        "--preset",
+        "--backend",
+        "--steps",
+        "--batch",
+        "--seed",
+        "--accept",
+        "--dtype",
+        "--compare",
+        "--no-check",
+        "--json",
+        "--no-progress",
+    ):
         assert flag in out
     assert "geometric:P" in out and "STOPS" in out  # the distribution and the capacity policy
     for preset in PRESETS.values():
@@ -72,15 +82,20 @@ def test_check_help(capsys):
 def test_bench_script_help():
     """The benchmark lives in bench/, apart from the package: its script answers --help."""
     script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_kv_update.py"
-    done = subprocess.run([sys.executable, str(script), "--help"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and "--backend" in done.stdout
 
 
 def test_python_dash_m_entry_point():
-    done = subprocess.run([sys.executable, "-m", "jax_dflash", "run", "--help"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "jax_dflash", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "--preset" in done.stdout
 
@@ -89,8 +104,9 @@ def test_python_dash_m_entry_point():
 
 
 def test_tiny_run_json_summary_and_check(capsys):
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "3", "--seed", "7",
-                               "--json", "--no-progress")
+    status, out, err = run_cli(
+        capsys, "run", "--preset", "tiny", "--steps", "3", "--seed", "7", "--json", "--no-progress"
+    )
     assert status == 0, err
     summary = json.loads(out)  # stdout holds only the JSON; the table went to stderr
     tiny = PRESETS["tiny"]
@@ -114,8 +130,19 @@ def test_tiny_run_json_summary_and_check(capsys):
 
 def test_run_compare_prints_both_and_writes_json_file(capsys, tmp_path):
     path = tmp_path / "summary.json"
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "4", "--compare",
-                               "--dtype", "float16", "--json", str(path))
+    status, out, err = run_cli(
+        capsys,
+        "run",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--compare",
+        "--dtype",
+        "float16",
+        "--json",
+        str(path),
+    )
     assert status == 0, err
     assert "dflash kernel" in out and "jnp baseline" in out  # the table is on stdout here
     assert "steps/s" in err  # the progress bar
@@ -132,20 +159,34 @@ def test_run_compare_prints_both_and_writes_json_file(capsys, tmp_path):
 def test_run_until_every_slot_is_full_stops_and_still_checks(capsys):
     tiny = PRESETS["tiny"]
     # fixed:8 for 16 steps = 128 tokens > the 64-token slots: every sequence stops.
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "16",
-                               "--accept", f"fixed:{tiny.block_size}", "--json", "--no-progress")
+    status, out, err = run_cli(
+        capsys,
+        "run",
+        "--preset",
+        "tiny",
+        "--steps",
+        "16",
+        "--accept",
+        f"fixed:{tiny.block_size}",
+        "--json",
+        "--no-progress",
+    )
     assert status == 0, err
     summary = json.loads(out)
     assert summary["sequences_stopped"] == tiny.default_batch
     starts_bound = tiny.slot_capacity // 4  # initial positions are drawn from [0, capacity / 4]
-    assert (tiny.default_batch * (tiny.slot_capacity - starts_bound) <= summary["accepted_tokens"]
-            <= tiny.default_batch * tiny.slot_capacity)
+    assert (
+        tiny.default_batch * (tiny.slot_capacity - starts_bound)
+        <= summary["accepted_tokens"]
+        <= tiny.default_batch * tiny.slot_capacity
+    )
     assert summary["results"][0]["check"] == "bit-exact"
 
 
 def test_run_no_check(capsys):
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-check",
-                               "--json", "--no-progress")
+    status, out, err = run_cli(
+        capsys, "run", "--preset", "tiny", "--steps", "2", "--no-check", "--json", "--no-progress"
+    )
     assert status == 0, err
     summary = json.loads(out)
     assert summary["results"][0]["check"] == "skipped" and summary["check_passed"] is None
@@ -168,8 +209,19 @@ def test_run_fails_when_the_pools_differ_from_the_reference(capsys, monkeypatch)
 
 @pytest.mark.skipif(not gpu_available(), reason="no GPU in this JAX: runs on the H200")
 def test_run_on_gpu(capsys):
-    status, out, err = run_cli(capsys, "run", "--backend", "gpu", "--preset", "tiny",
-                               "--steps", "5", "--compare", "--json", "--no-progress")
+    status, out, err = run_cli(
+        capsys,
+        "run",
+        "--backend",
+        "gpu",
+        "--preset",
+        "tiny",
+        "--steps",
+        "5",
+        "--compare",
+        "--json",
+        "--no-progress",
+    )
     assert status == 0, err
     summary = json.loads(out)
     assert summary["backend"] in ("gpu", "cuda")
@@ -179,14 +231,20 @@ def test_run_on_gpu(capsys):
 # ---- bad flags ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["run", "--batch", "99"], "--batch 99 is larger than the pool's 16 slots"),
-    (["run", "--preset", "tiny", "--batch", "5"], "--batch 5 is larger than the pool's 4 slots"),
-    (["run", "--accept", "fixed:17"], "--accept fixed:N expects 1 <= N <= block size 16"),
-    (["run", "--accept", "fixed:x"], "--accept fixed:N expects 1 <= N <= block size 16"),
-    (["run", "--accept", "geometric:1.5"], "--accept geometric:P expects 0 <= P <= 1"),
-    (["run", "--accept", "poisson:3"], "--accept expects uniform | geometric:P"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["run", "--batch", "99"], "--batch 99 is larger than the pool's 16 slots"),
+        (
+            ["run", "--preset", "tiny", "--batch", "5"],
+            "--batch 5 is larger than the pool's 4 slots",
+        ),
+        (["run", "--accept", "fixed:17"], "--accept fixed:N expects 1 <= N <= block size 16"),
+        (["run", "--accept", "fixed:x"], "--accept fixed:N expects 1 <= N <= block size 16"),
+        (["run", "--accept", "geometric:1.5"], "--accept geometric:P expects 0 <= P <= 1"),
+        (["run", "--accept", "poisson:3"], "--accept expects uniform | geometric:P"),
+    ],
+)
 def test_impossible_runs_exit_2_with_one_line(capsys, argv, reason):
     status, out, err = run_cli(capsys, *argv)
     assert status == 2
@@ -202,19 +260,22 @@ def test_backend_gpu_without_a_gpu_exits_2(capsys):
     assert err.count("\n") == 1 and "--backend gpu: JAX has no gpu device here" in err
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["run", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
-    (["run", "--batch", "-3"], "argument --batch: expected an integer >= 1, got '-3'"),
-    (["run", "--batch", "many"], "argument --batch: expected an integer >= 1, got 'many'"),
-    (["run", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
-    (["run", "--preset", "gpt-5"], "argument --preset: invalid choice: 'gpt-5'"),
-    (["run", "--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
-    (["run", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-    (["run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["check", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
-    (["frobnicate"], "argument {run,check}: invalid choice: 'frobnicate'"),
-    ([], "the following arguments are required"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["run", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        (["run", "--batch", "-3"], "argument --batch: expected an integer >= 1, got '-3'"),
+        (["run", "--batch", "many"], "argument --batch: expected an integer >= 1, got 'many'"),
+        (["run", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+        (["run", "--preset", "gpt-5"], "argument --preset: invalid choice: 'gpt-5'"),
+        (["run", "--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+        (["run", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["check", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
+        (["frobnicate"], "argument {run,check}: invalid choice: 'frobnicate'"),
+        ([], "the following arguments are required"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_reason(capsys, argv, reason):
     status, out, err = run_cli(capsys, *argv)
     assert status == 2
@@ -229,8 +290,13 @@ def test_bad_flags_exit_2_with_a_reason(capsys, argv, reason):
 def test_check_reports_and_passes_parity_on_every_backend(capsys):
     status, out, err = run_cli(capsys, "check")
     assert status == 0, out + err
-    for line in ("default backend:", "CUDA extension:", "TensorRT plugin library:",
-                 "TensorRT runtime:", "parity: all cases bit-exact"):
+    for line in (
+        "default backend:",
+        "CUDA extension:",
+        "TensorRT plugin library:",
+        "TensorRT runtime:",
+        "parity: all cases bit-exact",
+    ):
         assert line in out
     backends = ["cpu", "gpu"] if gpu_available() else ["cpu"]
     cases = len(cli.parity_cases(np.random.default_rng(0), np.dtype(np.float32)))
@@ -293,14 +359,18 @@ def test_compare_bits_counts_ulps():
 # ---- contracts, dtypes, windows -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["--contract", "paged", "--kv-dtype", "e4m3"],
-    ["--contract", "paged", "--window", "16", "--kv-dtype", "bf16", "--steps", "12"],
-    ["--contract", "slot", "--kv-dtype", "e5m2", "--no-fused-norm"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--contract", "paged", "--kv-dtype", "e4m3"],
+        ["--contract", "paged", "--window", "16", "--kv-dtype", "bf16", "--steps", "12"],
+        ["--contract", "slot", "--kv-dtype", "e5m2", "--no-fused-norm"],
+    ],
+)
 def test_paged_fp8_and_window_runs_are_checked(capsys, argv):
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "6", *argv,
-                               "--json", "--no-progress")
+    status, out, err = run_cli(
+        capsys, "run", "--preset", "tiny", "--steps", "6", *argv, "--json", "--no-progress"
+    )
     assert status == 0, err
     summary = json.loads(out)
     [kernel] = summary["results"]
@@ -322,8 +392,20 @@ def test_paged_fp8_and_window_runs_are_checked(capsys, argv):
 
 
 def test_compare_says_how_long_the_baseline_takes_before_it_starts(capsys):
-    status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "3", "--contract",
-                               "paged", "--kv-dtype", "e4m3", "--compare", "--no-progress")
+    status, out, err = run_cli(
+        capsys,
+        "run",
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--contract",
+        "paged",
+        "--kv-dtype",
+        "e4m3",
+        "--compare",
+        "--no-progress",
+    )
     assert status == 0, err
     estimate = out.index("jnp baseline: about")
     assert estimate < out.index("jnp baseline  ")  # the estimate precedes the baseline's row
@@ -347,12 +429,18 @@ def test_a_failed_read_back_exits_1(capsys, monkeypatch):
 # ---- validation: every bad flag exits 2 with its reason, before the run --------------------------
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["run", "--seed", str(2**63)], "argument --seed: expected an integer < 9223372036854775808"),
-    (["run", "--window", "0"], "argument --window: expected an integer >= 1, got '0'"),
-    (["run", "--kv-dtype", "e6m1"], "argument --kv-dtype: invalid choice: 'e6m1'"),
-    (["run", "--contract", "ring"], "argument --contract: invalid choice: 'ring'"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (
+            ["run", "--seed", str(2**63)],
+            "argument --seed: expected an integer < 9223372036854775808",
+        ),
+        (["run", "--window", "0"], "argument --window: expected an integer >= 1, got '0'"),
+        (["run", "--kv-dtype", "e6m1"], "argument --kv-dtype: invalid choice: 'e6m1'"),
+        (["run", "--contract", "ring"], "argument --contract: invalid choice: 'ring'"),
+    ],
+)
 def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
     status, out, err = run_cli(capsys, *argv)
     assert status == 2
@@ -361,19 +449,30 @@ def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
     assert out == ""
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["--steps", str(10**12)], "--steps 1000000000000 --batch 8: the run would need about"),
-    (["--steps", str(10**8), "--no-check"], "at most 1000000 steps are allowed"),
-    (["--contract", "paged", "--steps", "400000", "--no-check"],
-     "--steps 400000 --batch 8: the paged plan simulates every sequence's every step"),
-    (["--preset", "tiny", "--contract", "paged", "--window", "12"],
-     "--window 12: expected a positive multiple of the page size 8"),
-    (["--preset", "tiny", "--window", "16"], "--window 16 needs --contract paged"),
-    (["--preset", "dflash2-b8-w2048", "--contract", "slot"],
-     "preset dflash2-b8-w2048's window 2048 needs --contract paged"),
-    (["--json", "/nonexistent-folder/summary.json"],
-     "--json /nonexistent-folder/summary.json: folder /nonexistent-folder does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--steps", str(10**12)], "--steps 1000000000000 --batch 8: the run would need about"),
+        (["--steps", str(10**8), "--no-check"], "at most 1000000 steps are allowed"),
+        (
+            ["--contract", "paged", "--steps", "400000", "--no-check"],
+            "--steps 400000 --batch 8: the paged plan simulates every sequence's every step",
+        ),
+        (
+            ["--preset", "tiny", "--contract", "paged", "--window", "12"],
+            "--window 12: expected a positive multiple of the page size 8",
+        ),
+        (["--preset", "tiny", "--window", "16"], "--window 16 needs --contract paged"),
+        (
+            ["--preset", "dflash2-b8-w2048", "--contract", "slot"],
+            "preset dflash2-b8-w2048's window 2048 needs --contract paged",
+        ),
+        (
+            ["--json", "/nonexistent-folder/summary.json"],
+            "--json /nonexistent-folder/summary.json: folder /nonexistent-folder does not exist",
+        ),
+    ],
+)
 def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, reason):
     def no_run(*args, **kwargs):
         raise AssertionError("the workload was built before the flags were checked")
@@ -392,8 +491,9 @@ def test_memory_estimate_names_the_size(capsys):
     assert "TiB of host memory" in err or "GiB of host memory" in err
 
 
-def test_json_path_that_is_a_folder_or_unwritable_exits_2_before_the_run(capsys, monkeypatch,
-                                                                          tmp_path):
+def test_json_path_that_is_a_folder_or_unwritable_exits_2_before_the_run(
+    capsys, monkeypatch, tmp_path
+):
     monkeypatch.setattr(workload, "Workload", None)  # building it would raise TypeError
     status, _, err = run_cli(capsys, "run", "--json", str(tmp_path))
     assert status == 2 and "is a folder (expected a file path)" in err
@@ -449,8 +549,12 @@ def test_presets_mark_their_assumptions():
 
 def _interrupt(argv, wait_for):
     """Starts ``python -m jax_dflash argv``, sends SIGINT once ``wait_for(proc)`` is true."""
-    proc = subprocess.Popen([sys.executable, "-m", "jax_dflash", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jax_dflash", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(proc)
         proc.send_signal(signal.SIGINT)
@@ -465,8 +569,9 @@ def test_sigint_during_the_run_exits_130_at_once():
     def header_printed(proc):
         assert proc.stdout.readline().startswith("jax-dflash run: preset small")
 
-    status, out, err = _interrupt(["run", "--steps", "100000", "--no-check", "--no-progress"],
-                                  header_printed)
+    status, out, err = _interrupt(
+        ["run", "--steps", "100000", "--no-check", "--no-progress"], header_printed
+    )
     assert status == 130, err
     # The one line last (a GPU's runtime may log before it), and no traceback.
     assert err.strip().splitlines()[-1] == "jax-dflash: interrupted"
@@ -474,16 +579,21 @@ def test_sigint_during_the_run_exits_130_at_once():
 
 
 def _imports_jax_with_the_package() -> bool:
-    done = subprocess.run([sys.executable, "-c", "import sys, jax_dflash; "
-                           "print('jax' in sys.modules)"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, jax_dflash; print('jax' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done.stdout.strip() == "True"
 
 
 def test_sigint_while_importing_jax_exits_130_without_a_traceback():
     if _imports_jax_with_the_package():
-        pytest.skip("`import jax_dflash` imports jax (its __init__ imports ops/_ext eagerly), "
-                    "so an interrupt can land before the command line installs its handler")
+        pytest.skip(
+            "`import jax_dflash` imports jax (its __init__ imports ops/_ext eagerly), "
+            "so an interrupt can land before the command line installs its handler"
+        )
 
     def loading_jaxlib(proc):
         maps = pathlib.Path(f"/proc/{proc.pid}/maps")

@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 
 onnx = pytest.importorskip(
-    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")"
+)
 
 import jax_dflash  # noqa: E402
 from jax_dflash import reference  # noqa: E402
@@ -48,7 +49,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("draft_update", ROOT / "examples" / "draft_update.py")
+    spec = importlib.util.spec_from_file_location(
+        "draft_update", ROOT / "examples" / "draft_update.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("draft_update", module)
     spec.loader.exec_module(module)
@@ -96,10 +99,12 @@ def _single_node_model(args, pages_per_slot, attribute_overrides=None):
 
 def _run_jax_cpu(args, pages_per_slot, **kwargs):
     cpu = jax.devices("cpu")[0]
-    kwargs = {k: jax.device_put(v, cpu) if isinstance(v, np.ndarray) else v
-              for k, v in kwargs.items()}
-    fn = jax.jit(lambda *a: jax_dflash.target_kv_cache_update(
-        *a, pages_per_slot=pages_per_slot, **kwargs))
+    kwargs = {
+        k: jax.device_put(v, cpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
+    }
+    fn = jax.jit(
+        lambda *a: jax_dflash.target_kv_cache_update(*a, pages_per_slot=pages_per_slot, **kwargs)
+    )
     return np.asarray(fn(*[jax.device_put(a, cpu) for a in args]))
 
 
@@ -108,38 +113,68 @@ def _run_jax_cpu(args, pages_per_slot, **kwargs):
 def test_reference_node_matches_numpy_and_jax(dtype, seed):
     # Hostile positions: padding, pass-through past S, drops past the slot, negative starts
     # (starts are drawn over the whole slot of 384 rows; S = 300 rotates most keys).
-    problem = make_problem(np.random.default_rng(seed), dtype=dtype, batch=3, delta_len=5,
-                           heads=2, head_dim=12, rotary_dim=8, page_size=P, pages_per_slot=3,
-                           max_batch=4, rope_batch=3 if seed == 1 else 1, rope_seq_len=300)
+    problem = make_problem(
+        np.random.default_rng(seed),
+        dtype=dtype,
+        batch=3,
+        delta_len=5,
+        heads=2,
+        head_dim=12,
+        rotary_dim=8,
+        page_size=P,
+        pages_per_slot=3,
+        max_batch=4,
+        rope_batch=3 if seed == 1 else 1,
+        rope_seq_len=300,
+    )
     pool_before = problem.past_key_value.copy()
     model = _single_node_model(problem.args(), problem.pages_per_slot)
     (onnx_out,) = reference_evaluator(model).run(None, dict(zip(ARG_NAMES, problem.args())))
-    expected = reference.target_kv_cache_update(*problem.args(),
-                                                pages_per_slot=problem.pages_per_slot)
+    expected = reference.target_kv_cache_update(
+        *problem.args(), pages_per_slot=problem.pages_per_slot
+    )
     assert_bits_equal(onnx_out, expected)
     assert_bits_equal(_run_jax_cpu(problem.args(), problem.pages_per_slot), onnx_out)
     assert_bits_equal(problem.past_key_value, pool_before)  # ONNX semantics: a new value
     assert not np.array_equal(onnx_out.view(np.uint8), pool_before.view(np.uint8))
 
 
-@pytest.mark.parametrize("dtype, options", [
-    (np.float16, dict(pool_dtype=FP8, scale_shape=())),
-    (ml_dtypes.bfloat16, dict(pool_dtype=FP8, k_norm=True)),  # per-head scales
-    (np.float32, dict(k_norm=True, v_norm=True, norm_eps=1e-5)),
-], ids=["fp8", "fp8+k_norm", "k_norm+v_norm"])
+@pytest.mark.parametrize(
+    "dtype, options",
+    [
+        (np.float16, dict(pool_dtype=FP8, scale_shape=())),
+        (ml_dtypes.bfloat16, dict(pool_dtype=FP8, k_norm=True)),  # per-head scales
+        (np.float32, dict(k_norm=True, v_norm=True, norm_eps=1e-5)),
+    ],
+    ids=["fp8", "fp8+k_norm", "k_norm+v_norm"],
+)
 def test_reference_slot_node_with_extensions_matches_numpy_and_jax(dtype, options):
-    problem = make_problem(np.random.default_rng(7), dtype=dtype, batch=3, delta_len=5, heads=2,
-                           head_dim=16, rotary_dim=8, page_size=P, pages_per_slot=2,
-                           max_batch=3, **options)
+    problem = make_problem(
+        np.random.default_rng(7),
+        dtype=dtype,
+        batch=3,
+        delta_len=5,
+        heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        page_size=P,
+        pages_per_slot=2,
+        max_batch=3,
+        **options,
+    )
     kwargs = problem.kwargs()
     node = dflash_onnx.make_update_node(
-        pages_per_slot=problem.pages_per_slot, fp8_pool=problem.k_scale is not None,
-        k_norm=problem.k_norm_weight is not None, v_norm=problem.v_norm,
-        **({"norm_eps": problem.norm_eps} if "norm_eps" in kwargs else {}))
+        pages_per_slot=problem.pages_per_slot,
+        fp8_pool=problem.k_scale is not None,
+        k_norm=problem.k_norm_weight is not None,
+        v_norm=problem.v_norm,
+        **({"norm_eps": problem.norm_eps} if "norm_eps" in kwargs else {}),
+    )
     operands = list(problem.args())
     if problem.k_scale is not None:  # TensorRT's per-tensor scale is [1]
-        operands += [s.reshape(1) if s.shape == () else s
-                     for s in (problem.k_scale, problem.v_scale)]
+        operands += [
+            s.reshape(1) if s.shape == () else s for s in (problem.k_scale, problem.v_scale)
+        ]
     if problem.k_norm_weight is not None:
         operands.append(problem.k_norm_weight)
     model = dflash_onnx.make_node_model(node, operands)
@@ -183,9 +218,12 @@ def test_kernel_errors_name_the_argument():
 
 def _export(export, dtype):
     fn = draft.make_draft_context_update(draft.random_weights(CONFIG, dtype), CONFIG)
-    model = export.to_onnx(fn, draft.input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
-                           input_names=draft.input_names(CONFIG),
-                           output_names=draft.output_names(CONFIG))
+    model = export.to_onnx(
+        fn,
+        draft.input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
+        input_names=draft.input_names(CONFIG),
+        output_names=draft.output_names(CONFIG),
+    )
     return fn, model
 
 
@@ -202,7 +240,8 @@ def test_export_emits_the_plugin_node(dtype):
     assert len(nodes) == CONFIG.num_layers  # one node per layer, no decomposition
     for layer, node in enumerate(nodes):
         expected = dflash_onnx.make_update_node(
-            node.input, node.output[0], pages_per_slot=CONFIG.pages_per_slot, name=node.name)
+            node.input, node.output[0], pages_per_slot=CONFIG.pages_per_slot, name=node.name
+        )
         assert node == expected  # op type, domain, attributes, input order: make_update_node's
         # The pool is a graph input and the node's output a graph output: TensorRT can alias them.
         assert node.input[2] == f"past_key_value_{layer}"
@@ -269,7 +308,7 @@ def test_export_parity_jax_onnx_numpy(dtype):
     wanted = [name for node in nodes for name in node.input[:2]] + draft.output_names(CONFIG)
     results = reference_evaluator(model).run(wanted, dict(zip(draft.input_names(CONFIG), inputs)))
     onnx_kv = results[: 2 * len(nodes)]
-    onnx_pools = results[2 * len(nodes):]
+    onnx_pools = results[2 * len(nodes) :]
 
     # JAX on CPU, as the issue states: on a GPU, XLA's float32 matmuls may use TF32, which is
     # outside the float32 error model used for the projection below.
@@ -285,12 +324,15 @@ def test_export_parity_jax_onnx_numpy(dtype):
         # Update stage, exact: same k/v in, same bits out, in all three runtimes.
         update_args = (pool, rope, starts, lengths)
         expected_onnx = reference.target_kv_cache_update(
-            k_onnx, v_onnx, *update_args, pages_per_slot=CONFIG.pages_per_slot)
+            k_onnx, v_onnx, *update_args, pages_per_slot=CONFIG.pages_per_slot
+        )
         assert_bits_equal(onnx_pools[layer], expected_onnx)
-        assert_bits_equal(_run_jax_cpu((k_onnx, v_onnx, *update_args), CONFIG.pages_per_slot),
-                          expected_onnx)
+        assert_bits_equal(
+            _run_jax_cpu((k_onnx, v_onnx, *update_args), CONFIG.pages_per_slot), expected_onnx
+        )
         expected_jax = reference.target_kv_cache_update(
-            k_jax, v_jax, *update_args, pages_per_slot=CONFIG.pages_per_slot)
+            k_jax, v_jax, *update_args, pages_per_slot=CONFIG.pages_per_slot
+        )
         assert_bits_equal(jax_pools[layer], expected_jax)
 
         # Projection stage, within the float32 error bound (+1 storage ulp).
@@ -300,16 +342,20 @@ def test_export_parity_jax_onnx_numpy(dtype):
             worst = np.unravel_index(np.argmax(diff - bound), diff.shape)
             assert np.all(diff <= bound), (
                 f"layer {layer} {name}: |JAX - ONNX| = {diff[worst]:.3g} > bound "
-                f"{bound[worst]:.3g} at {worst}")
+                f"{bound[worst]:.3g} at {worst}"
+            )
     for before, after in zip(pools_before, pools):
         assert_bits_equal(after, before)  # neither runtime wrote into the caller's arrays
 
 
 def _export_paged(export, dtype):
     fn = draft.make_draft_context_update_paged(draft.random_weights(CONFIG, dtype), CONFIG)
-    model = export.to_onnx(fn, draft.paged_input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
-                           input_names=draft.paged_input_names(CONFIG),
-                           output_names=draft.output_names(CONFIG))
+    model = export.to_onnx(
+        fn,
+        draft.paged_input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
+        input_names=draft.paged_input_names(CONFIG),
+        output_names=draft.output_names(CONFIG),
+    )
     return fn, model
 
 
@@ -336,19 +382,27 @@ def test_paged_export_emits_edge_llm_nodes_and_matches_the_slot_draft(dtype):
     inputs = draft.paged_inputs(CONFIG, slot_inputs)
     _, rope, positions, owners, table, *pools = inputs
     wanted = [name for node in nodes for name in node.input[:2]] + draft.output_names(CONFIG)
-    results = reference_evaluator(model).run(wanted, dict(zip(draft.paged_input_names(CONFIG),
-                                                               inputs)))
+    results = reference_evaluator(model).run(
+        wanted, dict(zip(draft.paged_input_names(CONFIG), inputs))
+    )
     for layer, pool in enumerate(pools):
         k_onnx, v_onnx = results[2 * layer], results[2 * layer + 1]
-        expected = reference.target_kv_cache_update_paged(k_onnx, v_onnx, pool, rope, positions,
-                                                          owners, table)
+        expected = reference.target_kv_cache_update_paged(
+            k_onnx, v_onnx, pool, rope, positions, owners, table
+        )
         assert_bits_equal(results[2 * len(nodes) + layer], expected)
         # The same k/v through the slot contract: the identity table writes what slots do.
         _, slot_rope, starts, lengths, *_ = slot_inputs
         heads_shape = (BATCH, DELTA_LEN, *k_onnx.shape[1:])
         slot_pool = reference.target_kv_cache_update(
-            k_onnx.reshape(heads_shape), v_onnx.reshape(heads_shape), pool, slot_rope, starts,
-            lengths, pages_per_slot=CONFIG.pages_per_slot)
+            k_onnx.reshape(heads_shape),
+            v_onnx.reshape(heads_shape),
+            pool,
+            slot_rope,
+            starts,
+            lengths,
+            pages_per_slot=CONFIG.pages_per_slot,
+        )
         assert_bits_equal(expected, slot_pool)
 
 
@@ -357,16 +411,23 @@ def test_export_of_a_jitted_function_leaves_it_runnable():
     export = _needs_jax2onnx()
     dtype = np.dtype(np.float16)
     jitted = jax.jit(draft.make_draft_context_update(draft.random_weights(CONFIG, dtype), CONFIG))
-    model = export.to_onnx(jitted, draft.input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
-                           input_names=draft.input_names(CONFIG))
+    model = export.to_onnx(
+        jitted,
+        draft.input_specs(CONFIG, BATCH, DELTA_LEN, dtype),
+        input_names=draft.input_names(CONFIG),
+    )
     assert len(_plugin_nodes(model)) == CONFIG.num_layers
     inputs = draft.random_inputs(CONFIG, BATCH, DELTA_LEN, dtype)
     onnx_pools = reference_evaluator(model).run(None, dict(zip(draft.input_names(CONFIG), inputs)))
     for jax_pool, onnx_pool in zip(jitted(*inputs), onnx_pools):
         # Projections may differ by 1 fp16 ulp (see test_export_parity_jax_onnx_numpy); RoPE
         # mixes two of them: 2 ulps.
-        np.testing.assert_allclose(np.asarray(jax_pool, np.float32), onnx_pool.astype(np.float32),
-                                   rtol=2.0**-9, atol=2.0**-14)
+        np.testing.assert_allclose(
+            np.asarray(jax_pool, np.float32),
+            onnx_pool.astype(np.float32),
+            rtol=2.0**-9,
+            atol=2.0**-14,
+        )
 
 
 def test_export_rejects_the_layer_batched_form():
@@ -384,9 +445,11 @@ def test_to_onnx_leaves_jax2onnx_plugins_as_they_were():
     from jax2onnx.plugins import plugin_system
 
     def own_binding_specs():
-        return {type(p): type(p).__dict__.get("binding_specs")
-                for p in plugin_system.PLUGIN_REGISTRY.values()
-                if isinstance(p, plugin_system.PrimitiveLeafPlugin)}
+        return {
+            type(p): type(p).__dict__.get("binding_specs")
+            for p in plugin_system.PLUGIN_REGISTRY.values()
+            if isinstance(p, plugin_system.PrimitiveLeafPlugin)
+        }
 
     plugin_system.import_all_plugins()
     export.register_jax2onnx_plugin()
@@ -396,6 +459,7 @@ def test_to_onnx_leaves_jax2onnx_plugins_as_they_were():
 
 
 # ---- TensorRT ----------------------------------------------------------------------------------
+
 
 def _harness_or_skip():
     """The contract harness of trt_plugin/, found and run by tests/test_trt_plugin.py's driver."""
@@ -410,8 +474,12 @@ def _node_for_case(meta):
     """The ONNX node of a dumped harness case: the slot node, or the paged one (Edge-LLM's
     field-less node when the case uses no extension)."""
     norms = meta["k_norm"] or meta["v_norm"]
-    options = dict(fp8_pool=meta["pool_dtype"] == "float8_e4m3fn", k_norm=meta["k_norm"],
-                   v_norm=meta["v_norm"], **({"norm_eps": meta["norm_eps"]} if norms else {}))
+    options = dict(
+        fp8_pool=meta["pool_dtype"] == "float8_e4m3fn",
+        k_norm=meta["k_norm"],
+        v_norm=meta["v_norm"],
+        **({"norm_eps": meta["norm_eps"]} if norms else {}),
+    )
     if meta["contract"] == "slot":
         return dflash_onnx.make_update_node(pages_per_slot=meta["pages_per_slot"], **options)
     return dflash_onnx.make_paged_update_node(ring=meta["ring"], **options)
@@ -422,8 +490,14 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
     kernel through the OpRun) and the JAX op on CUDA, on the harness's hostile inputs of both
     contracts (every pool dtype, FP8 scales, norms, ring)."""
     trt_harness, harness = _harness_or_skip()
-    report = trt_harness._run_harness(harness, "--gpu", "--dump", str(tmp_path / "dump"),
-                                      report=tmp_path / "report.json", timeout=600)
+    report = trt_harness._run_harness(
+        harness,
+        "--gpu",
+        "--dump",
+        str(tmp_path / "dump"),
+        report=tmp_path / "report.json",
+        timeout=600,
+    )
     dumps = report["dumps"]
     assert {d["contract"] for d in dumps} == {"slot", "paged"}, dumps
     gpu = gpu_devices()[0]
@@ -437,12 +511,19 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
         model = dflash_onnx.make_node_model(node, operands)
         (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
         args, kwargs = trt_harness._op_arguments(meta, arrays)
-        op = (jax_dflash.target_kv_cache_update if meta["contract"] == "slot"
-              else jax_dflash.target_kv_cache_update_paged)
-        on_gpu = {k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v
-                  for k, v in kwargs.items()}
-        jax_pool = np.asarray(jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
-            *[jax.device_put(a, gpu) for a in args]))
+        op = (
+            jax_dflash.target_kv_cache_update
+            if meta["contract"] == "slot"
+            else jax_dflash.target_kv_cache_update_paged
+        )
+        on_gpu = {
+            k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
+        }
+        jax_pool = np.asarray(
+            jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
+                *[jax.device_put(a, gpu) for a in args]
+            )
+        )
         trt_pool = arrays[meta["output"]]
         try:
             assert_bits_equal(onnx_pool, trt_pool)
@@ -456,7 +537,8 @@ def test_trt_engine_runs_the_exported_graph():
     """Where TensorRT (with its builder) is installed: the exported draft graph is built into an
     engine with the plugin library and run; it agrees with the ONNX reference run."""
     tensorrt = pytest.importorskip(
-        "tensorrt", reason="the 'tensorrt' Python package (with its builder) is not installed")
+        "tensorrt", reason="the 'tensorrt' Python package (with its builder) is not installed"
+    )
     torch = pytest.importorskip("torch", reason="torch provides the CUDA buffers for the engine")
     export = _needs_jax2onnx()
     if not torch.cuda.is_available():
@@ -468,17 +550,23 @@ def test_trt_engine_runs_the_exported_graph():
     config = draft.DraftConfig(max_batch=2)
     dtype = np.dtype(np.float16)
     fn = draft.make_draft_context_update(draft.random_weights(config, dtype), config)
-    model = export.to_onnx(fn, draft.input_specs(config, BATCH, DELTA_LEN, dtype),
-                           input_names=draft.input_names(config),
-                           output_names=draft.output_names(config))
+    model = export.to_onnx(
+        fn,
+        draft.input_specs(config, BATCH, DELTA_LEN, dtype),
+        input_names=draft.input_names(config),
+        output_names=draft.output_names(config),
+    )
     engine = tensorrt.Runtime(tensorrt.Logger(tensorrt.Logger.WARNING)).deserialize_cuda_engine(
-        trt.build_engine(model))
+        trt.build_engine(model)
+    )
     context = engine.create_execution_context()
 
     inputs = draft.random_inputs(config, BATCH, DELTA_LEN, dtype)
     expected = reference_evaluator(model).run(None, dict(zip(draft.input_names(config), inputs)))
-    buffers = {name: torch.from_numpy(np.ascontiguousarray(a)).cuda()
-               for name, a in zip(draft.input_names(config), inputs)}
+    buffers = {
+        name: torch.from_numpy(np.ascontiguousarray(a)).cuda()
+        for name, a in zip(draft.input_names(config), inputs)
+    }
     for name, like in zip(draft.output_names(config), expected):
         buffers[name] = torch.empty(like.shape, dtype=torch.float16, device="cuda")
     for name, buffer in buffers.items():
@@ -500,5 +588,6 @@ def test_trt_engine_runs_the_exported_graph():
         # Untouched elements: exactly the input pool. Written ones: TensorRT's own matmul and
         # norm (TF32 allowed by default) against NumPy's, stored in fp16.
         assert_bits_equal(np.where(written, 0, got), np.where(written, 0, pool))
-        np.testing.assert_allclose(got[written].astype(np.float32),
-                                   want[written].astype(np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(
+            got[written].astype(np.float32), want[written].astype(np.float32), rtol=2e-2, atol=2e-2
+        )

@@ -4,11 +4,11 @@ repeated call neither retraces nor recompiles."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import assert_bits_equal, make_paged_problem, make_problem
-from test_ops import expected
 
 import jax_dflash
+from conftest import assert_bits_equal, make_paged_problem, make_problem
 from jax_dflash import ops
+from test_ops import expected
 
 
 def _calls(problem, op, times):
@@ -23,9 +23,12 @@ def test_repeated_eager_calls_hit_the_cache():
     _calls(slot, jax_dflash.target_kv_cache_update, 4)
     info = ops._jitted.cache_info()
     assert (info.misses, info.hits) == (1, 3)
-    (jitted,) = [ops._jitted(jax_dflash.target_kv_cache_update_p,
-                             (("k_norm", False), ("norm_eps", 1e-6), ("pages_per_slot", 2),
-                              ("v_norm", False)))]
+    (jitted,) = [
+        ops._jitted(
+            jax_dflash.target_kv_cache_update_p,
+            (("k_norm", False), ("norm_eps", 1e-6), ("pages_per_slot", 2), ("v_norm", False)),
+        )
+    ]
     assert jitted._cache_size() == 1  # one trace and compilation for the four calls
 
     paged = make_paged_problem(np.random.default_rng(1), k_norm=True)
@@ -60,8 +63,9 @@ def test_eager_call_under_disable_jit():
     with jax.disable_jit():
         out = jax_dflash.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
         batched = jax.vmap(
-            lambda k: jax_dflash.target_kv_cache_update_paged(k, *problem.args()[1:],
-                                                              **problem.kwargs()))(
-            np.stack([problem.k_delta] * 2))
+            lambda k: jax_dflash.target_kv_cache_update_paged(
+                k, *problem.args()[1:], **problem.kwargs()
+            )
+        )(np.stack([problem.k_delta] * 2))
     assert_bits_equal(out, expected(problem))
     assert_bits_equal(batched[1], expected(problem))

@@ -10,6 +10,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+
+import jax_dflash
 from conftest import (
     DELTA_DTYPES,
     FP8_DTYPES,
@@ -19,10 +21,8 @@ from conftest import (
     make_paged_problem,
     make_problem,
 )
-from test_ops import expected, jitted_op, run_op
-
-import jax_dflash
 from jax_dflash import reference
+from test_ops import expected, jitted_op, run_op
 
 E4M3, E5M2 = FP8_DTYPES
 # Largest finite magnitude's byte (saturation) and the NaN byte of each FP8 format.
@@ -32,10 +32,30 @@ FP8_NAN = 0x7F
 
 def _both(contract, rng, **kw):
     if contract == "slot":
-        return make_problem(rng, batch=3, max_batch=4, delta_len=4, heads=2, head_dim=12,
-                            rotary_dim=8, page_size=3, pages_per_slot=2, **kw)
-    return make_paged_problem(rng, tokens=9, batch=3, heads=2, head_dim=12, rotary_dim=8,
-                              num_pages=8, page_size=3, table_pages=2, **kw)
+        return make_problem(
+            rng,
+            batch=3,
+            max_batch=4,
+            delta_len=4,
+            heads=2,
+            head_dim=12,
+            rotary_dim=8,
+            page_size=3,
+            pages_per_slot=2,
+            **kw,
+        )
+    return make_paged_problem(
+        rng,
+        tokens=9,
+        batch=3,
+        heads=2,
+        head_dim=12,
+        rotary_dim=8,
+        num_pages=8,
+        page_size=3,
+        table_pages=2,
+        **kw,
+    )
 
 
 CONTRACTS = ["slot", "paged"]
@@ -60,14 +80,23 @@ def test_dtype_pairs_match_reference(backend, contract, dtype, pool_dtype):
 
 
 @pytest.mark.parametrize("contract", CONTRACTS)
-@pytest.mark.parametrize("norms", [(True, False), (False, True), (True, True)],
-                         ids=["k_norm", "v_norm", "both"])
+@pytest.mark.parametrize(
+    "norms", [(True, False), (False, True), (True, True)], ids=["k_norm", "v_norm", "both"]
+)
 @pytest.mark.parametrize("pool_dtype", [np.float32, ml_dtypes.bfloat16, E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", DELTA_DTYPES, ids=str)
 def test_norms_match_reference(backend, contract, dtype, pool_dtype, norms):
     k_norm, v_norm = norms
-    problem = _both(contract, np.random.default_rng(2), dtype=dtype, pool_dtype=pool_dtype,
-                    k_norm=k_norm, v_norm=v_norm, norm_eps=1e-5, hostile=False)
+    problem = _both(
+        contract,
+        np.random.default_rng(2),
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=1e-5,
+        hostile=False,
+    )
     _check(problem, backend)
 
 
@@ -77,8 +106,14 @@ def test_norms_match_reference(backend, contract, dtype, pool_dtype, norms):
 def test_hostile_scales_match_reference(backend, contract, pool_dtype, scale_shape):
     """The builder's hostile scales reach past the format's range (saturation) and into its
     subnormals."""
-    problem = _both(contract, np.random.default_rng(3), pool_dtype=pool_dtype,
-                    scale_shape=scale_shape, k_norm=True, hostile=True)
+    problem = _both(
+        contract,
+        np.random.default_rng(3),
+        pool_dtype=pool_dtype,
+        scale_shape=scale_shape,
+        k_norm=True,
+        hostile=True,
+    )
     _check(problem, backend)
 
 
@@ -92,8 +127,16 @@ def _written_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 def test_tiny_scale_saturates(backend, pool_dtype):
     """``y * (1 / 1e-30)`` is past every finite FP8 value: each stored byte is the largest
     finite magnitude of its sign, never NaN or a wrapped value."""
-    problem = make_problem(np.random.default_rng(4), batch=2, delta_len=3, heads=2, head_dim=8,
-                           pool_dtype=pool_dtype, scale_shape=(), hostile=False)
+    problem = make_problem(
+        np.random.default_rng(4),
+        batch=2,
+        delta_len=3,
+        heads=2,
+        head_dim=8,
+        pool_dtype=pool_dtype,
+        scale_shape=(),
+        hostile=False,
+    )
     problem.k_scale = np.float32(1e-30)
     problem.v_scale = np.float32(1e-30)
     out = _check(problem, backend)
@@ -120,8 +163,9 @@ def _poison(rng, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("pool_dtype", [np.float16, np.float32, E4M3, E5M2], ids=str)
 def test_nan_and_inf_inputs(backend, contract, pool_dtype):
     rng = np.random.default_rng(5)
-    problem = _both(contract, rng, dtype=np.float16, pool_dtype=pool_dtype, k_norm=True,
-                    hostile=False)
+    problem = _both(
+        contract, rng, dtype=np.float16, pool_dtype=pool_dtype, k_norm=True, hostile=False
+    )
     problem.k_delta = _poison(rng, problem.k_delta)
     problem.v_delta = _poison(rng, problem.v_delta)
     out = _check(problem, backend)
@@ -142,8 +186,15 @@ def test_nan_and_inf_inputs(backend, contract, pool_dtype):
 @pytest.mark.parametrize("pool_dtype", [np.float16, E4M3], ids=str)
 def test_zero_rows_stay_zero_under_norms(backend, contract, pool_dtype):
     """eps > 0 keeps 1 / rms finite: a zero head is stored as zero, not NaN."""
-    problem = _both(contract, np.random.default_rng(6), dtype=np.float16, pool_dtype=pool_dtype,
-                    k_norm=True, v_norm=True, hostile=False)
+    problem = _both(
+        contract,
+        np.random.default_rng(6),
+        dtype=np.float16,
+        pool_dtype=pool_dtype,
+        k_norm=True,
+        v_norm=True,
+        hostile=False,
+    )
     problem.k_delta[..., 0, :] = 0
     problem.v_delta[..., 1, :] = 0
     out = _check(problem, backend)
@@ -155,11 +206,14 @@ def test_zero_rows_stay_zero_under_norms(backend, contract, pool_dtype):
 
 
 def test_scalar_python_scale_is_a_per_tensor_scale(backend):
-    problem = make_problem(np.random.default_rng(7), pool_dtype=E4M3, scale_shape=(),
-                           hostile=False)
+    problem = make_problem(np.random.default_rng(7), pool_dtype=E4M3, scale_shape=(), hostile=False)
     device = device_of(backend)
-    op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2,
-                           k_scale=float(problem.k_scale), v_scale=float(problem.v_scale))
+    op = functools.partial(
+        jax_dflash.target_kv_cache_update,
+        pages_per_slot=2,
+        k_scale=float(problem.k_scale),
+        v_scale=float(problem.v_scale),
+    )
     out = jax.jit(op)(*[jax.device_put(a, device) for a in problem.args()])
     assert_bits_equal(out, expected(problem))
 
@@ -173,32 +227,46 @@ def test_vmap_with_per_layer_scales_and_weight(backend, contract):
     the per-layer loop."""
     layers = 3
     rng = np.random.default_rng(8)
-    problems = [_both(contract, rng, pool_dtype=E4M3, scale_shape=(), k_norm=True, v_norm=True)
-                for _ in range(layers)]
+    problems = [
+        _both(contract, rng, pool_dtype=E4M3, scale_shape=(), k_norm=True, v_norm=True)
+        for _ in range(layers)
+    ]
     # Shared rope and index operands (layer 0's); per-layer k, v, pool, scales and weight.
     shared = problems[0].args()[3:]
     stacked = [np.stack([p.args()[i] for p in problems]) for i in range(3)]
     scales = [np.stack([getattr(p, n) for p in problems]) for n in ("k_scale", "v_scale")]
     weight = np.stack([p.k_norm_weight for p in problems])
     if contract == "slot":
+
         def op(k, v, pool, *rest, k_scale, v_scale, w):
             return jax_dflash.target_kv_cache_update(
-                k, v, pool, *rest, pages_per_slot=2, k_scale=k_scale, v_scale=v_scale,
-                k_norm_weight=w, v_norm=True)
+                k,
+                v,
+                pool,
+                *rest,
+                pages_per_slot=2,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                k_norm_weight=w,
+                v_norm=True,
+            )
+
         ref = functools.partial(reference.target_kv_cache_update, pages_per_slot=2)
         primitive = jax_dflash.target_kv_cache_update_p
     else:
+
         def op(k, v, pool, *rest, k_scale, v_scale, w):
             return jax_dflash.target_kv_cache_update_paged(
-                k, v, pool, *rest, k_scale=k_scale, v_scale=v_scale, k_norm_weight=w,
-                v_norm=True)
+                k, v, pool, *rest, k_scale=k_scale, v_scale=v_scale, k_norm_weight=w, v_norm=True
+            )
+
         ref = reference.target_kv_cache_update_paged
         primitive = jax_dflash.target_kv_cache_update_paged_p
 
     def batched(k, v, pool, ks, vs, w, *rest):
-        return jax.vmap(lambda k_, v_, p_, ks_, vs_, w_: op(k_, v_, p_, *rest, k_scale=ks_,
-                                                             v_scale=vs_, w=w_))(k, v, pool, ks,
-                                                                                 vs, w)
+        return jax.vmap(
+            lambda k_, v_, p_, ks_, vs_, w_: op(k_, v_, p_, *rest, k_scale=ks_, v_scale=vs_, w=w_)
+        )(k, v, pool, ks, vs, w)
 
     operands = [*stacked, *scales, weight, *shared]
     jaxpr = jax.make_jaxpr(batched)(*operands)
@@ -207,8 +275,19 @@ def test_vmap_with_per_layer_scales_and_weight(backend, contract):
     assert extra_shapes == [(layers, 1), (layers, 1), (layers, problems[0].k_delta.shape[-1])]
     device = device_of(backend)
     out = jax.jit(batched)(*[jax.device_put(a, device) for a in operands])
-    want = np.stack([ref(*p.args()[:3], *shared, k_scale=p.k_scale, v_scale=p.v_scale,
-                         k_norm_weight=p.k_norm_weight, v_norm=True) for p in problems])
+    want = np.stack(
+        [
+            ref(
+                *p.args()[:3],
+                *shared,
+                k_scale=p.k_scale,
+                v_scale=p.v_scale,
+                k_norm_weight=p.k_norm_weight,
+                v_norm=True,
+            )
+            for p in problems
+        ]
+    )
     assert_bits_equal(out, want)
 
 
@@ -224,12 +303,20 @@ def _custom_call_line(text: str, target: str) -> str:
 def test_lowering_follows_the_ffi_abi(contract):
     """Operands: the base ones, k_scale, v_scale, then k_norm_weight; typed attributes; the
     result aliases operand 2."""
-    problem = _both(contract, np.random.default_rng(9), dtype=ml_dtypes.bfloat16,
-                    pool_dtype=E5M2, k_norm=True, v_norm=True, norm_eps=1e-5)
+    problem = _both(
+        contract,
+        np.random.default_rng(9),
+        dtype=ml_dtypes.bfloat16,
+        pool_dtype=E5M2,
+        k_norm=True,
+        v_norm=True,
+        norm_eps=1e-5,
+    )
     fn, operands = jitted_op(problem)
-    line = _custom_call_line(fn.lower(*operands).as_text(),
-                             "dflash_target_kv_cache_update" + ("_paged" if contract == "paged"
-                                                                else ""))
+    line = _custom_call_line(
+        fn.lower(*operands).as_text(),
+        "dflash_target_kv_cache_update" + ("_paged" if contract == "paged" else ""),
+    )
     signature = line.split(" : (", 1)[1].split(") -> ", 1)[0]
     types = [t.strip() for t in signature.split("tensor<")[1:]]
     base = 7 if contract == "paged" else 6
@@ -252,40 +339,81 @@ def test_nested_vmap_folds_scales_and_weight(backend):
     one call."""
     outer, layers = 2, 3
     rng = np.random.default_rng(10)
-    problems = [[make_problem(rng, batch=2, delta_len=3, heads=2, head_dim=4, page_size=2,
-                              pages_per_slot=2, pool_dtype=E4M3, scale_shape=(), k_norm=True)
-                 for _ in range(layers)] for _ in range(outer)]
+    problems = [
+        [
+            make_problem(
+                rng,
+                batch=2,
+                delta_len=3,
+                heads=2,
+                head_dim=4,
+                page_size=2,
+                pages_per_slot=2,
+                pool_dtype=E4M3,
+                scale_shape=(),
+                k_norm=True,
+            )
+            for _ in range(layers)
+        ]
+        for _ in range(outer)
+    ]
     first = problems[0][0]
-    stacked = [np.stack([np.stack([p.args()[i] for p in row]) for row in problems])
-               for i in range(3)]
+    stacked = [
+        np.stack([np.stack([p.args()[i] for p in row]) for row in problems]) for i in range(3)
+    ]
     k_scale = np.stack([row[0].k_scale for row in problems])  # [outer]
     v_scale = np.stack([row[0].v_scale for row in problems])
     weight = first.k_norm_weight
 
     def op(k, v, pool, ks, vs):
-        return jax_dflash.target_kv_cache_update(k, v, pool, *first.args()[3:], pages_per_slot=2,
-                                                 k_scale=ks, v_scale=vs, k_norm_weight=weight)
+        return jax_dflash.target_kv_cache_update(
+            k,
+            v,
+            pool,
+            *first.args()[3:],
+            pages_per_slot=2,
+            k_scale=ks,
+            v_scale=vs,
+            k_norm_weight=weight,
+        )
 
     fn = jax.vmap(jax.vmap(op, in_axes=(0, 0, 0, None, None)), in_axes=(0, 0, 0, 0, 0))
     jaxpr = jax.make_jaxpr(fn)(*stacked, k_scale, v_scale)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is jax_dflash.target_kv_cache_update_p]
     assert [tuple(x.aval.shape) for x in eqn.invars[-3:]] == [
-        (outer * layers, 1), (outer * layers, 1), (outer * layers, 4)]
+        (outer * layers, 1),
+        (outer * layers, 1),
+        (outer * layers, 4),
+    ]
     device = device_of(backend)
     out = jax.jit(fn)(*[jax.device_put(a, device) for a in (*stacked, k_scale, v_scale)])
-    want = np.stack([np.stack([
-        reference.target_kv_cache_update(*p.args()[:3], *first.args()[3:], pages_per_slot=2,
-                                         k_scale=row[0].k_scale, v_scale=row[0].v_scale,
-                                         k_norm_weight=weight)
-        for p in row]) for row in problems])
+    want = np.stack(
+        [
+            np.stack(
+                [
+                    reference.target_kv_cache_update(
+                        *p.args()[:3],
+                        *first.args()[3:],
+                        pages_per_slot=2,
+                        k_scale=row[0].k_scale,
+                        v_scale=row[0].v_scale,
+                        k_norm_weight=weight,
+                    )
+                    for p in row
+                ]
+            )
+            for row in problems
+        ]
+    )
     assert_bits_equal(out, want)
 
 
 @pytest.mark.parametrize("pool_dtype", FP8_DTYPES, ids=str)
 def test_fp8_slot_donation_is_in_place(backend, pool_dtype):
     """A donated FP8 pool is updated in its own buffer: no copy in the program, same pointer."""
-    problem = make_problem(np.random.default_rng(11), pool_dtype=pool_dtype, k_norm=True,
-                           hostile=False)
+    problem = make_problem(
+        np.random.default_rng(11), pool_dtype=pool_dtype, k_norm=True, hostile=False
+    )
     fn, operands = jitted_op(problem, donate=True)
     hlo = fn.lower(*operands).compile().as_text()
     assert "input_output_alias={ {}: (2, {}" in hlo

@@ -32,8 +32,17 @@ I32_MIN, I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 SPECIAL_BITS = {
     "float16": [0x7C01, 0x7D55, 0xFE01, 0x7FFF, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x7BFF, 0x8000],
     "bfloat16": [0x7F81, 0xFFC1, 0x7FFF, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x7F7F, 0x8000],
-    "float32": [0x7F800001, 0xFFC00001, 0x7FFFFFFF, 0x7F800000, 0xFF800000, 0x00000001,
-                0x807FFFFF, 0x7F7FFFFF, 0x80000000],
+    "float32": [
+        0x7F800001,
+        0xFFC00001,
+        0x7FFFFFFF,
+        0x7F800000,
+        0xFF800000,
+        0x00000001,
+        0x807FFFFF,
+        0x7F7FFFFF,
+        0x80000000,
+    ],
     "float8_e4m3fn": [0x7F, 0xFF, 0x7E, 0x01, 0x81],
     "float8_e5m2": [0x7D, 0x7E, 0xFF, 0x7C, 0xFC, 0x01, 0x83],
 }
@@ -68,8 +77,11 @@ def _dtypes(rng):
 
 
 def _extras_options(rng, pool_dtype, heads, layers):
-    options = dict(k_norm=bool(rng.random() < 0.4), v_norm=bool(rng.random() < 0.3),
-                   norm_eps=float(rng.choice([1e-6, 1e-5, 1e-12, 0.5])))
+    options = dict(
+        k_norm=bool(rng.random() < 0.4),
+        v_norm=bool(rng.random() < 0.3),
+        norm_eps=float(rng.choice([1e-6, 1e-5, 1e-12, 0.5])),
+    )
     if pool_dtype in FP8_DTYPES:
         shapes = [(), (heads,)] + ([(layers, 1), (layers, heads)] if layers else [])
         options["scale_shape"] = shapes[rng.integers(len(shapes))]
@@ -102,19 +114,32 @@ def slot_problem(seed):
     capacity = page_size * pages_per_slot
     per_layer = layers is not None
     problem = make_problem(
-        rng, batch=batch, delta_len=_count(rng, 5), heads=heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, page_size=page_size, pages_per_slot=pages_per_slot,
-        max_batch=batch + int(rng.integers(0, 2)), rope_batch=int(rng.choice([1, batch])),
-        rope_seq_len=_count(rng, capacity), dtype=delta_dtype,
-        pool_dtype=pool_dtype, layers=layers, hostile=True,
+        rng,
+        batch=batch,
+        delta_len=_count(rng, 5),
+        heads=heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        page_size=page_size,
+        pages_per_slot=pages_per_slot,
+        max_batch=batch + int(rng.integers(0, 2)),
+        rope_batch=int(rng.choice([1, batch])),
+        rope_seq_len=_count(rng, capacity),
+        dtype=delta_dtype,
+        pool_dtype=pool_dtype,
+        layers=layers,
+        hostile=True,
         rope_per_layer=per_layer and bool(rng.random() < 0.5),
         positions_per_layer=per_layer and bool(rng.random() < 0.5),
-        **_extras_options(rng, pool_dtype, heads, layers))
+        **_extras_options(rng, pool_dtype, heads, layers),
+    )
     # int32 extremes: a start whose 32-bit sum with t would wrap back into the slot, lengths of
     # either sign's limit.
     starts, lengths = problem.delta_start_positions, problem.delta_lengths
-    for array, values in ((starts, [I32_MIN, I32_MAX, I32_MAX - 1, I32_MIN + 1, -1, capacity]),
-                          (lengths, [I32_MIN, I32_MAX, 0, -1])):
+    for array, values in (
+        (starts, [I32_MIN, I32_MAX, I32_MAX - 1, I32_MIN + 1, -1, capacity]),
+        (lengths, [I32_MIN, I32_MAX, 0, -1]),
+    ):
         hit = rng.random(array.shape) < 0.25
         array[hit] = rng.choice(values, int(hit.sum()))
     return _poisoned(rng, problem)
@@ -124,31 +149,51 @@ def paged_problem(seed):
     rng = np.random.default_rng([8, seed])
     heads, head_dim, rotary_dim, layers = _shape_options(rng)
     delta_dtype, pool_dtype = _dtypes(rng)
-    batch, table_pages, page_size = (int(rng.integers(1, 4)), int(rng.integers(1, 4)),
-                                     int(rng.integers(1, 6)))
+    batch, table_pages, page_size = (
+        int(rng.integers(1, 4)),
+        int(rng.integers(1, 4)),
+        int(rng.integers(1, 6)),
+    )
     num_pages = batch * table_pages + int(rng.integers(0, 4))
     tokens = _count(rng, batch * table_pages * page_size)
     per_layer = layers is not None
     ring = bool(rng.random() < 0.4)
     problem = make_paged_problem(
-        rng, tokens=tokens, batch=batch, heads=heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        num_pages=num_pages, page_size=page_size, table_pages=table_pages, dtype=delta_dtype,
-        pool_dtype=pool_dtype, layers=layers, hostile=True, ring=ring,
+        rng,
+        tokens=tokens,
+        batch=batch,
+        heads=heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        table_pages=table_pages,
+        dtype=delta_dtype,
+        pool_dtype=pool_dtype,
+        layers=layers,
+        hostile=True,
+        ring=ring,
         rope_per_layer=per_layer and bool(rng.random() < 0.5),
         positions_per_layer=per_layer and bool(rng.random() < 0.5),
         table_per_layer=per_layer and bool(rng.random() < 0.5),
-        **_extras_options(rng, pool_dtype, heads, layers))
+        **_extras_options(rng, pool_dtype, heads, layers),
+    )
     # More hostility that only ever drops tokens (rows of valid tokens stay distinct): owners
     # at the int32 limits, negative positions, page ids of the other plane or past either end.
-    owners, positions, table = (problem.delta_token_to_sequence, problem.delta_positions,
-                                problem.kv_page_table)
+    owners, positions, table = (
+        problem.delta_token_to_sequence,
+        problem.delta_positions,
+        problem.kv_page_table,
+    )
     hit = rng.random(owners.shape) < 0.1
     owners[hit] = rng.choice([I32_MIN, I32_MAX, batch, -1], int(hit.sum()))
     hit = rng.random(positions.shape) < 0.1
     positions[hit] = rng.choice([I32_MIN, -1, -page_size], int(hit.sum()))
     n = num_pages
-    for plane, bad in ((0, [n, 2 * n - 1, I32_MAX, I32_MIN, -1]),
-                       (1, [0, n - 1, 2 * n, I32_MAX, I32_MIN])):
+    for plane, bad in (
+        (0, [n, 2 * n - 1, I32_MAX, I32_MIN, -1]),
+        (1, [0, n - 1, 2 * n, I32_MAX, I32_MIN]),
+    ):
         ids = table[..., plane, :]
         hit = rng.random(ids.shape) < 0.1
         ids[hit] = rng.choice(bad, int(hit.sum()))
@@ -182,10 +227,15 @@ def run_raw(contract, problem):
     v, _ = _bits(problem.v_delta)
     weight, _ = _bits(problem.k_norm_weight)
     pool_view, pool_dtype = _bits(pool)
-    scales = [None if s is None else np.asarray(s, np.float32)
-              for s in (problem.k_scale, problem.v_scale)]
-    kwargs = dict(v_norm=problem.v_norm, norm_eps=problem.norm_eps, delta_dtype=delta_dtype,
-                  pool_dtype=pool_dtype)
+    scales = [
+        None if s is None else np.asarray(s, np.float32) for s in (problem.k_scale, problem.v_scale)
+    ]
+    kwargs = dict(
+        v_norm=problem.v_norm,
+        norm_eps=problem.norm_eps,
+        delta_dtype=delta_dtype,
+        pool_dtype=pool_dtype,
+    )
     args = [k, v, pool_view, *problem.args()[3:], *scales, weight]
     if contract == "slot":
         _dflash_cpu.target_kv_cache_update(*args, pages_per_slot=problem.pages_per_slot, **kwargs)
@@ -195,14 +245,20 @@ def run_raw(contract, problem):
 
 
 def run_op(contract, problem):
-    op = (jax_dflash.target_kv_cache_update if contract == "slot" else
-          jax_dflash.target_kv_cache_update_paged)
+    op = (
+        jax_dflash.target_kv_cache_update
+        if contract == "slot"
+        else jax_dflash.target_kv_cache_update_paged
+    )
     return np.asarray(op(*problem.args(), **problem.kwargs()))
 
 
 def expected(contract, problem):
-    fn = (reference.target_kv_cache_update if contract == "slot" else
-          reference.target_kv_cache_update_paged)
+    fn = (
+        reference.target_kv_cache_update
+        if contract == "slot"
+        else reference.target_kv_cache_update_paged
+    )
     return fn(*problem.args(), **problem.kwargs())
 
 
@@ -210,8 +266,10 @@ BUILDERS = {"slot": slot_problem, "paged": paged_problem}
 
 
 def _describe(problem):
-    parts = [f"{name}={getattr(problem, name).shape}/{getattr(problem, name).dtype}"
-             for name in ("k_delta", "past_key_value", "rope_cos_sin")]
+    parts = [
+        f"{name}={getattr(problem, name).shape}/{getattr(problem, name).dtype}"
+        for name in ("k_delta", "past_key_value", "rope_cos_sin")
+    ]
     extras = {k: v for k, v in problem.kwargs().items() if not hasattr(v, "shape")}
     return ", ".join(parts) + f", {extras}"
 

@@ -6,22 +6,42 @@ from __future__ import annotations
 import pytest
 
 onnx = pytest.importorskip(
-    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")"
+)
 
 from onnx import TensorProto  # noqa: E402
 
 from jax_dflash.interop import onnx as dflash_onnx  # noqa: E402
 
-SLOT_INPUTS = ["k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions",
-               "delta_lengths"]
-PAGED_INPUTS = ["k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_positions",
-                "delta_token_to_sequence", "kv_page_table"]
-MODEL_ARGS = dict(num_kv_heads=8, head_dim=128, num_pages=16, pages_per_slot=2, rotary_dim=128,
-                  rope_seq_len=256)
-PAGED_ARGS = dict(num_kv_heads=8, head_dim=128, num_pages=16, rotary_dim=64,
-                  max_pages_per_sequence=4)
-ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
-        "float32": TensorProto.FLOAT, "float8_e4m3fn": TensorProto.FLOAT8E4M3FN}
+SLOT_INPUTS = [
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_start_positions",
+    "delta_lengths",
+]
+PAGED_INPUTS = [
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_positions",
+    "delta_token_to_sequence",
+    "kv_page_table",
+]
+MODEL_ARGS = dict(
+    num_kv_heads=8, head_dim=128, num_pages=16, pages_per_slot=2, rotary_dim=128, rope_seq_len=256
+)
+PAGED_ARGS = dict(
+    num_kv_heads=8, head_dim=128, num_pages=16, rotary_dim=64, max_pages_per_sequence=4
+)
+ELEM = {
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+    "float32": TensorProto.FLOAT,
+    "float8_e4m3fn": TensorProto.FLOAT8E4M3FN,
+}
 
 
 def _attributes(node):
@@ -53,18 +73,26 @@ def test_slot_node_is_the_plugin_with_its_attributes():
     assert list(node.input) == SLOT_INPUTS
     assert list(node.output) == ["present_key_value"]
     assert _attributes(node) == {
-        "plugin_version": b"1", "plugin_namespace": b"dflash", "pages_per_slot": 3,
+        "plugin_version": b"1",
+        "plugin_namespace": b"dflash",
+        "pages_per_slot": 3,
     }
 
 
 def test_slot_node_with_norms_and_fp8_extras():
-    node = dflash_onnx.make_update_node(pages_per_slot=2, fp8_pool=True, k_norm=True, v_norm=True,
-                                        norm_eps=1e-5)
+    node = dflash_onnx.make_update_node(
+        pages_per_slot=2, fp8_pool=True, k_norm=True, v_norm=True, norm_eps=1e-5
+    )
     assert list(node.input) == [*SLOT_INPUTS, "k_scale", "v_scale", "k_norm_weight"]
     attributes = _attributes(node)
     assert attributes.pop("norm_eps") == pytest.approx(1e-5, rel=1e-7)  # stored as float32
-    assert attributes == {"plugin_version": b"1", "plugin_namespace": b"", "pages_per_slot": 2,
-                          "k_norm": 1, "v_norm": 1}
+    assert attributes == {
+        "plugin_version": b"1",
+        "plugin_namespace": b"",
+        "pages_per_slot": 2,
+        "k_norm": 1,
+        "v_norm": 1,
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -74,8 +102,14 @@ def test_slot_model_passes_the_checker_with_typed_inputs(dtype):
     graph = model.graph
     assert [i.name for i in graph.input] == SLOT_INPUTS
     elem = ELEM[dtype]
-    assert [_elem(i) for i in graph.input] == [elem, elem, elem, TensorProto.FLOAT,
-                                               TensorProto.INT32, TensorProto.INT32]
+    assert [_elem(i) for i in graph.input] == [
+        elem,
+        elem,
+        elem,
+        TensorProto.FLOAT,
+        TensorProto.INT32,
+        TensorProto.INT32,
+    ]
     assert _shape(graph.input[0]) == ["B", "L", 8, 128]
     assert _shape(graph.input[2]) == [2, 16, 128, 8, 128]
     assert _shape(graph.input[3]) == [1, 256, 128]
@@ -89,9 +123,13 @@ def test_slot_model_passes_the_checker_with_typed_inputs(dtype):
 
 
 def test_slot_model_fp8_pool_with_per_head_scales_and_k_norm():
-    model = dflash_onnx.make_update_model(**MODEL_ARGS, dtype="bfloat16",
-                                          pool_dtype="float8_e4m3fn", per_head_scales=True,
-                                          k_norm=True)
+    model = dflash_onnx.make_update_model(
+        **MODEL_ARGS,
+        dtype="bfloat16",
+        pool_dtype="float8_e4m3fn",
+        per_head_scales=True,
+        k_norm=True,
+    )
     _check_round_trip(model)
     inputs = {i.name: i for i in model.graph.input}
     assert list(inputs) == [*SLOT_INPUTS, "k_scale", "v_scale", "k_norm_weight"]
@@ -106,35 +144,53 @@ def test_slot_model_fp8_pool_with_per_head_scales_and_k_norm():
 
 
 def test_slot_model_static_shapes_and_per_sequence_rope():
-    model = dflash_onnx.make_update_model(**{**MODEL_ARGS, "rope_seq_len": "S"}, batch=4,
-                                          delta_len=16, rope_batch=4, plugin_namespace="ns")
+    model = dflash_onnx.make_update_model(
+        **{**MODEL_ARGS, "rope_seq_len": "S"},
+        batch=4,
+        delta_len=16,
+        rope_batch=4,
+        plugin_namespace="ns",
+    )
     _check_round_trip(model)
     assert _shape(model.graph.input[0]) == [4, 16, 8, 128]
     assert _shape(model.graph.input[3]) == [4, "S", 128]
     assert _attributes(model.graph.node[0])["plugin_namespace"] == b"ns"
 
 
-@pytest.mark.parametrize("change, error, match", [
-    ({"dtype": "int8"}, ValueError, "dtype: expected one of"),
-    ({"pool_dtype": "float8_e5m2"}, ValueError, "pool_dtype: expected one of .*e4m3"),
-    ({"num_pages": 15}, ValueError, "num_pages: expected a multiple of pages_per_slot = 2, got 15"),
-    ({"rotary_dim": 127}, ValueError,
-     "rotary_dim: expected an even int <= head_dim = 128, got 127"),
-    ({"rotary_dim": 130}, ValueError, "rotary_dim"),
-    ({"rope_batch": 3}, ValueError, "rope_batch: expected 1 or batch"),
-    ({"pages_per_slot": 0}, ValueError, "pages_per_slot"),
-    ({"pages_per_slot": 2.0}, TypeError, "pages_per_slot"),
-    ({"pages_per_slot": 2**31, "num_pages": 2**32}, ValueError,
-     r"pages_per_slot: expected an int in \[1, 2147483647\]"),
-    ({"head_dim": -1}, ValueError, "head_dim: expected an int >= 0"),
-    ({"page_size": 64}, ValueError, "page_size: expected 128"),
-    ({"rope_seq_len": 257}, ValueError, "rope_seq_len: expected at most the slot capacity"),
-    ({"batch": 9}, ValueError, "batch: expected at most the pool's 8 slots"),
-    ({"per_head_scales": True}, ValueError, "per_head_scales: only an FP8 pool"),
-    ({"norm_eps": 1e-5}, ValueError, "norm_eps: only used with k_norm or v_norm"),
-    ({"k_norm": True, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite float32 > 0"),
-    ({"k_norm": 1}, TypeError, "k_norm: expected a bool"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"dtype": "int8"}, ValueError, "dtype: expected one of"),
+        ({"pool_dtype": "float8_e5m2"}, ValueError, "pool_dtype: expected one of .*e4m3"),
+        (
+            {"num_pages": 15},
+            ValueError,
+            "num_pages: expected a multiple of pages_per_slot = 2, got 15",
+        ),
+        (
+            {"rotary_dim": 127},
+            ValueError,
+            "rotary_dim: expected an even int <= head_dim = 128, got 127",
+        ),
+        ({"rotary_dim": 130}, ValueError, "rotary_dim"),
+        ({"rope_batch": 3}, ValueError, "rope_batch: expected 1 or batch"),
+        ({"pages_per_slot": 0}, ValueError, "pages_per_slot"),
+        ({"pages_per_slot": 2.0}, TypeError, "pages_per_slot"),
+        (
+            {"pages_per_slot": 2**31, "num_pages": 2**32},
+            ValueError,
+            r"pages_per_slot: expected an int in \[1, 2147483647\]",
+        ),
+        ({"head_dim": -1}, ValueError, "head_dim: expected an int >= 0"),
+        ({"page_size": 64}, ValueError, "page_size: expected 128"),
+        ({"rope_seq_len": 257}, ValueError, "rope_seq_len: expected at most the slot capacity"),
+        ({"batch": 9}, ValueError, "batch: expected at most the pool's 8 slots"),
+        ({"per_head_scales": True}, ValueError, "per_head_scales: only an FP8 pool"),
+        ({"norm_eps": 1e-5}, ValueError, "norm_eps: only used with k_norm or v_norm"),
+        ({"k_norm": True, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite float32 > 0"),
+        ({"k_norm": 1}, TypeError, "k_norm: expected a bool"),
+    ],
+)
 def test_slot_model_rejects_bad_arguments_naming_them(change, error, match):
     with pytest.raises(error, match=match):
         dflash_onnx.make_update_model(**{**MODEL_ARGS, **change})
@@ -165,9 +221,15 @@ def test_edge_llm_model_passes_the_checker(dtype):
     graph = model.graph
     assert [i.name for i in graph.input] == PAGED_INPUTS
     elem = ELEM[dtype]
-    assert [_elem(i) for i in graph.input] == [elem, elem, elem, TensorProto.FLOAT,
-                                               TensorProto.INT32, TensorProto.INT32,
-                                               TensorProto.INT32]
+    assert [_elem(i) for i in graph.input] == [
+        elem,
+        elem,
+        elem,
+        TensorProto.FLOAT,
+        TensorProto.INT32,
+        TensorProto.INT32,
+        TensorProto.INT32,
+    ]
     assert _shape(graph.input[0]) == ["T", 8, 128]
     assert _shape(graph.input[2]) == [2, 16, 128, 8, 128]
     assert _shape(graph.input[3]) == ["T", 64]
@@ -178,32 +240,52 @@ def test_edge_llm_model_passes_the_checker(dtype):
     assert _elem(output) == elem and _shape(output) == [2, 16, 128, 8, 128]
     (node,) = graph.node
     assert (node.op_type, node.domain, list(node.attribute)) == (
-        "DFlashTargetKVCacheUpdate", "trt_edgellm", [])
+        "DFlashTargetKVCacheUpdate",
+        "trt_edgellm",
+        [],
+    )
     assert {o.domain: o.version for o in model.opset_import} == {"": 17, "trt_edgellm": 23}
 
 
-@pytest.mark.parametrize("options, attributes", [
-    ({"ring": True}, {"ring": 1}),
-    ({"k_norm": True}, {"k_norm": 1, "norm_eps": pytest.approx(1e-6, rel=1e-7)}),
-    ({"v_norm": True, "norm_eps": 1e-5}, {"v_norm": 1, "norm_eps": pytest.approx(1e-5, rel=1e-7)}),
-    ({"fp8_pool": True}, {}),
-    ({"plugin_namespace": "ns"}, {}),
-])
+@pytest.mark.parametrize(
+    "options, attributes",
+    [
+        ({"ring": True}, {"ring": 1}),
+        ({"k_norm": True}, {"k_norm": 1, "norm_eps": pytest.approx(1e-6, rel=1e-7)}),
+        (
+            {"v_norm": True, "norm_eps": 1e-5},
+            {"v_norm": 1, "norm_eps": pytest.approx(1e-5, rel=1e-7)},
+        ),
+        ({"fp8_pool": True}, {}),
+        ({"plugin_namespace": "ns"}, {}),
+    ],
+)
 def test_paged_node_with_an_extension_uses_the_plugin_domain(options, attributes):
     node = dflash_onnx.make_paged_update_node(**options)
     assert node.op_type == "DFlashTargetKVCacheUpdate" and node.domain == "trt.plugins"
-    expected = {"plugin_version": b"1",
-                "plugin_namespace": options.get("plugin_namespace", "").encode(), **attributes}
+    expected = {
+        "plugin_version": b"1",
+        "plugin_namespace": options.get("plugin_namespace", "").encode(),
+        **attributes,
+    }
     assert _attributes(node) == expected
     extras = (["k_scale", "v_scale"] if options.get("fp8_pool") else []) + (
-        ["k_norm_weight"] if options.get("k_norm") else [])
+        ["k_norm_weight"] if options.get("k_norm") else []
+    )
     assert list(node.input) == [*PAGED_INPUTS, *extras]
 
 
 def test_paged_model_with_every_extension():
     model = dflash_onnx.make_paged_update_model(
-        **PAGED_ARGS, tokens=64, batch=3, dtype="float16", pool_dtype="float8_e4m3fn", ring=True,
-        k_norm=True, v_norm=True)
+        **PAGED_ARGS,
+        tokens=64,
+        batch=3,
+        dtype="float16",
+        pool_dtype="float8_e4m3fn",
+        ring=True,
+        k_norm=True,
+        v_norm=True,
+    )
     _check_round_trip(model)
     inputs = {i.name: i for i in model.graph.input}
     assert list(inputs) == [*PAGED_INPUTS, "k_scale", "v_scale", "k_norm_weight"]
@@ -214,22 +296,37 @@ def test_paged_model_with_every_extension():
     (node,) = model.graph.node
     assert node.domain == "trt.plugins"
     assert {k: v for k, v in _attributes(node).items() if k != "norm_eps"} == {
-        "plugin_version": b"1", "plugin_namespace": b"", "ring": 1, "k_norm": 1, "v_norm": 1}
+        "plugin_version": b"1",
+        "plugin_namespace": b"",
+        "ring": 1,
+        "k_norm": 1,
+        "v_norm": 1,
+    }
     assert {o.domain: o.version for o in model.opset_import} == {"": 17, "trt.plugins": 1}
 
 
-@pytest.mark.parametrize("change, error, match", [
-    ({"dtype": "float64"}, ValueError, "dtype: expected one of"),
-    ({"pool_dtype": "float8_e5m2"}, ValueError, "pool_dtype: expected one of"),
-    ({"page_size": 64}, ValueError, "page_size: expected 128"),
-    ({"max_pages_per_sequence": 17}, ValueError,
-     r"max_pages_per_sequence: expected at most num_pages = 16 \(M <= N\), got 17"),
-    ({"max_pages_per_sequence": 0}, ValueError, "max_pages_per_sequence: expected an int >= 1"),
-    ({"rotary_dim": 129}, ValueError, "rotary_dim: expected an even int <= head_dim"),
-    ({"ring": "yes"}, TypeError, "ring: expected a bool"),
-    ({"tokens": ""}, ValueError, "tokens: expected a positive int or a non-empty symbolic name"),
-    ({"plugin_namespace": 3}, TypeError, "plugin_namespace: expected a str"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"dtype": "float64"}, ValueError, "dtype: expected one of"),
+        ({"pool_dtype": "float8_e5m2"}, ValueError, "pool_dtype: expected one of"),
+        ({"page_size": 64}, ValueError, "page_size: expected 128"),
+        (
+            {"max_pages_per_sequence": 17},
+            ValueError,
+            r"max_pages_per_sequence: expected at most num_pages = 16 \(M <= N\), got 17",
+        ),
+        ({"max_pages_per_sequence": 0}, ValueError, "max_pages_per_sequence: expected an int >= 1"),
+        ({"rotary_dim": 129}, ValueError, "rotary_dim: expected an even int <= head_dim"),
+        ({"ring": "yes"}, TypeError, "ring: expected a bool"),
+        (
+            {"tokens": ""},
+            ValueError,
+            "tokens: expected a positive int or a non-empty symbolic name",
+        ),
+        ({"plugin_namespace": 3}, TypeError, "plugin_namespace: expected a str"),
+    ],
+)
 def test_paged_model_rejects_bad_arguments_naming_them(change, error, match):
     with pytest.raises(error, match=match):
         dflash_onnx.make_paged_update_model(**{**PAGED_ARGS, **change})

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 onnx = pytest.importorskip(
-    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")")
+    "onnx", reason="the 'onnx' package is not installed (pip install -e \".[onnx]\")"
+)
 
 import jax_dflash  # noqa: E402
 from jax_dflash import reference  # noqa: E402
@@ -39,8 +40,18 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _paged_problem(seed, dtype=np.float16, **overrides):
-    options = dict(tokens=12, batch=3, heads=2, head_dim=16, rotary_dim=8, num_pages=8,
-                   page_size=P, table_pages=2, dtype=dtype, hostile=True)
+    options = dict(
+        tokens=12,
+        batch=3,
+        heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        num_pages=8,
+        page_size=P,
+        table_pages=2,
+        dtype=dtype,
+        hostile=True,
+    )
     options.update(overrides)
     return make_paged_problem(np.random.default_rng(seed), **options)
 
@@ -61,8 +72,12 @@ def _node_operands(problem):
 
 
 def _paged_node(problem, **overrides):
-    options = dict(ring=problem.ring, fp8_pool=problem.k_scale is not None,
-                   k_norm=problem.k_norm_weight is not None, v_norm=problem.v_norm)
+    options = dict(
+        ring=problem.ring,
+        fp8_pool=problem.k_scale is not None,
+        k_norm=problem.k_norm_weight is not None,
+        v_norm=problem.v_norm,
+    )
     if options["k_norm"] or options["v_norm"]:
         options["norm_eps"] = problem.norm_eps
     options.update(overrides)
@@ -77,8 +92,10 @@ def _run_node(node, operands):
 
 def _run_jax_cpu(problem):
     cpu = jax.devices("cpu")[0]
-    kwargs = {k: jax.device_put(v, cpu) if isinstance(v, np.ndarray) else v
-              for k, v in problem.kwargs().items()}
+    kwargs = {
+        k: jax.device_put(v, cpu) if isinstance(v, np.ndarray) else v
+        for k, v in problem.kwargs().items()
+    }
     fn = jax.jit(lambda *a: jax_dflash.target_kv_cache_update_paged(*a, **kwargs))
     return np.asarray(fn(*[jax.device_put(a, cpu) for a in problem.args()]))
 
@@ -105,14 +122,18 @@ def test_edge_llm_node_matches_numpy_and_jax(dtype, seed):
     _assert_three_agree(problem, node)
 
 
-@pytest.mark.parametrize("dtype, options", [
-    (np.float16, dict(ring=True)),
-    (ml_dtypes.bfloat16, dict(ring=True, k_norm=True)),
-    (np.float32, dict(k_norm=True, v_norm=True, norm_eps=1e-5)),
-    (np.float16, dict(pool_dtype=FP8, scale_shape=())),
-    (ml_dtypes.bfloat16, dict(pool_dtype=FP8, k_norm=True, v_norm=True)),  # per-head scales
-    (np.float32, dict(pool_dtype=FP8, ring=True, scale_shape=())),
-], ids=str)
+@pytest.mark.parametrize(
+    "dtype, options",
+    [
+        (np.float16, dict(ring=True)),
+        (ml_dtypes.bfloat16, dict(ring=True, k_norm=True)),
+        (np.float32, dict(k_norm=True, v_norm=True, norm_eps=1e-5)),
+        (np.float16, dict(pool_dtype=FP8, scale_shape=())),
+        (ml_dtypes.bfloat16, dict(pool_dtype=FP8, k_norm=True, v_norm=True)),  # per-head scales
+        (np.float32, dict(pool_dtype=FP8, ring=True, scale_shape=())),
+    ],
+    ids=str,
+)
 def test_plugin_domain_paged_node_matches_numpy_and_jax(dtype, options):
     problem = _paged_problem(3, dtype, **options)
     node = _paged_node(problem)
@@ -139,8 +160,14 @@ def test_paged_kernel_errors_name_the_argument():
 
 
 def _node(domain, inputs, **attributes):
-    return onnx.helper.make_node(dflash_onnx.PLUGIN_NAME, list(inputs), ["present_key_value"],
-                                 name="update", domain=domain, **attributes)
+    return onnx.helper.make_node(
+        dflash_onnx.PLUGIN_NAME,
+        list(inputs),
+        ["present_key_value"],
+        name="update",
+        domain=domain,
+        **attributes,
+    )
 
 
 def _plugin_attributes(**extra):
@@ -148,8 +175,16 @@ def _plugin_attributes(**extra):
 
 
 def _slot_problem(**overrides):
-    options = dict(batch=2, delta_len=3, heads=2, head_dim=8, page_size=P, pages_per_slot=2,
-                   max_batch=2, dtype=np.float16)
+    options = dict(
+        batch=2,
+        delta_len=3,
+        heads=2,
+        head_dim=8,
+        page_size=P,
+        pages_per_slot=2,
+        max_batch=2,
+        dtype=np.float16,
+    )
     options.update(overrides)
     return make_problem(np.random.default_rng(0), **options)
 
@@ -158,28 +193,63 @@ def _run_slot(operands, inputs=dflash_onnx.SLOT_INPUTS, **attributes):
     return _run_node(_node(dflash_onnx.PLUGIN_DOMAIN, inputs, **attributes), operands)
 
 
-@pytest.mark.parametrize("attributes, error, match", [
-    (_plugin_attributes(pages_per_slot=2.9), TypeError,
-     "pages_per_slot: expected an attribute of type INT, got a FLOAT attribute 2.9"),
-    (_plugin_attributes(pages_per_slot="2"), TypeError,
-     "pages_per_slot: expected an attribute of type INT, got a STRING attribute"),
-    (_plugin_attributes(), ValueError, "pages_per_slot: expected the attribute pages_per_slot"),
-    (_plugin_attributes(pages_per_slot=0), ValueError, "pages_per_slot: expected an int in"),
-    (_plugin_attributes(pages_per_slot=2**31), ValueError, "pages_per_slot: expected an int in"),
-    (dict(plugin_version="2", pages_per_slot=2), ValueError,
-     "plugin_version: expected '1', got '2'"),
-    (dict(plugin_version=1, pages_per_slot=2), TypeError,
-     "plugin_version: expected an attribute of type STRING"),
-    (_plugin_attributes(pages_per_slot=2, window=4), ValueError,
-     "window: not an attribute of the slot-contract node"),
-    (_plugin_attributes(pages_per_slot=2, ring=1), ValueError,
-     "ring: not an attribute of the slot-contract node"),
-    (_plugin_attributes(pages_per_slot=2, k_norm=2), ValueError, "k_norm: expected 0 or 1, got 2"),
-    (_plugin_attributes(pages_per_slot=2, v_norm=1, norm_eps=1), TypeError,
-     "norm_eps: expected an attribute of type FLOAT"),
-    (_plugin_attributes(pages_per_slot=2, v_norm=1, norm_eps=-1.0), ValueError,
-     "norm_eps: expected a finite float32 > 0"),
-])
+@pytest.mark.parametrize(
+    "attributes, error, match",
+    [
+        (
+            _plugin_attributes(pages_per_slot=2.9),
+            TypeError,
+            "pages_per_slot: expected an attribute of type INT, got a FLOAT attribute 2.9",
+        ),
+        (
+            _plugin_attributes(pages_per_slot="2"),
+            TypeError,
+            "pages_per_slot: expected an attribute of type INT, got a STRING attribute",
+        ),
+        (_plugin_attributes(), ValueError, "pages_per_slot: expected the attribute pages_per_slot"),
+        (_plugin_attributes(pages_per_slot=0), ValueError, "pages_per_slot: expected an int in"),
+        (
+            _plugin_attributes(pages_per_slot=2**31),
+            ValueError,
+            "pages_per_slot: expected an int in",
+        ),
+        (
+            dict(plugin_version="2", pages_per_slot=2),
+            ValueError,
+            "plugin_version: expected '1', got '2'",
+        ),
+        (
+            dict(plugin_version=1, pages_per_slot=2),
+            TypeError,
+            "plugin_version: expected an attribute of type STRING",
+        ),
+        (
+            _plugin_attributes(pages_per_slot=2, window=4),
+            ValueError,
+            "window: not an attribute of the slot-contract node",
+        ),
+        (
+            _plugin_attributes(pages_per_slot=2, ring=1),
+            ValueError,
+            "ring: not an attribute of the slot-contract node",
+        ),
+        (
+            _plugin_attributes(pages_per_slot=2, k_norm=2),
+            ValueError,
+            "k_norm: expected 0 or 1, got 2",
+        ),
+        (
+            _plugin_attributes(pages_per_slot=2, v_norm=1, norm_eps=1),
+            TypeError,
+            "norm_eps: expected an attribute of type FLOAT",
+        ),
+        (
+            _plugin_attributes(pages_per_slot=2, v_norm=1, norm_eps=-1.0),
+            ValueError,
+            "norm_eps: expected a finite float32 > 0",
+        ),
+    ],
+)
 def test_slot_node_rejects_bad_attributes(attributes, error, match):
     problem = _slot_problem()
     with pytest.raises(error, match=match):
@@ -200,18 +270,21 @@ def _with(operands, index, value):
     return operands
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("k_delta float64", TypeError, "k_delta: expected dtype one of"),
-    ("v_delta other dtype", TypeError, "v_delta"),
-    ("starts int64", TypeError, "delta_start_positions"),
-    ("rope float16", TypeError, "rope_cos_sin"),
-    ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
-    ("S > cap", ValueError, "rope_cos_sin"),
-    ("more sequences than slots", ValueError, "k_delta"),
-    ("e5m2 pool", TypeError, "past_key_value: .*e5m2 pools are JAX-only"),
-    ("missing delta_lengths", ValueError, "delta_lengths: expected 6 base inputs"),
-    ("scales on a 16-bit pool", ValueError, "inputs: expected 6 inputs"),
-])
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("k_delta float64", TypeError, "k_delta: expected dtype one of"),
+        ("v_delta other dtype", TypeError, "v_delta"),
+        ("starts int64", TypeError, "delta_start_positions"),
+        ("rope float16", TypeError, "rope_cos_sin"),
+        ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
+        ("S > cap", ValueError, "rope_cos_sin"),
+        ("more sequences than slots", ValueError, "k_delta"),
+        ("e5m2 pool", TypeError, "past_key_value: .*e5m2 pools are JAX-only"),
+        ("missing delta_lengths", ValueError, "delta_lengths: expected 6 base inputs"),
+        ("scales on a 16-bit pool", ValueError, "inputs: expected 6 inputs"),
+    ],
+)
 def test_slot_node_rejects_bad_inputs(case, error, match):
     problem = _slot_problem()
     operands = list(problem.args())
@@ -244,39 +317,74 @@ def test_slot_node_rejects_bad_inputs(case, error, match):
         _run_slot(operands, inputs, **_plugin_attributes(pages_per_slot=2))
 
 
-@pytest.mark.parametrize("domain, attributes, error, match", [
-    (dflash_onnx.EDGE_LLM_DOMAIN, dict(ring=1), ValueError,
-     r"ring: not an attribute of the Edge-LLM 0.11 \(trt_edgellm\) node"),
-    (dflash_onnx.EDGE_LLM_DOMAIN, dict(plugin_version="1"), ValueError,
-     "plugin_version: not an attribute of the Edge-LLM"),
-    (dflash_onnx.PLUGIN_DOMAIN, _plugin_attributes(pages_per_slot=2), ValueError,
-     "pages_per_slot: not an attribute of the paged-contract node"),
-    (dflash_onnx.PLUGIN_DOMAIN, _plugin_attributes(window=4), ValueError,
-     "window: not an attribute of the paged-contract node"),
-    (dflash_onnx.PLUGIN_DOMAIN, dict(plugin_version="2"), ValueError,
-     "plugin_version: expected '1', got '2'"),
-    (dflash_onnx.PLUGIN_DOMAIN, _plugin_attributes(ring=1.0), TypeError,
-     "ring: expected an attribute of type INT, got a FLOAT attribute 1.0"),
-    (dflash_onnx.PLUGIN_DOMAIN, _plugin_attributes(ring=-1), ValueError, "ring: expected 0 or 1"),
-])
+@pytest.mark.parametrize(
+    "domain, attributes, error, match",
+    [
+        (
+            dflash_onnx.EDGE_LLM_DOMAIN,
+            dict(ring=1),
+            ValueError,
+            r"ring: not an attribute of the Edge-LLM 0.11 \(trt_edgellm\) node",
+        ),
+        (
+            dflash_onnx.EDGE_LLM_DOMAIN,
+            dict(plugin_version="1"),
+            ValueError,
+            "plugin_version: not an attribute of the Edge-LLM",
+        ),
+        (
+            dflash_onnx.PLUGIN_DOMAIN,
+            _plugin_attributes(pages_per_slot=2),
+            ValueError,
+            "pages_per_slot: not an attribute of the paged-contract node",
+        ),
+        (
+            dflash_onnx.PLUGIN_DOMAIN,
+            _plugin_attributes(window=4),
+            ValueError,
+            "window: not an attribute of the paged-contract node",
+        ),
+        (
+            dflash_onnx.PLUGIN_DOMAIN,
+            dict(plugin_version="2"),
+            ValueError,
+            "plugin_version: expected '1', got '2'",
+        ),
+        (
+            dflash_onnx.PLUGIN_DOMAIN,
+            _plugin_attributes(ring=1.0),
+            TypeError,
+            "ring: expected an attribute of type INT, got a FLOAT attribute 1.0",
+        ),
+        (
+            dflash_onnx.PLUGIN_DOMAIN,
+            _plugin_attributes(ring=-1),
+            ValueError,
+            "ring: expected 0 or 1",
+        ),
+    ],
+)
 def test_paged_node_rejects_bad_attributes(domain, attributes, error, match):
     problem = _paged_problem(0)
     with pytest.raises(error, match=match):
         _run_node(_node(domain, dflash_onnx.PAGED_INPUTS, **attributes), list(problem.args()))
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("positions int64", TypeError, "delta_positions"),
-    ("table float32", TypeError, "kv_page_table"),
-    ("k_delta int16", TypeError, "k_delta: expected dtype one of"),
-    ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
-    ("M > N", ValueError, "kv_page_table"),
-    ("missing kv_page_table", ValueError, "kv_page_table: expected 7 base inputs"),
-    ("FP8 pool without scales", ValueError, "k_scale: expected 9 inputs"),
-    ("k_norm without its weight", ValueError, "k_norm_weight: expected 8 inputs"),
-    ("scale of a wrong shape", ValueError, r"k_scale: expected shape \[1\] or \[H\] = \[2\]"),
-    ("layer-batched", ValueError, "the TensorRT plugin takes the unbatched form"),
-])
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("positions int64", TypeError, "delta_positions"),
+        ("table float32", TypeError, "kv_page_table"),
+        ("k_delta int16", TypeError, "k_delta: expected dtype one of"),
+        ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
+        ("M > N", ValueError, "kv_page_table"),
+        ("missing kv_page_table", ValueError, "kv_page_table: expected 7 base inputs"),
+        ("FP8 pool without scales", ValueError, "k_scale: expected 9 inputs"),
+        ("k_norm without its weight", ValueError, "k_norm_weight: expected 8 inputs"),
+        ("scale of a wrong shape", ValueError, r"k_scale: expected shape \[1\] or \[H\] = \[2\]"),
+        ("layer-batched", ValueError, "the TensorRT plugin takes the unbatched form"),
+    ],
+)
 def test_paged_node_rejects_bad_inputs(case, error, match):
     problem = _paged_problem(0)
     operands = list(problem.args())
@@ -332,9 +440,11 @@ def _paged_update_fn(**options):
         v = v_flat.reshape(v_flat.shape[0], heads, dim)
         positions = jax.numpy.where(owners >= 0, positions, -1)
         names = (["k_scale", "v_scale"] if len(extras) >= 2 else []) + (
-            ["k_norm_weight"] if len(extras) % 2 else [])
+            ["k_norm_weight"] if len(extras) % 2 else []
+        )
         return jax_dflash.target_kv_cache_update_paged(
-            k, v, pool, rope, positions, owners, table, **dict(zip(names, extras)), **options)
+            k, v, pool, rope, positions, owners, table, **dict(zip(names, extras)), **options
+        )
 
     return fn
 
@@ -348,9 +458,12 @@ def _flat_args(problem):
 def _export_problem(export, problem, options):
     args = _flat_args(problem)
     names = [f"arg{i}" for i in range(len(args))]
-    model = export.to_onnx(_paged_update_fn(**options), [jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                                         for a in args],
-                           input_names=names, output_names=["present_key_value"])
+    model = export.to_onnx(
+        _paged_update_fn(**options),
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args],
+        input_names=names,
+        output_names=["present_key_value"],
+    )
     return model, dict(zip(names, args))
 
 
@@ -379,10 +492,14 @@ def test_export_of_the_paged_op_is_edge_llm_node_and_bit_exact(dtype):
     assert_bits_equal(jax_out, expected)
 
 
-@pytest.mark.parametrize("options, problem_options", [
-    (dict(ring=True, v_norm=True), dict(ring=True, v_norm=True)),
-    (dict(norm_eps=1e-5), dict(k_norm=True, norm_eps=1e-5, pool_dtype=FP8, scale_shape=())),
-], ids=["ring+v_norm", "fp8+k_norm"])
+@pytest.mark.parametrize(
+    "options, problem_options",
+    [
+        (dict(ring=True, v_norm=True), dict(ring=True, v_norm=True)),
+        (dict(norm_eps=1e-5), dict(k_norm=True, norm_eps=1e-5, pool_dtype=FP8, scale_shape=())),
+    ],
+    ids=["ring+v_norm", "fp8+k_norm"],
+)
 def test_export_of_the_paged_op_with_extensions(options, problem_options):
     export = _needs_jax2onnx()
     problem = _paged_problem(6, np.float16, **problem_options)
@@ -396,8 +513,10 @@ def test_export_of_the_paged_op_with_extensions(options, problem_options):
     expected_node.output.extend(node.output)
     assert node == expected_node  # domain trt.plugins, the extension attributes, the extras
     if problem.k_scale is not None:  # [] scales reach the node reshaped to TensorRT's [1]
-        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
-                  for v in (*model.graph.value_info, *model.graph.input)}
+        shapes = {
+            v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in (*model.graph.value_info, *model.graph.input)
+        }
         assert shapes.get(node.input[7]) == [1]
     (onnx_out,) = reference_evaluator(model).run(None, feeds)
     expected = reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
@@ -426,8 +545,9 @@ def test_export_rejects_what_the_plugin_cannot_build():
 def test_export_rejects_the_layer_batched_paged_form():
     export = _needs_jax2onnx()
     problem = _paged_problem(0, layers=2)
-    fn = jax.vmap(jax_dflash.target_kv_cache_update_paged,
-                  in_axes=(0, 0, 0, None, None, None, None))
+    fn = jax.vmap(
+        jax_dflash.target_kv_cache_update_paged, in_axes=(0, 0, 0, None, None, None, None)
+    )
     with pytest.raises(NotImplementedError, match="unbatched form"):
         export.to_onnx(fn, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in problem.args()])
 
@@ -466,21 +586,27 @@ def test_paged_node_matches_numpy_over_shapes(data):
     )
     dtype = draw(st.sampled_from(DELTA_DTYPES), label="dtype")
     if draw(st.booleans(), label="fp8 pool"):
-        options.update(pool_dtype=FP8, scale_shape=draw(st.sampled_from([(), None]),
-                                                        label="scale_shape"))
+        options.update(
+            pool_dtype=FP8, scale_shape=draw(st.sampled_from([(), None]), label="scale_shape")
+        )
     problem = _paged_problem(draw(st.integers(0, 2**16), label="seed"), dtype, **options)
     out = _run_node(_paged_node(problem), _node_operands(problem))
-    assert_bits_equal(out, reference.target_kv_cache_update_paged(*problem.args(),
-                                                                  **problem.kwargs()))
+    assert_bits_equal(
+        out, reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
+    )
 
 
-@pytest.mark.parametrize("dtype, options", [
-    (np.float16, {}),
-    (ml_dtypes.bfloat16, {}),
-    (np.float32, {}),
-    (np.float16, dict(ring=True, k_norm=True, v_norm=True)),
-    (ml_dtypes.bfloat16, dict(pool_dtype=FP8, scale_shape=())),
-], ids=str)
+@pytest.mark.parametrize(
+    "dtype, options",
+    [
+        (np.float16, {}),
+        (ml_dtypes.bfloat16, {}),
+        (np.float32, {}),
+        (np.float16, dict(ring=True, k_norm=True, v_norm=True)),
+        (ml_dtypes.bfloat16, dict(pool_dtype=FP8, scale_shape=())),
+    ],
+    ids=str,
+)
 def test_onnx_reference_matches_jax_cuda(dtype, options):
     """On a GPU: the ONNX reference run (CPU kernel) and the JAX op on CUDA, bit for bit."""
     gpus = gpu_devices()
@@ -488,8 +614,10 @@ def test_onnx_reference_matches_jax_cuda(dtype, options):
         pytest.skip("no GPU backend in this JAX: the CUDA parity runs on the H200")
     problem = _paged_problem(9, dtype, **options)
     onnx_out = _run_node(_paged_node(problem), _node_operands(problem))
-    kwargs = {k: jax.device_put(v, gpus[0]) if isinstance(v, np.ndarray) else v
-              for k, v in problem.kwargs().items()}
+    kwargs = {
+        k: jax.device_put(v, gpus[0]) if isinstance(v, np.ndarray) else v
+        for k, v in problem.kwargs().items()
+    }
     update = jax.jit(lambda *a: jax_dflash.target_kv_cache_update_paged(*a, **kwargs))
     cuda_out = np.asarray(update(*[jax.device_put(a, gpus[0]) for a in problem.args()]))
     assert_bits_equal(cuda_out, onnx_out)

@@ -9,6 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_dflash
 from conftest import (
     DTYPES,
     FP8_DTYPES,
@@ -19,10 +23,6 @@ from conftest import (
     device_of,
     make_problem,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import jax_dflash
 from jax_dflash import reference
 
 
@@ -34,10 +34,9 @@ def _split_kwargs(problem):
     return static, names, [kwargs[n] for n in names]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(paged, static, array_names, donate):
-    op = (jax_dflash.target_kv_cache_update_paged if paged
-          else jax_dflash.target_kv_cache_update)
+    op = jax_dflash.target_kv_cache_update_paged if paged else jax_dflash.target_kv_cache_update
     base = 7 if paged else 6
 
     def fn(*operands):
@@ -50,8 +49,10 @@ def _jitted(paged, static, array_names, donate):
 def jitted_op(problem: Problem | PagedProblem, donate: bool = True):
     """``(jitted function, its operands)`` for a problem: the extras travel as operands."""
     static, names, arrays = _split_kwargs(problem)
-    return (_jitted(isinstance(problem, PagedProblem), static, names, donate),
-            [*problem.args(), *arrays])
+    return (
+        _jitted(isinstance(problem, PagedProblem), static, names, donate),
+        [*problem.args(), *arrays],
+    )
 
 
 def run_op(problem: Problem | PagedProblem, backend: str, donate: bool = True):
@@ -73,21 +74,57 @@ def expected(problem: Problem | PagedProblem):
     "shape",
     [
         dict(batch=1, delta_len=1, heads=1, head_dim=2, page_size=1, pages_per_slot=1),
-        dict(batch=3, delta_len=5, heads=2, head_dim=16, rotary_dim=8, page_size=4, pages_per_slot=3,
-             max_batch=5),
-        dict(batch=2, delta_len=7, heads=3, head_dim=12, rotary_dim=12, page_size=5, pages_per_slot=2,
-             rope_batch=2, rope_seq_len=6),
+        dict(
+            batch=3,
+            delta_len=5,
+            heads=2,
+            head_dim=16,
+            rotary_dim=8,
+            page_size=4,
+            pages_per_slot=3,
+            max_batch=5,
+        ),
+        dict(
+            batch=2,
+            delta_len=7,
+            heads=3,
+            head_dim=12,
+            rotary_dim=12,
+            page_size=5,
+            pages_per_slot=2,
+            rope_batch=2,
+            rope_seq_len=6,
+        ),
         # Odd head dim, no rotation, page size 1: the kernels' narrowest vector path.
-        dict(batch=2, delta_len=3, heads=2, head_dim=7, rotary_dim=0, page_size=1, pages_per_slot=6),
+        dict(
+            batch=2, delta_len=3, heads=2, head_dim=7, rotary_dim=0, page_size=1, pages_per_slot=6
+        ),
         # The TensorRT shape family: P = 128, D = R = 128.
-        dict(batch=4, delta_len=16, heads=8, head_dim=128, page_size=128, pages_per_slot=2,
-             max_batch=6, rope_seq_len=200),
+        dict(
+            batch=4,
+            delta_len=16,
+            heads=8,
+            head_dim=128,
+            page_size=128,
+            pages_per_slot=2,
+            max_batch=6,
+            rope_seq_len=200,
+        ),
         # Many heads (40 x 6 work items, more than one 128-thread block): heads split across blocks.
-        dict(batch=2, delta_len=3, heads=40, head_dim=64, rotary_dim=32, page_size=8,
-             pages_per_slot=1, rope_batch=2),
+        dict(
+            batch=2,
+            delta_len=3,
+            heads=40,
+            head_dim=64,
+            rotary_dim=32,
+            page_size=8,
+            pages_per_slot=1,
+            rope_batch=2,
+        ),
         # A head of 256 one-channel vectors: its items split across two blocks.
-        dict(batch=2, delta_len=2, heads=2, head_dim=257, rotary_dim=2, page_size=2,
-             pages_per_slot=2),
+        dict(
+            batch=2, delta_len=2, heads=2, head_dim=257, rotary_dim=2, page_size=2, pages_per_slot=2
+        ),
         # More slots than one CUDA grid dimension holds (65535): the launcher splits the batch.
         dict(batch=65537, delta_len=1, heads=1, head_dim=2, page_size=1, pages_per_slot=1),
     ],
@@ -125,7 +162,11 @@ def problems(draw):
     )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(problem=problems())
 def test_random_shapes_match_reference(backend, problem):
     assert_bits_equal(run_op(problem, backend), expected(problem))
@@ -142,17 +183,28 @@ def problems_with_extras(draw):
     pool_dtype = np.dtype(draw(st.sampled_from(POOL_DTYPES)))
     scale_shape = None
     if pool_dtype in FP8_DTYPES:
-        scale_shape = draw(st.sampled_from(
-            [(), (heads,)] + ([(layers, 1), (layers, heads)] if layers else [])))
+        scale_shape = draw(
+            st.sampled_from([(), (heads,)] + ([(layers, 1), (layers, heads)] if layers else []))
+        )
     k_norm = draw(st.booleans())
     return make_problem(
         np.random.default_rng(draw(st.integers(0, 2**32 - 1))),
-        batch=batch, delta_len=draw(st.integers(1, 5)), heads=heads, head_dim=head_dim,
-        rotary_dim=2 * draw(st.integers(0, head_dim // 2)), page_size=draw(st.integers(1, 5)),
-        pages_per_slot=draw(st.integers(1, 3)), max_batch=batch + draw(st.integers(0, 1)),
-        rope_batch=draw(st.sampled_from([1, batch])), dtype=draw(st.sampled_from(DTYPES)),
-        pool_dtype=pool_dtype, layers=layers, hostile=draw(st.booleans()), k_norm=k_norm,
-        v_norm=draw(st.booleans()), scale_shape=scale_shape,
+        batch=batch,
+        delta_len=draw(st.integers(1, 5)),
+        heads=heads,
+        head_dim=head_dim,
+        rotary_dim=2 * draw(st.integers(0, head_dim // 2)),
+        page_size=draw(st.integers(1, 5)),
+        pages_per_slot=draw(st.integers(1, 3)),
+        max_batch=batch + draw(st.integers(0, 1)),
+        rope_batch=draw(st.sampled_from([1, batch])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        pool_dtype=pool_dtype,
+        layers=layers,
+        hostile=draw(st.booleans()),
+        k_norm=k_norm,
+        v_norm=draw(st.booleans()),
+        scale_shape=scale_shape,
         norm_eps=draw(st.sampled_from([1e-6, 1e-5, 0.5])),
         rope_per_layer=bool(layers) and draw(st.booleans()),
         positions_per_layer=bool(layers) and draw(st.booleans()),
@@ -160,7 +212,11 @@ def problems_with_extras(draw):
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(problem=problems_with_extras())
 def test_random_problems_with_extras_match_reference(backend, problem):
     assert_bits_equal(run_op(problem, backend), expected(problem))
@@ -185,13 +241,23 @@ def _written_mask(problem: Problem):
 def test_untouched_pool_is_bit_identical(backend, dtype):
     """Poison the pool with NaNs carrying a payload; only the addressed rows may change."""
     rng = np.random.default_rng(7)
-    problem = make_problem(rng, batch=3, delta_len=6, heads=2, head_dim=8, page_size=3,
-                           pages_per_slot=3, max_batch=4, dtype=dtype)
+    problem = make_problem(
+        rng,
+        batch=3,
+        delta_len=6,
+        heads=2,
+        head_dim=8,
+        page_size=3,
+        pages_per_slot=3,
+        max_batch=4,
+        dtype=dtype,
+    )
     problem.delta_start_positions[:] = [-3, 4, 8]  # negative, in the middle, past the end
     problem.delta_lengths[:] = [6, 100, -2]  # full, larger than L, negative
     if dtype.itemsize == 2:
-        poison = np.full(problem.past_key_value.shape, 0x7E01 if dtype == np.float16 else 0x7FC1,
-                         np.uint16).view(dtype)
+        poison = np.full(
+            problem.past_key_value.shape, 0x7E01 if dtype == np.float16 else 0x7FC1, np.uint16
+        ).view(dtype)
     else:
         poison = np.full(problem.past_key_value.shape, 0x7FC00123, np.uint32).view(dtype)
     problem.past_key_value = poison
@@ -206,30 +272,57 @@ def test_untouched_pool_is_bit_identical(backend, dtype):
 def test_layer_batched_matches_loop(backend):
     rng = np.random.default_rng(3)
     layers = 3
-    problem = make_problem(rng, batch=2, delta_len=5, heads=2, head_dim=8, page_size=4,
-                           pages_per_slot=2, layers=layers, dtype=np.float16)
+    problem = make_problem(
+        rng,
+        batch=2,
+        delta_len=5,
+        heads=2,
+        head_dim=8,
+        page_size=4,
+        pages_per_slot=2,
+        layers=layers,
+        dtype=np.float16,
+    )
     device = device_of(backend)
     args = [jax.device_put(a, device) for a in problem.args()]
     op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2)
     # vmap over layers: k/v/pool per layer, rope and positions shared.
     vmapped = jax.jit(jax.vmap(op, in_axes=(0, 0, 0, None, None, None)))(*args)
     direct = jax.jit(op)(*args)  # the layered form called directly
-    looped = np.stack([
-        reference.target_kv_cache_update(problem.k_delta[i], problem.v_delta[i],
-                                         problem.past_key_value[i], problem.rope_cos_sin,
-                                         problem.delta_start_positions, problem.delta_lengths,
-                                         pages_per_slot=2)
-        for i in range(layers)
-    ])
+    looped = np.stack(
+        [
+            reference.target_kv_cache_update(
+                problem.k_delta[i],
+                problem.v_delta[i],
+                problem.past_key_value[i],
+                problem.rope_cos_sin,
+                problem.delta_start_positions,
+                problem.delta_lengths,
+                pages_per_slot=2,
+            )
+            for i in range(layers)
+        ]
+    )
     assert_bits_equal(vmapped, looped)
     assert_bits_equal(direct, looped)
 
 
 def test_layer_batched_per_layer_rope_and_positions(backend):
     rng = np.random.default_rng(4)
-    problem = make_problem(rng, batch=3, delta_len=4, heads=1, head_dim=6, page_size=2,
-                           pages_per_slot=3, layers=4, rope_batch=3, rope_per_layer=True,
-                           positions_per_layer=True, dtype=np.float32)
+    problem = make_problem(
+        rng,
+        batch=3,
+        delta_len=4,
+        heads=1,
+        head_dim=6,
+        page_size=2,
+        pages_per_slot=3,
+        layers=4,
+        rope_batch=3,
+        rope_per_layer=True,
+        positions_per_layer=True,
+        dtype=np.float32,
+    )
     device = device_of(backend)
     args = [jax.device_put(a, device) for a in problem.args()]
     op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=3)
@@ -242,9 +335,19 @@ def test_more_layers_than_one_grid_holds(backend):
     grid.z (at most 65535), so the last two layers go to a second launch whose layer index must
     start at 65535, not 0."""
     rng = np.random.default_rng(10)
-    problem = make_problem(rng, batch=1, delta_len=2, heads=1, head_dim=2, page_size=2,
-                           pages_per_slot=2, layers=65537, rope_per_layer=True,
-                           positions_per_layer=True, dtype=np.float32)
+    problem = make_problem(
+        rng,
+        batch=1,
+        delta_len=2,
+        heads=1,
+        head_dim=2,
+        page_size=2,
+        pages_per_slot=2,
+        layers=65537,
+        rope_per_layer=True,
+        positions_per_layer=True,
+        dtype=np.float32,
+    )
     out = run_op(problem, backend)
     want = expected(problem)
     assert_bits_equal(out[65530:], want[65530:])  # the split first: a readable failure
@@ -255,23 +358,43 @@ def test_nested_vmap(backend):
     """vmap over an already layer-batched call folds both axes into one launch."""
     rng = np.random.default_rng(5)
     outer, layers = 2, 3
-    problems = [make_problem(rng, batch=2, delta_len=3, heads=2, head_dim=4, page_size=2,
-                             pages_per_slot=2, layers=layers, dtype=np.float16)
-                for _ in range(outer)]
+    problems = [
+        make_problem(
+            rng,
+            batch=2,
+            delta_len=3,
+            heads=2,
+            head_dim=4,
+            page_size=2,
+            pages_per_slot=2,
+            layers=layers,
+            dtype=np.float16,
+        )
+        for _ in range(outer)
+    ]
     stacked = [np.stack(x) for x in zip(*(p.args() for p in problems))]
     # rope shared by everything, positions per outer index only.
     stacked[3] = problems[0].rope_cos_sin
     op = functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2)
-    fn = jax.jit(jax.vmap(jax.vmap(op, in_axes=(0, 0, 0, None, None, None)),
-                          in_axes=(0, 0, 0, None, 0, 0)))
+    fn = jax.jit(
+        jax.vmap(jax.vmap(op, in_axes=(0, 0, 0, None, None, None)), in_axes=(0, 0, 0, None, 0, 0))
+    )
     device = device_of(backend)
     out = fn(*[jax.device_put(a, device) for a in stacked])
-    want = np.stack([
-        reference.target_kv_cache_update(p.k_delta, p.v_delta, p.past_key_value,
-                                         problems[0].rope_cos_sin, p.delta_start_positions,
-                                         p.delta_lengths, pages_per_slot=2)
-        for p in problems
-    ])
+    want = np.stack(
+        [
+            reference.target_kv_cache_update(
+                p.k_delta,
+                p.v_delta,
+                p.past_key_value,
+                problems[0].rope_cos_sin,
+                p.delta_start_positions,
+                p.delta_lengths,
+                pages_per_slot=2,
+            )
+            for p in problems
+        ]
+    )
     assert_bits_equal(out, want)
     hlo = fn.lower(*stacked).as_text()
     assert hlo.count("dflash_target_kv_cache_update") == 1
@@ -311,8 +434,9 @@ def test_donated_buffer_is_updated_in_place():
     problem = make_problem(rng, hostile=False)
     pool = jnp.asarray(problem.past_key_value)
     pointer = pool.unsafe_buffer_pointer()
-    op = jax.jit(functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2),
-                 donate_argnums=(2,))
+    op = jax.jit(
+        functools.partial(jax_dflash.target_kv_cache_update, pages_per_slot=2), donate_argnums=(2,)
+    )
     out = op(problem.k_delta, problem.v_delta, pool, *problem.args()[3:])
     assert pool.is_deleted()
     assert out.unsafe_buffer_pointer() == pointer
@@ -337,9 +461,16 @@ def test_cpu_extension_numpy_entry_point_matches_reference():
         pool = problem.past_key_value.copy()
         as_bits = (lambda a: a.view(np.uint16)) if dtype.itemsize == 2 else (lambda a: a)
         _dflash_cpu.target_kv_cache_update(
-            as_bits(problem.k_delta), as_bits(problem.v_delta), as_bits(pool), problem.rope_cos_sin,
-            problem.delta_start_positions, problem.delta_lengths,
-            pages_per_slot=problem.pages_per_slot, delta_dtype=str(dtype), pool_dtype=str(dtype))
+            as_bits(problem.k_delta),
+            as_bits(problem.v_delta),
+            as_bits(pool),
+            problem.rope_cos_sin,
+            problem.delta_start_positions,
+            problem.delta_lengths,
+            pages_per_slot=problem.pages_per_slot,
+            delta_dtype=str(dtype),
+            pool_dtype=str(dtype),
+        )
         assert_bits_equal(pool, expected(problem))
 
 
@@ -365,8 +496,14 @@ for dtype in DTYPES:
 print("portable ok")
 """
     env = dict(os.environ, JAX_DFLASH_CPU_PORTABLE="1", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, cwd=os.path.dirname(__file__), timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(__file__),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "portable ok" in result.stdout
 
@@ -375,8 +512,9 @@ def test_decode_loop_in_scan_is_in_place(backend):
     """A jitted decode loop (lax.scan over steps, pool carried and donated) matches the reference
     step by step and holds no copy of the pool."""
     rng = np.random.default_rng(12)
-    problem = make_problem(rng, batch=2, delta_len=3, heads=2, head_dim=8, page_size=4,
-                           pages_per_slot=4, hostile=False)
+    problem = make_problem(
+        rng, batch=2, delta_len=3, heads=2, head_dim=8, page_size=4, pages_per_slot=4, hostile=False
+    )
     steps = 5
     ks = np.stack([problem.k_delta + i for i in range(steps)]).astype(problem.k_delta.dtype)
     vs = (ks + 1).astype(ks.dtype)
@@ -399,6 +537,12 @@ def test_decode_loop_in_scan_is_in_place(backend):
     want = problem.past_key_value
     for i in range(steps):
         want = reference.target_kv_cache_update(
-            ks[i], vs[i], want, problem.rope_cos_sin, problem.delta_start_positions + 3 * i,
-            problem.delta_lengths, pages_per_slot=4)
+            ks[i],
+            vs[i],
+            want,
+            problem.rope_cos_sin,
+            problem.delta_start_positions + 3 * i,
+            problem.delta_lengths,
+            pages_per_slot=4,
+        )
     assert_bits_equal(out, want)

@@ -8,9 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (DELTA_DTYPES, FP8_DTYPES, assert_bits_equal, compare_bits,
-                      make_paged_problem, make_problem)
 
+from conftest import (
+    DELTA_DTYPES,
+    FP8_DTYPES,
+    assert_bits_equal,
+    compare_bits,
+    make_paged_problem,
+    make_problem,
+)
 from jax_dflash import reference
 from jax_dflash.paged import gather_rope, identity_page_table, token_positions
 
@@ -41,8 +47,18 @@ def test_gather_rope_rows_and_zero_rows():
     positions = np.array([0, 3, 2, 4, -1, 1, 1, 1], I32)
     owners = np.array([0, 1, 1, 0, 0, -1, 2, 0], I32)
     got = np.asarray(jax.jit(gather_rope)(rope, positions, owners))
-    want = np.stack([rope[0, 0], rope[1, 3], rope[1, 2], np.zeros(2), np.zeros(2), np.zeros(2),
-                     np.zeros(2), rope[0, 1]]).astype(np.float32)
+    want = np.stack(
+        [
+            rope[0, 0],
+            rope[1, 3],
+            rope[1, 2],
+            np.zeros(2),
+            np.zeros(2),
+            np.zeros(2),
+            np.zeros(2),
+            rope[0, 1],
+        ]
+    ).astype(np.float32)
     assert_bits_equal(got, want)
     # A table shared by the batch (Rb = 1) serves every owner.
     shared = np.asarray(gather_rope(rope[:1], positions, owners))
@@ -56,24 +72,48 @@ def test_identity_page_table_values():
     assert table.tolist() == [[[0, 1, 2], [7, 8, 9]], [[3, 4, 5], [10, 11, 12]]]
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: token_positions(np.zeros(2, I32), np.zeros(3, I32), 2), ValueError, "lengths"),
-    (lambda: token_positions(np.zeros(2, np.int64), np.zeros(2, I32), 2), TypeError,
-     "start_positions"),
-    (lambda: token_positions(np.zeros(2, I32), np.zeros(2, I32), -1), ValueError, "width"),
-    (lambda: token_positions(np.zeros(2, I32), np.zeros(2, I32), 2.0), TypeError, "width"),
-    (lambda: gather_rope(np.zeros((1, 2, 2), np.float16), np.zeros(1, I32), np.zeros(1, I32)),
-     TypeError, "rope_cos_sin"),
-    (lambda: gather_rope(np.zeros((2, 2), np.float32), np.zeros(1, I32), np.zeros(1, I32)),
-     TypeError, "rope_cos_sin"),
-    (lambda: gather_rope(np.zeros((1, 2, 2), np.float32), np.zeros(2, I32), np.zeros(1, I32)),
-     ValueError, "delta_token_to_sequence"),
-    (lambda: gather_rope(np.zeros((1, 2, 2), np.float32), np.zeros((1, 2), I32),
-                         np.zeros(2, I32)), ValueError, "delta_positions"),
-    (lambda: identity_page_table(3, 2, 5), ValueError, "num_pages"),
-    (lambda: identity_page_table(1, 0, 5), ValueError, "pages_per_slot"),
-    (lambda: identity_page_table(1, True, 5), TypeError, "pages_per_slot"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: token_positions(np.zeros(2, I32), np.zeros(3, I32), 2), ValueError, "lengths"),
+        (
+            lambda: token_positions(np.zeros(2, np.int64), np.zeros(2, I32), 2),
+            TypeError,
+            "start_positions",
+        ),
+        (lambda: token_positions(np.zeros(2, I32), np.zeros(2, I32), -1), ValueError, "width"),
+        (lambda: token_positions(np.zeros(2, I32), np.zeros(2, I32), 2.0), TypeError, "width"),
+        (
+            lambda: gather_rope(
+                np.zeros((1, 2, 2), np.float16), np.zeros(1, I32), np.zeros(1, I32)
+            ),
+            TypeError,
+            "rope_cos_sin",
+        ),
+        (
+            lambda: gather_rope(np.zeros((2, 2), np.float32), np.zeros(1, I32), np.zeros(1, I32)),
+            TypeError,
+            "rope_cos_sin",
+        ),
+        (
+            lambda: gather_rope(
+                np.zeros((1, 2, 2), np.float32), np.zeros(2, I32), np.zeros(1, I32)
+            ),
+            ValueError,
+            "delta_token_to_sequence",
+        ),
+        (
+            lambda: gather_rope(
+                np.zeros((1, 2, 2), np.float32), np.zeros((1, 2), I32), np.zeros(2, I32)
+            ),
+            ValueError,
+            "delta_positions",
+        ),
+        (lambda: identity_page_table(3, 2, 5), ValueError, "num_pages"),
+        (lambda: identity_page_table(1, 0, 5), ValueError, "pages_per_slot"),
+        (lambda: identity_page_table(1, True, 5), TypeError, "pages_per_slot"),
+    ],
+)
 def test_bad_arguments_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -84,13 +124,21 @@ def _paged_from_slot(problem):
     k = problem.k_delta
     batch, delta_len, heads, head_dim = k.shape
     num_pages = problem.past_key_value.shape[1]
-    positions, owners = token_positions(problem.delta_start_positions, problem.delta_lengths,
-                                        delta_len)
+    positions, owners = token_positions(
+        problem.delta_start_positions, problem.delta_lengths, delta_len
+    )
     rope = gather_rope(problem.rope_cos_sin, positions, owners)
     table = identity_page_table(batch, problem.pages_per_slot, num_pages)
     flat = (batch * delta_len, heads, head_dim)
-    return (k.reshape(flat), problem.v_delta.reshape(flat), problem.past_key_value,
-            np.asarray(rope), np.asarray(positions), np.asarray(owners), np.asarray(table))
+    return (
+        k.reshape(flat),
+        problem.v_delta.reshape(flat),
+        problem.past_key_value,
+        np.asarray(rope),
+        np.asarray(positions),
+        np.asarray(owners),
+        np.asarray(table),
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -101,11 +149,22 @@ def test_helpers_turn_a_slot_update_into_the_same_paged_update(dtype, pool_dtype
     # the identity table drops exactly what the slot contract drops.
     rng = np.random.default_rng(seed)
     batch = int(rng.integers(1, 4))
-    problem = make_problem(rng, batch=batch, delta_len=int(rng.integers(1, 6)), heads=2,
-                           head_dim=10, rotary_dim=6, page_size=3,
-                           pages_per_slot=int(rng.integers(1, 4)), max_batch=4,
-                           rope_batch=int(rng.choice([1, batch])), dtype=dtype,
-                           pool_dtype=pool_dtype, k_norm=seed % 2 == 0, v_norm=seed % 3 == 0)
+    problem = make_problem(
+        rng,
+        batch=batch,
+        delta_len=int(rng.integers(1, 6)),
+        heads=2,
+        head_dim=10,
+        rotary_dim=6,
+        page_size=3,
+        pages_per_slot=int(rng.integers(1, 4)),
+        max_batch=4,
+        rope_batch=int(rng.choice([1, batch])),
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        k_norm=seed % 2 == 0,
+        v_norm=seed % 3 == 0,
+    )
     slot = reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
     kwargs = {k: v for k, v in problem.kwargs().items() if k != "pages_per_slot"}
     paged = reference.target_kv_cache_update_paged(*_paged_from_slot(problem), **kwargs)
@@ -149,8 +208,15 @@ def _valid_rows(problem):
 def test_paged_problem_rows_are_distinct_and_hostile_cases_appear(ring):
     seen = set()
     for seed in range(20):
-        problem = make_paged_problem(np.random.default_rng(seed), tokens=24, batch=3,
-                                     num_pages=10, page_size=4, table_pages=3, ring=ring)
+        problem = make_paged_problem(
+            np.random.default_rng(seed),
+            tokens=24,
+            batch=3,
+            num_pages=10,
+            page_size=4,
+            table_pages=3,
+            ring=ring,
+        )
         rows = _valid_rows(problem)
         assert len(rows) == len(set(rows))  # no two valid tokens share a pool row
         assert rows, "every problem writes something"
@@ -159,27 +225,49 @@ def test_paged_problem_rows_are_distinct_and_hostile_cases_appear(ring):
         good_k, good_v = k_ids[(k_ids >= 0) & (k_ids < 10)], v_ids[(v_ids >= 10) & (v_ids < 20)]
         assert len(set(good_k)) == len(good_k) and len(set(good_v)) == len(good_v)
         p, b = problem.delta_positions, problem.delta_token_to_sequence
-        seen.update(name for name, hit in [
-            ("padding", (b == -1).any()), ("owner>=B", (b >= 3).any()),
-            ("negative position", (p < 0).any()), ("past the table", (p >= 12).any()),
-            ("negative K", (k_ids < 0).any()), ("K in V range", (k_ids >= 10).any()),
-            ("V below N", (v_ids < 10).any()), ("V past 2N", (v_ids >= 20).any()),
-            ("interleaved", (np.diff(b[b >= 0]) != 0).sum() > 2),
-        ] if hit)
+        seen.update(
+            name
+            for name, hit in [
+                ("padding", (b == -1).any()),
+                ("owner>=B", (b >= 3).any()),
+                ("negative position", (p < 0).any()),
+                ("past the table", (p >= 12).any()),
+                ("negative K", (k_ids < 0).any()),
+                ("K in V range", (k_ids >= 10).any()),
+                ("V below N", (v_ids < 10).any()),
+                ("V past 2N", (v_ids >= 20).any()),
+                ("interleaved", (np.diff(b[b >= 0]) != 0).sum() > 2),
+            ]
+            if hit
+        )
     assert len(seen) == 9, seen
 
 
 def test_paged_problem_without_hostile_writes_every_token():
-    problem = make_paged_problem(np.random.default_rng(0), tokens=16, batch=2, num_pages=6,
-                                 page_size=4, table_pages=2, hostile=False)
+    problem = make_paged_problem(
+        np.random.default_rng(0),
+        tokens=16,
+        batch=2,
+        num_pages=6,
+        page_size=4,
+        table_pages=2,
+        hostile=False,
+    )
     assert len(_valid_rows(problem)) == 2 * 16
     assert not (problem.k_delta == 0).any() and not (problem.past_key_value == 0).any()
 
 
 def test_paged_problem_extras_and_layers():
-    problem = make_paged_problem(np.random.default_rng(0), layers=2, pool_dtype=FP8_DTYPES[0],
-                                 k_norm=True, v_norm=True, scale_shape=(2, 2),
-                                 norm_weight_per_layer=True, table_per_layer=True)
+    problem = make_paged_problem(
+        np.random.default_rng(0),
+        layers=2,
+        pool_dtype=FP8_DTYPES[0],
+        k_norm=True,
+        v_norm=True,
+        scale_shape=(2, 2),
+        norm_weight_per_layer=True,
+        table_per_layer=True,
+    )
     kwargs = problem.kwargs()
     assert set(kwargs) == {"ring", "k_scale", "v_scale", "k_norm_weight", "v_norm", "norm_eps"}
     assert kwargs["k_scale"].shape == (2, 2) and kwargs["k_norm_weight"].shape == (2, 16)
@@ -187,14 +275,17 @@ def test_paged_problem_extras_and_layers():
     assert not (problem.past_key_value.view(np.uint8) & 0x7F == 0).any()  # no FP8 zeros
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tokens=100, batch=2, table_pages=2, page_size=4), "tokens"),
-    (dict(batch=3, table_pages=3, num_pages=8), "table_pages"),
-    (dict(scale_shape=(2,)), "scale_shape"),
-    (dict(pool_dtype=FP8_DTYPES[1], scale_shape=(3,)), "scale_shape"),
-    (dict(dtype=FP8_DTYPES[0]), "dtype"),
-    (dict(table_per_layer=True), "table_per_layer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tokens=100, batch=2, table_pages=2, page_size=4), "tokens"),
+        (dict(batch=3, table_pages=3, num_pages=8), "table_pages"),
+        (dict(scale_shape=(2,)), "scale_shape"),
+        (dict(pool_dtype=FP8_DTYPES[1], scale_shape=(3,)), "scale_shape"),
+        (dict(dtype=FP8_DTYPES[0]), "dtype"),
+        (dict(table_per_layer=True), "table_per_layer"),
+    ],
+)
 def test_paged_problem_rejects_bad_requests(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_paged_problem(np.random.default_rng(0), **kwargs)

@@ -53,8 +53,9 @@ class RawCall:
     kwargs: dict
 
     def run(self, module):
-        name = ("target_kv_cache_update" if self.contract == "slot" else
-                "target_kv_cache_update_paged")
+        name = (
+            "target_kv_cache_update" if self.contract == "slot" else "target_kv_cache_update_paged"
+        )
         if module.__name__.endswith("_dflash_cuda"):
             name = "launch" if self.contract == "slot" else "launch_paged"
         return getattr(module, name)(*self.args, **self.kwargs)
@@ -67,10 +68,14 @@ def raw_call(contract, problem, pool) -> RawCall:
     weight, _ = bits(problem.k_norm_weight)
     scales = [None if x is None else np.asarray(x) for x in (problem.k_scale, problem.v_scale)]
     args = [k, v, pool, *problem.args()[3:], *scales, weight]
-    kwargs = {"v_norm": problem.v_norm, "norm_eps": problem.norm_eps,
-              "delta_dtype": delta_dtype,
-              "pool_dtype": "" if problem.past_key_value.dtype in NATIVE else
-              str(problem.past_key_value.dtype)}
+    kwargs = {
+        "v_norm": problem.v_norm,
+        "norm_eps": problem.norm_eps,
+        "delta_dtype": delta_dtype,
+        "pool_dtype": ""
+        if problem.past_key_value.dtype in NATIVE
+        else str(problem.past_key_value.dtype),
+    }
     if contract == "slot":
         kwargs["pages_per_slot"] = problem.pages_per_slot
     else:
@@ -79,8 +84,11 @@ def raw_call(contract, problem, pool) -> RawCall:
 
 
 def expected_pool(contract, problem):
-    fn = (reference.target_kv_cache_update if contract == "slot" else
-          reference.target_kv_cache_update_paged)
+    fn = (
+        reference.target_kv_cache_update
+        if contract == "slot"
+        else reference.target_kv_cache_update_paged
+    )
     return fn(*problem.args(), **problem.kwargs())
 
 
@@ -106,8 +114,16 @@ VARIANTS = {
     "bf16_into_e5m2_per_tensor": dict(dtype=BF16, pool_dtype=E5M2, scale_shape=()),
     "k_norm_v_norm": dict(dtype=BF16, k_norm=True, v_norm=True, norm_eps=1e-5),
     "f32_into_e4m3_k_norm": dict(dtype=F32, pool_dtype=E4M3, k_norm=True),
-    "layered": dict(dtype=F16, pool_dtype=E5M2, layers=3, scale_shape=(3, 2), k_norm=True,
-                    norm_weight_per_layer=True, rope_per_layer=True, positions_per_layer=True),
+    "layered": dict(
+        dtype=F16,
+        pool_dtype=E5M2,
+        layers=3,
+        scale_shape=(3, 2),
+        k_norm=True,
+        norm_weight_per_layer=True,
+        rope_per_layer=True,
+        positions_per_layer=True,
+    ),
 }
 
 
@@ -155,18 +171,25 @@ def test_cpu_pool_given_as_a_bits_view_of_another_name():
         assert_bits_equal(pool, expected_pool("slot", problem))
 
 
-EMPTY = {"slot": {"no_tokens": dict(delta_len=0), "no_rope_rows": dict(rope_seq_len=0),
-                  "no_rotary_channels": dict(rotary_dim=0)},
-         "paged": {"no_tokens": dict(tokens=0), "no_rotary_channels": dict(rotary_dim=0)}}
+EMPTY = {
+    "slot": {
+        "no_tokens": dict(delta_len=0),
+        "no_rope_rows": dict(rope_seq_len=0),
+        "no_rotary_channels": dict(rotary_dim=0),
+    },
+    "paged": {"no_tokens": dict(tokens=0), "no_rotary_channels": dict(rotary_dim=0)},
+}
 
 
 @pytest.mark.parametrize("contract, empty", [(c, e) for c in EMPTY for e in EMPTY[c]])
 def test_cpu_empty_operands_are_valid(contract, empty):
     """An operand with a zero dimension has no elements: whatever strides NumPy gives it, it is
     contiguous, and the update is the reference's (nothing written for no tokens)."""
-    problem = make_problem(np.random.default_rng(14), **EMPTY[contract][empty]) \
-        if contract == "slot" else make_paged_problem(np.random.default_rng(14),
-                                                      **EMPTY[contract][empty])
+    problem = (
+        make_problem(np.random.default_rng(14), **EMPTY[contract][empty])
+        if contract == "slot"
+        else make_paged_problem(np.random.default_rng(14), **EMPTY[contract][empty])
+    )
     pool = problem.past_key_value.copy()
     raw_call(contract, problem, pool).run(_cpu())
     assert_bits_equal(pool, expected_pool(contract, problem))
@@ -220,10 +243,12 @@ def _read_only(pool):
     return pool
 
 
-BAD_LAYOUTS = {"fortran_order": (_fortran, "C-contiguous"),
-               "every_other_page": (_strided, "C-contiguous"),
-               "negative_strides": (_reversed, "C-contiguous"),
-               "read_only": (_read_only, "writable")}
+BAD_LAYOUTS = {
+    "fortran_order": (_fortran, "C-contiguous"),
+    "every_other_page": (_strided, "C-contiguous"),
+    "negative_strides": (_reversed, "C-contiguous"),
+    "read_only": (_read_only, "writable"),
+}
 
 
 @pytest.mark.parametrize("layout", list(BAD_LAYOUTS))
@@ -248,18 +273,21 @@ def test_cpu_pool_that_is_not_updatable_in_place_raises(contract, pool_dtype, la
 def _set_arg(i, fn):
     def mutate(call):
         call.args[i] = fn(call.args[i])
+
     return mutate
 
 
 def _set_kw(**kw):
     def mutate(call):
         call.kwargs.update(kw)
+
     return mutate
 
 
 def _drop_kw(name):
     def mutate(call):
         del call.kwargs[name]
+
     return mutate
 
 
@@ -267,6 +295,7 @@ def _chain(*fns):
     def mutate(call):
         for fn in fns:
             fn(call)
+
     return mutate
 
 
@@ -288,69 +317,200 @@ def _ones_f32(n):
 
 
 BAD_CALLS = [
-    Bad("k_scale_without_v_scale", dict(pool_dtype=E4M3), _set_arg(V_SCALE, lambda _: None),
-        ValueError, ("v_scale", "None")),
-    Bad("v_scale_without_k_scale", dict(pool_dtype=E4M3), _set_arg(K_SCALE, lambda _: None),
-        ValueError, ("k_scale", "None")),
-    Bad("scales_for_a_float16_pool", {}, _chain(_set_arg(K_SCALE, _ones_f32(2)),
-                                                _set_arg(V_SCALE, _ones_f32(2))),
-        ValueError, ("past_key_value", "k_scale")),
-    Bad("fp8_pool_without_scales", dict(pool_dtype=E4M3),
+    Bad(
+        "k_scale_without_v_scale",
+        dict(pool_dtype=E4M3),
+        _set_arg(V_SCALE, lambda _: None),
+        ValueError,
+        ("v_scale", "None"),
+    ),
+    Bad(
+        "v_scale_without_k_scale",
+        dict(pool_dtype=E4M3),
+        _set_arg(K_SCALE, lambda _: None),
+        ValueError,
+        ("k_scale", "None"),
+    ),
+    Bad(
+        "scales_for_a_float16_pool",
+        {},
+        _chain(_set_arg(K_SCALE, _ones_f32(2)), _set_arg(V_SCALE, _ones_f32(2))),
+        ValueError,
+        ("past_key_value", "k_scale"),
+    ),
+    Bad(
+        "fp8_pool_without_scales",
+        dict(pool_dtype=E4M3),
         _chain(_set_arg(K_SCALE, lambda _: None), _set_arg(V_SCALE, lambda _: None)),
-        ValueError, ("past_key_value", "k_scale")),
-    Bad("k_scale_float16", dict(pool_dtype=E5M2), _set_arg(K_SCALE, lambda x: x.astype(F16)),
-        ValueError, ("k_scale", "float32")),
-    Bad("v_scale_of_three_heads", dict(pool_dtype=E5M2), _set_arg(V_SCALE, _ones_f32(3)),
-        ValueError, ("v_scale",)),
-    Bad("bfloat16_bits_without_delta_dtype", dict(dtype=BF16), _set_kw(delta_dtype=""),
-        ValueError, ("k_delta", "uint16")),
-    Bad("fp8_bits_without_pool_dtype", dict(pool_dtype=E4M3), _set_kw(pool_dtype=""),
-        ValueError, ("past_key_value", "uint8")),
-    Bad("delta_dtype_misspelt", dict(dtype=BF16), _set_kw(delta_dtype="bf16"), ValueError,
-        ("delta_dtype", "bf16")),
-    Bad("pool_dtype_misspelt", dict(pool_dtype=E4M3), _set_kw(pool_dtype="float8_e4m3"),
-        ValueError, ("pool_dtype", "float8_e4m3")),
-    Bad("pool_dtype_wider_than_the_view", dict(pool_dtype=E4M3), _set_kw(pool_dtype="float16"),
-        TypeError, ("past_key_value", "uint8")),
-    Bad("pool_dtype_against_a_native_array", {}, _set_kw(pool_dtype="bfloat16"), TypeError,
-        ("past_key_value", "float16")),
-    Bad("delta_dtype_fp8", dict(dtype=BF16), _set_kw(delta_dtype="float8_e4m3fn"), TypeError,
-        ("k_delta", "uint16")),
-    Bad("deltas_float64", dict(dtype=F32), _chain(_set_arg(0, lambda x: x.astype(np.float64)),
-                                                  _set_arg(1, lambda x: x.astype(np.float64))),
-        ValueError, ("k_delta",)),
-    Bad("v_delta_other_dtype", dict(dtype=F16), _set_arg(1, lambda x: x.astype(np.float32)),
-        ValueError, ("v_delta", "float16")),
-    Bad("k_delta_fortran_order", dict(dtype=F16), _set_arg(0, np.asfortranarray), ValueError,
-        ("k_delta", "C-contiguous")),
-    Bad("index_int64", {}, _set_arg(4, lambda x: x.astype(np.int64)), ValueError,
-        ("int64", "delta_start_positions|delta_positions")),
-    Bad("index_as_a_list", {}, _set_arg(5, lambda x: x.tolist()), TypeError,
-        ("list", "delta_lengths|delta_token_to_sequence")),
+        ValueError,
+        ("past_key_value", "k_scale"),
+    ),
+    Bad(
+        "k_scale_float16",
+        dict(pool_dtype=E5M2),
+        _set_arg(K_SCALE, lambda x: x.astype(F16)),
+        ValueError,
+        ("k_scale", "float32"),
+    ),
+    Bad(
+        "v_scale_of_three_heads",
+        dict(pool_dtype=E5M2),
+        _set_arg(V_SCALE, _ones_f32(3)),
+        ValueError,
+        ("v_scale",),
+    ),
+    Bad(
+        "bfloat16_bits_without_delta_dtype",
+        dict(dtype=BF16),
+        _set_kw(delta_dtype=""),
+        ValueError,
+        ("k_delta", "uint16"),
+    ),
+    Bad(
+        "fp8_bits_without_pool_dtype",
+        dict(pool_dtype=E4M3),
+        _set_kw(pool_dtype=""),
+        ValueError,
+        ("past_key_value", "uint8"),
+    ),
+    Bad(
+        "delta_dtype_misspelt",
+        dict(dtype=BF16),
+        _set_kw(delta_dtype="bf16"),
+        ValueError,
+        ("delta_dtype", "bf16"),
+    ),
+    Bad(
+        "pool_dtype_misspelt",
+        dict(pool_dtype=E4M3),
+        _set_kw(pool_dtype="float8_e4m3"),
+        ValueError,
+        ("pool_dtype", "float8_e4m3"),
+    ),
+    Bad(
+        "pool_dtype_wider_than_the_view",
+        dict(pool_dtype=E4M3),
+        _set_kw(pool_dtype="float16"),
+        TypeError,
+        ("past_key_value", "uint8"),
+    ),
+    Bad(
+        "pool_dtype_against_a_native_array",
+        {},
+        _set_kw(pool_dtype="bfloat16"),
+        TypeError,
+        ("past_key_value", "float16"),
+    ),
+    Bad(
+        "delta_dtype_fp8",
+        dict(dtype=BF16),
+        _set_kw(delta_dtype="float8_e4m3fn"),
+        TypeError,
+        ("k_delta", "uint16"),
+    ),
+    Bad(
+        "deltas_float64",
+        dict(dtype=F32),
+        _chain(
+            _set_arg(0, lambda x: x.astype(np.float64)), _set_arg(1, lambda x: x.astype(np.float64))
+        ),
+        ValueError,
+        ("k_delta",),
+    ),
+    Bad(
+        "v_delta_other_dtype",
+        dict(dtype=F16),
+        _set_arg(1, lambda x: x.astype(np.float32)),
+        ValueError,
+        ("v_delta", "float16"),
+    ),
+    Bad(
+        "k_delta_fortran_order",
+        dict(dtype=F16),
+        _set_arg(0, np.asfortranarray),
+        ValueError,
+        ("k_delta", "C-contiguous"),
+    ),
+    Bad(
+        "index_int64",
+        {},
+        _set_arg(4, lambda x: x.astype(np.int64)),
+        ValueError,
+        ("int64", "delta_start_positions|delta_positions"),
+    ),
+    Bad(
+        "index_as_a_list",
+        {},
+        _set_arg(5, lambda x: x.tolist()),
+        TypeError,
+        ("list", "delta_lengths|delta_token_to_sequence"),
+    ),
     Bad("pool_as_an_int", {}, _set_arg(2, lambda _: 3), TypeError, ("past_key_value", "int")),
-    Bad("k_norm_weight_float32_for_float16_deltas", dict(dtype=F16, k_norm=True),
-        _set_arg(WEIGHT, lambda x: x.astype(np.float32)), ValueError,
-        ("k_norm_weight", "float16")),
-    Bad("k_norm_weight_one_too_long", dict(dtype=F16, k_norm=True),
-        _set_arg(WEIGHT, lambda x: np.concatenate([x, x[:1]])), ValueError, ("k_norm_weight",)),
-    Bad("norm_eps_nan", dict(v_norm=True), _set_kw(norm_eps=float("nan")), ValueError,
-        ("norm_eps",)),
-    Bad("norm_eps_negative", dict(k_norm=True), _set_kw(norm_eps=-1e-6), ValueError,
-        ("norm_eps",)),
-    Bad("pages_per_slot_zero", {}, _set_kw(pages_per_slot=0), ValueError, ("pages_per_slot",),
-        ("slot",)),
-    Bad("pages_per_slot_missing", {}, _drop_kw("pages_per_slot"), TypeError,
-        ("pages_per_slot",), ("slot",)),
-    Bad("pages_per_slot_not_dividing_the_pages", {}, _set_kw(pages_per_slot=3), ValueError,
-        ("past_key_value", "pages_per_slot"), ("slot",)),
+    Bad(
+        "k_norm_weight_float32_for_float16_deltas",
+        dict(dtype=F16, k_norm=True),
+        _set_arg(WEIGHT, lambda x: x.astype(np.float32)),
+        ValueError,
+        ("k_norm_weight", "float16"),
+    ),
+    Bad(
+        "k_norm_weight_one_too_long",
+        dict(dtype=F16, k_norm=True),
+        _set_arg(WEIGHT, lambda x: np.concatenate([x, x[:1]])),
+        ValueError,
+        ("k_norm_weight",),
+    ),
+    Bad(
+        "norm_eps_nan", dict(v_norm=True), _set_kw(norm_eps=float("nan")), ValueError, ("norm_eps",)
+    ),
+    Bad("norm_eps_negative", dict(k_norm=True), _set_kw(norm_eps=-1e-6), ValueError, ("norm_eps",)),
+    Bad(
+        "pages_per_slot_zero",
+        {},
+        _set_kw(pages_per_slot=0),
+        ValueError,
+        ("pages_per_slot",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_missing",
+        {},
+        _drop_kw("pages_per_slot"),
+        TypeError,
+        ("pages_per_slot",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_not_dividing_the_pages",
+        {},
+        _set_kw(pages_per_slot=3),
+        ValueError,
+        ("past_key_value", "pages_per_slot"),
+        ("slot",),
+    ),
     Bad("ring_on_the_slot_entry", {}, _set_kw(ring=True), TypeError, ("ring",), ("slot",)),
-    Bad("rope_rows_not_tokens", {}, _set_arg(3, lambda x: x[:-1]), ValueError,
-        ("rope_cos_sin",), ("paged",)),
-    Bad("table_pages_past_pool_pages", {}, _set_arg(6, lambda x: np.concatenate([x] * 5, -1)),
-        ValueError, ("kv_page_table",), ("paged",)),
+    Bad(
+        "rope_rows_not_tokens",
+        {},
+        _set_arg(3, lambda x: x[:-1]),
+        ValueError,
+        ("rope_cos_sin",),
+        ("paged",),
+    ),
+    Bad(
+        "table_pages_past_pool_pages",
+        {},
+        _set_arg(6, lambda x: np.concatenate([x] * 5, -1)),
+        ValueError,
+        ("kv_page_table",),
+        ("paged",),
+    ),
 ]
-_BAD_PARAMS = [pytest.param(contract, bad, id=f"{contract}-{bad.name}")
-               for bad in BAD_CALLS for contract in bad.contracts]
+_BAD_PARAMS = [
+    pytest.param(contract, bad, id=f"{contract}-{bad.name}")
+    for bad in BAD_CALLS
+    for contract in bad.contracts
+]
 
 
 @pytest.mark.parametrize("contract, bad", _BAD_PARAMS)
@@ -393,9 +553,9 @@ def _cudart():
         except OSError:
             continue
     try:
-        import nvidia.cuda_runtime as rt  # the wheel jax[cuda12] installs
-
         from pathlib import Path
+
+        import nvidia.cuda_runtime as rt  # the wheel jax[cuda12] installs
 
         for lib in sorted(Path(rt.__path__[0], "lib").glob("libcudart.so*")):
             return ctypes.CDLL(str(lib))
@@ -472,12 +632,17 @@ def _cuda_module():
 
 
 def _on_device(lib, call: RawCall) -> RawCall:
-    return RawCall(call.contract, [lib.to_device(x) if isinstance(x, np.ndarray) else x
-                                   for x in call.args], dict(call.kwargs))
+    return RawCall(
+        call.contract,
+        [lib.to_device(x) if isinstance(x, np.ndarray) else x for x in call.args],
+        dict(call.kwargs),
+    )
 
 
-@pytest.mark.parametrize("variant", ["f16", "bf16_into_e5m2_per_tensor", "f32_into_e4m3_k_norm",
-                                     "k_norm_v_norm", "layered"])
+@pytest.mark.parametrize(
+    "variant",
+    ["f16", "bf16_into_e5m2_per_tensor", "f32_into_e4m3_k_norm", "k_norm_v_norm", "layered"],
+)
 @pytest.mark.parametrize("contract", CONTRACTS)
 @pytest.mark.parametrize("library", list(ARRAY_LIBRARIES))
 def test_cuda_updates_the_callers_pool_in_place(library, contract, variant):
@@ -535,8 +700,11 @@ def test_cuda_wrong_arguments_name_them(library, contract):
         pytest.skip(reason)
     lib = ARRAY_LIBRARIES[library]()
     for bad in BAD_CALLS:
-        if contract not in bad.contracts or bad.name in ("index_as_a_list", "pool_as_an_int",
-                                                         "k_delta_fortran_order"):
+        if contract not in bad.contracts or bad.name in (
+            "index_as_a_list",
+            "pool_as_an_int",
+            "k_delta_fortran_order",
+        ):
             continue  # host-only shapes of a bad argument
         if library == "torch" and bad.name in TORCH_HAS_BFLOAT16:
             continue

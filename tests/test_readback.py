@@ -15,9 +15,16 @@ pytest.importorskip("ml_dtypes", reason="bfloat16 and FP8 pools need ml_dtypes")
 
 def _workload(contract, kv_dtype=None, window=None, steps=6):
     return workload.Workload(
-        PRESETS["tiny"], batch=4, steps=steps, seed=3,
-        accept=workload.parse_accept("geometric:0.8", 8), device=jax.devices("cpu")[0],
-        kv_dtype=kv_dtype, contract=contract, window=window)
+        PRESETS["tiny"],
+        batch=4,
+        steps=steps,
+        seed=3,
+        accept=workload.parse_accept("geometric:0.8", 8),
+        device=jax.devices("cpu")[0],
+        kv_dtype=kv_dtype,
+        contract=contract,
+        window=window,
+    )
 
 
 def _reference_pools(w):
@@ -25,8 +32,13 @@ def _reference_pools(w):
     return w.reference_pools(w.deltas("kernel"), "kernel")
 
 
-CASES = [("slot", None, None), ("paged", None, None), ("paged", "float8_e4m3fn", None),
-         ("paged", None, 16), ("slot", "float8_e5m2", None)]
+CASES = [
+    ("slot", None, None),
+    ("paged", None, None),
+    ("paged", "float8_e4m3fn", None),
+    ("paged", None, 16),
+    ("slot", "float8_e5m2", None),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
@@ -80,6 +92,7 @@ def test_the_rounding_bound_scales_with_the_pool_dtype():
     assert readback.unit_roundoff(np.float32) == 2.0**-24
     assert readback.unit_roundoff(np.float16) == 2.0**-11
     import ml_dtypes
+
     assert readback.unit_roundoff(ml_dtypes.bfloat16) == 2.0**-8
     assert readback.unit_roundoff(ml_dtypes.float8_e4m3fn) == 2.0**-4
     assert readback.half_smallest_subnormal(ml_dtypes.float8_e4m3fn) == 2.0**-10

@@ -4,11 +4,10 @@ scalar at a time, the NaN and subnormal rules, and each paged-contract guard on 
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
-from conftest import DELTA_DTYPES, FP8_DTYPES, assert_bits_equal, make_paged_problem, make_problem
 
+from conftest import DELTA_DTYPES, FP8_DTYPES, assert_bits_equal, make_paged_problem, make_problem
 from jax_dflash import reference
 
 # NaN, infinite and overflowing probes are the point here, not accidents.
@@ -82,9 +81,15 @@ def _probe_values(dtype):
     past = [top * 1.0001, top + (top - values[-2]) / 2, top * 2, 3.0e38, np.inf]
     past = np.array(past, np.float32)
     tiny = np.array([0.0, 1e-45, 1e-40, 2.0**-126, np.finfo(np.float32).max], np.float32)
-    probes = np.concatenate([
-        base, np.nextafter(base, f32(np.inf)), np.nextafter(base, f32(0)), past, tiny,
-    ])
+    probes = np.concatenate(
+        [
+            base,
+            np.nextafter(base, f32(np.inf)),
+            np.nextafter(base, f32(0)),
+            past,
+            tiny,
+        ]
+    )
     probes = np.concatenate([probes, -probes])
     nans = np.array([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FFFFFFF, 0xFF800123], np.uint32)
     return np.concatenate([probes, nans.view(np.float32)])
@@ -100,8 +105,9 @@ def test_fp8_rounding_matches_a_search_of_every_code(dtype):
     assert not bad.size, [(float(w[i]), hex(got.view(np.uint8)[i]), hex(want[i])) for i in bad[:5]]
 
 
-@pytest.mark.parametrize("dtype, largest, code", [(E4M3, 448.0, 0x7E), (E5M2, 57344.0, 0x7B)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "dtype, largest, code", [(E4M3, 448.0, 0x7E), (E5M2, 57344.0, 0x7B)], ids=str
+)
 def test_fp8_saturation_and_nan_codes(dtype, largest, code):
     w = [largest, largest * 1.5, np.inf, -np.inf, -largest * 4, np.nan, -np.nan, 0.0, -0.0]
     w = np.array(w, np.float32)
@@ -280,25 +286,42 @@ def _literal_key(k_head, rope_row, rotated, pool_dtype, *, weight=None, eps=1e-6
 @pytest.mark.parametrize("k_norm", [False, True])
 def test_written_keys_match_the_literal_steps(pool_dtype, k_norm):
     rng = np.random.default_rng(11)
-    problem = make_problem(rng, batch=3, delta_len=4, heads=2, head_dim=20, rotary_dim=12,
-                           page_size=3, pages_per_slot=3, rope_seq_len=7, dtype=F16,
-                           pool_dtype=pool_dtype, k_norm=k_norm, hostile=False)
+    problem = make_problem(
+        rng,
+        batch=3,
+        delta_len=4,
+        heads=2,
+        head_dim=20,
+        rotary_dim=12,
+        page_size=3,
+        pages_per_slot=3,
+        rope_seq_len=7,
+        dtype=F16,
+        pool_dtype=pool_dtype,
+        k_norm=k_norm,
+        hostile=False,
+    )
     out = reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
     bits = np.dtype(f"uint{8 * pool_dtype.itemsize}")
     capacity = 9
     checked = 0
     for b in range(3):
         for t in range(4):
-            pos = reference.written_position(problem.delta_start_positions[b],
-                                             problem.delta_lengths[b], t, capacity)
+            pos = reference.written_position(
+                problem.delta_start_positions[b], problem.delta_lengths[b], t, capacity
+            )
             assert pos is not None  # hostile=False: every token lands
             page, row = b * 3 + pos // 3, pos % 3
             rotated = pos < 7
             for h in range(2):
                 want = _literal_key(
-                    problem.k_delta[b, t, h], problem.rope_cos_sin[0, min(pos, 6)], rotated,
-                    pool_dtype, weight=problem.k_norm_weight,
-                    scale=None if problem.k_scale is None else problem.k_scale[h])
+                    problem.k_delta[b, t, h],
+                    problem.rope_cos_sin[0, min(pos, 6)],
+                    rotated,
+                    pool_dtype,
+                    weight=problem.k_norm_weight,
+                    scale=None if problem.k_scale is None else problem.k_scale[h],
+                )
                 assert_bits_equal(out[0, page, row, h].view(bits), want.astype(bits))
                 checked += 1
     assert checked == 24
@@ -320,8 +343,9 @@ def _one_token_problem(k_bits, v_bits, pool_dtype, *, rotary_dim=2, k_norm=False
         kwargs["k_norm_weight"] = np.ones(4, F16)
     if v_norm:
         kwargs["v_norm"] = True
-    out = reference.target_kv_cache_update(k, v, pool, rope, np.zeros(1, np.int32),
-                                           np.ones(1, np.int32), **kwargs)
+    out = reference.target_kv_cache_update(
+        k, v, pool, rope, np.zeros(1, np.int32), np.ones(1, np.int32), **kwargs
+    )
     bits = np.dtype(f"uint{8 * np.dtype(pool_dtype).itemsize}")
     return out[0, 0, 0, 0].view(bits).tolist(), out[1, 0, 0, 0].view(bits).tolist()
 
@@ -337,33 +361,53 @@ def test_nan_copies_keep_bits_computed_nans_are_canonical():
 
 
 def test_normed_nans_are_canonical():
-    k, v = _one_token_problem([0x3C00, 0x3C00, 0x3C00, NAN_B], [NAN_B, 0x3C00, 0x3C00, 0x3C00], F16,
-                              k_norm=True, v_norm=True)
+    k, v = _one_token_problem(
+        [0x3C00, 0x3C00, 0x3C00, NAN_B],
+        [NAN_B, 0x3C00, 0x3C00, 0x3C00],
+        F16,
+        k_norm=True,
+        v_norm=True,
+    )
     assert k == [0x7E00] * 4 and v == [0x7E00] * 4  # a NaN channel poisons the head's rms
 
 
-@pytest.mark.parametrize("pool_dtype, nan", [(F32, 0x7FC00000), (BF16, 0x7FC0), (E4M3, 0x7F),
-                                             (E5M2, 0x7F)], ids=str)
+@pytest.mark.parametrize(
+    "pool_dtype, nan", [(F32, 0x7FC00000), (BF16, 0x7FC0), (E4M3, 0x7F), (E5M2, 0x7F)], ids=str
+)
 def test_converted_nans_are_canonical(pool_dtype, nan):
-    k, v = _one_token_problem([NAN_A, NAN_B, NAN_B, NAN_A], [NAN_B, NAN_A, 0x3C00, NAN_B],
-                              pool_dtype)
+    k, v = _one_token_problem(
+        [NAN_A, NAN_B, NAN_B, NAN_A], [NAN_B, NAN_A, 0x3C00, NAN_B], pool_dtype
+    )
     assert k == [nan] * 4
     assert v[:2] == [nan] * 2 and v[3] == nan
 
 
 def test_subnormals_are_kept():
     # float16 subnormals into a float32 pool, and float32 subnormal products (no flush to zero).
-    k, v = _one_token_problem([0x0001, 0x8003, 0x0001, 0x03FF], [0x0001, 0x0002, 0x8001, 0x0000],
-                              F32)
+    k, v = _one_token_problem(
+        [0x0001, 0x8003, 0x0001, 0x03FF], [0x0001, 0x0002, 0x8001, 0x0000], F32
+    )
     want = np.array([0x0001, 0x8003, 0x0001, 0x03FF], np.uint16).view(F16).astype(np.float32)
     assert k == want.view(np.uint32).tolist()
-    assert v == np.array([0x0001, 0x0002, 0x8001, 0x0000], np.uint16).view(F16).astype(
-        np.float32).view(np.uint32).tolist()
+    assert (
+        v
+        == np.array([0x0001, 0x0002, 0x8001, 0x0000], np.uint16)
+        .view(F16)
+        .astype(np.float32)
+        .view(np.uint32)
+        .tolist()
+    )
     x = np.array([[[1e-39, 3e-39, 0, 0]]], np.float32)
     rope = np.array([[[0.5, 0.25]]], np.float32)  # subnormal products and differences
     out = reference.target_kv_cache_update(
-        x[None], x[None], np.ones((2, 1, 1, 1, 4), np.float32), rope, np.zeros(1, np.int32),
-        np.ones(1, np.int32), pages_per_slot=1)
+        x[None],
+        x[None],
+        np.ones((2, 1, 1, 1, 4), np.float32),
+        rope,
+        np.zeros(1, np.int32),
+        np.ones(1, np.int32),
+        pages_per_slot=1,
+    )
     y0 = f32(f32(x[0, 0, 0] * f32(0.5)) - f32(x[0, 0, 1] * f32(0.25)))
     y1 = f32(f32(x[0, 0, 1] * f32(0.5)) + f32(x[0, 0, 0] * f32(0.25)))
     assert 0 < abs(y0) < np.finfo(np.float32).tiny and 0 < y1 < np.finfo(np.float32).tiny
@@ -379,8 +423,16 @@ def _fp8_values(values, scale, dtype=E4M3):
     pool = np.zeros((2, 1, 1, 1, x.shape[-1]), dtype)
     rope = np.zeros((1, 1, 0), np.float32)
     out = reference.target_kv_cache_update(
-        x, x, pool, rope, np.zeros(1, np.int32), np.ones(1, np.int32), pages_per_slot=1,
-        k_scale=np.float32(scale), v_scale=np.float32(scale))
+        x,
+        x,
+        pool,
+        rope,
+        np.zeros(1, np.int32),
+        np.ones(1, np.int32),
+        pages_per_slot=1,
+        k_scale=np.float32(scale),
+        v_scale=np.float32(scale),
+    )
     return out[0, 0, 0, 0].view(np.uint8).tolist(), out[1, 0, 0, 0].view(np.uint8).tolist()
 
 
@@ -403,9 +455,16 @@ def test_fp8_per_head_scales():
     x = np.ones((1, 1, 2, 2), np.float32)
     pool = np.zeros((2, 1, 1, 2, 2), E4M3)
     out = reference.target_kv_cache_update(
-        x, x, pool, np.zeros((1, 1, 0), np.float32), np.zeros(1, np.int32), np.ones(1, np.int32),
-        pages_per_slot=1, k_scale=np.array([1.0, 0.25], np.float32),
-        v_scale=np.array([2.0, 1.0], np.float32))
+        x,
+        x,
+        pool,
+        np.zeros((1, 1, 0), np.float32),
+        np.zeros(1, np.int32),
+        np.ones(1, np.int32),
+        pages_per_slot=1,
+        k_scale=np.array([1.0, 0.25], np.float32),
+        v_scale=np.array([2.0, 1.0], np.float32),
+    )
     assert out[0, 0, 0].astype(np.float32).tolist() == [[1, 1], [4, 4]]
     assert out[1, 0, 0].astype(np.float32).tolist() == [[0.5, 0.5], [1, 1]]
 
@@ -422,8 +481,15 @@ def _paged(positions, owners, table, *, ring=False):
     k = np.repeat(np.arange(tokens, dtype=np.float32) + 10, D).reshape(tokens, 1, D)
     pool = np.full((2, N, P, 1, D), -1, np.float32)
     out = reference.target_kv_cache_update_paged(
-        k, k + 10, pool, np.zeros((tokens, 0), np.float32), np.array(positions, np.int32),
-        np.array(owners, np.int32), np.array(table, np.int32), ring=ring)
+        k,
+        k + 10,
+        pool,
+        np.zeros((tokens, 0), np.float32),
+        np.array(positions, np.int32),
+        np.array(owners, np.int32),
+        np.array(table, np.int32),
+        ring=ring,
+    )
     changed = np.argwhere(out[..., 0, 0] != -1)
     return {tuple(int(i) for i in idx): float(out[(*idx, 0, 0)]) for idx in changed}
 
@@ -435,16 +501,22 @@ TABLE = [[[2, 0], [N + 1, N + 3]], [[3, 1], [N + 0, N + 2]]]
 def test_paged_valid_tokens_interleaved():
     got = _paged([3, 0, 2, 1], [0, 1, 1, 0], TABLE)
     assert got == {
-        (0, 0, 1): 10, (1, 3, 1): 20,  # seq 0, p 3: page 1 of seq 0 -> K 0, V 3, row 1
-        (0, 3, 0): 11, (1, 0, 0): 21,  # seq 1, p 0: K 3, V 0, row 0
-        (0, 1, 0): 12, (1, 2, 0): 22,  # seq 1, p 2: K 1, V 2
-        (0, 2, 1): 13, (1, 1, 1): 23,  # seq 0, p 1: K 2, V 1
+        (0, 0, 1): 10,
+        (1, 3, 1): 20,  # seq 0, p 3: page 1 of seq 0 -> K 0, V 3, row 1
+        (0, 3, 0): 11,
+        (1, 0, 0): 21,  # seq 1, p 0: K 3, V 0, row 0
+        (0, 1, 0): 12,
+        (1, 2, 0): 22,  # seq 1, p 2: K 1, V 2
+        (0, 2, 1): 13,
+        (1, 1, 1): 23,  # seq 0, p 1: K 2, V 1
     }
 
 
-@pytest.mark.parametrize("owner, position", [(-1, 0), (2, 0), (7, 1), (0, -1), (1, -2**31)],
-                         ids=["padding", "owner_B", "owner_past_B", "negative_pos",
-                              "int32_min_pos"])
+@pytest.mark.parametrize(
+    "owner, position",
+    [(-1, 0), (2, 0), (7, 1), (0, -1), (1, -(2**31))],
+    ids=["padding", "owner_B", "owner_past_B", "negative_pos", "int32_min_pos"],
+)
 def test_paged_guard_tokens_write_nothing(owner, position):
     assert _paged([1, position], [1, owner], TABLE) == {(0, 3, 1): 10, (1, 0, 1): 20}
 
@@ -453,17 +525,38 @@ def test_paged_positions_past_the_table():
     assert _paged([4, 7, 2**31 - 1], [0, 1, 0], TABLE) == {}
     # Ring: page index (p // P) % M.
     assert _paged([4, 7], [0, 1], TABLE, ring=True) == {
-        (0, 2, 0): 10, (1, 1, 0): 20,  # p 4 -> slot 0 of seq 0, row 0
-        (0, 1, 1): 11, (1, 2, 1): 21,  # p 7 -> slot 1 of seq 1, row 1
+        (0, 2, 0): 10,
+        (1, 1, 0): 20,  # p 4 -> slot 0 of seq 0, row 0
+        (0, 1, 1): 11,
+        (1, 2, 1): 21,  # p 7 -> slot 1 of seq 1, row 1
     }
     # 2^31 - 1 = page 2^30 - 1 (odd): slot 1 of seq 0, row 1.
     assert _paged([2**31 - 1], [0], TABLE, ring=True) == {(0, 0, 1): 10, (1, 3, 1): 20}
 
 
-@pytest.mark.parametrize("plane, bad", [(0, -1), (0, N), (0, 2 * N - 1), (0, -2**31),
-                                        (1, N - 1), (1, 0), (1, 2 * N), (1, 2**31 - 1)],
-                         ids=["K_negative", "K_is_V_id", "K_last_V_id", "K_int32_min",
-                              "V_below_N", "V_zero", "V_past_2N", "V_int32_max"])
+@pytest.mark.parametrize(
+    "plane, bad",
+    [
+        (0, -1),
+        (0, N),
+        (0, 2 * N - 1),
+        (0, -(2**31)),
+        (1, N - 1),
+        (1, 0),
+        (1, 2 * N),
+        (1, 2**31 - 1),
+    ],
+    ids=[
+        "K_negative",
+        "K_is_V_id",
+        "K_last_V_id",
+        "K_int32_min",
+        "V_below_N",
+        "V_zero",
+        "V_past_2N",
+        "V_int32_max",
+    ],
+)
 def test_paged_invalid_page_ids_skip_both_planes(plane, bad):
     table = np.array(TABLE)
     table[0, plane, 1] = bad  # sequence 0's second page
@@ -478,7 +571,8 @@ def test_paged_keys_always_rotated_with_their_token_row():
     pool = np.zeros((2, 2, 1, 1, 2), np.float32)
     table = np.array([[[0, 1], [2, 3]]], np.int32)
     out = reference.target_kv_cache_update_paged(
-        k, k, pool, rope, np.array([1, 0], np.int32), np.array([0, 0], np.int32), table)
+        k, k, pool, rope, np.array([1, 0], np.int32), np.array([0, 0], np.int32), table
+    )
     assert out[0, 1, 0, 0].tolist() == [-2.0, 1.0] and out[0, 0, 0, 0].tolist() == [3.0, 4.0]
     assert out[1, 1, 0, 0].tolist() == [1.0, 2.0] and out[1, 0, 0, 0].tolist() == [3.0, 4.0]
 
@@ -504,8 +598,15 @@ def _as_paged(problem):
     pages = np.arange(batch * pps, dtype=np.int32).reshape(batch, pps)
     table = np.stack([pages, pages + num_pages], axis=1)
     flat = (batch * delta_len, *k.shape[2:])
-    return (k.reshape(flat), v.reshape(flat), problem.past_key_value,
-            rope.reshape(-1, rope.shape[-1]), positions.reshape(-1), owners.reshape(-1), table)
+    return (
+        k.reshape(flat),
+        v.reshape(flat),
+        problem.past_key_value,
+        rope.reshape(-1, rope.shape[-1]),
+        positions.reshape(-1),
+        owners.reshape(-1),
+        table,
+    )
 
 
 @pytest.mark.parametrize("pool_dtype", [None, F32, E4M3, E5M2], ids=str)
@@ -513,9 +614,23 @@ def _as_paged(problem):
 @pytest.mark.parametrize("norms", [False, True])
 def test_identity_table_paged_equals_slot(dtype, pool_dtype, norms):
     rng = np.random.default_rng(5)
-    problem = make_problem(rng, batch=3, delta_len=5, heads=2, head_dim=12, rotary_dim=8,
-                           page_size=3, pages_per_slot=3, max_batch=4, rope_batch=3, dtype=dtype,
-                           pool_dtype=pool_dtype, k_norm=norms, v_norm=norms, hostile=False)
+    problem = make_problem(
+        rng,
+        batch=3,
+        delta_len=5,
+        heads=2,
+        head_dim=12,
+        rotary_dim=8,
+        page_size=3,
+        pages_per_slot=3,
+        max_batch=4,
+        rope_batch=3,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        k_norm=norms,
+        v_norm=norms,
+        hostile=False,
+    )
     problem.delta_lengths[1] = 2  # padding in the middle of the batch
     slot = reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
     kwargs = {k: v for k, v in problem.kwargs().items() if k != "pages_per_slot"}
@@ -526,14 +641,26 @@ def test_identity_table_paged_equals_slot(dtype, pool_dtype, norms):
 
 def test_layered_slot_is_each_layer_alone():
     rng = np.random.default_rng(2)
-    problem = make_problem(rng, layers=3, pool_dtype=E4M3, k_norm=True, v_norm=True,
-                           scale_shape=(3, 2), norm_weight_per_layer=True, rope_per_layer=True,
-                           positions_per_layer=True)
+    problem = make_problem(
+        rng,
+        layers=3,
+        pool_dtype=E4M3,
+        k_norm=True,
+        v_norm=True,
+        scale_shape=(3, 2),
+        norm_weight_per_layer=True,
+        rope_per_layer=True,
+        positions_per_layer=True,
+    )
     out = reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
     for layer in range(3):
         args = [a[layer] for a in problem.args()]
-        kwargs = dict(problem.kwargs(), k_scale=problem.k_scale[layer],
-                      v_scale=problem.v_scale[layer], k_norm_weight=problem.k_norm_weight[layer])
+        kwargs = dict(
+            problem.kwargs(),
+            k_scale=problem.k_scale[layer],
+            v_scale=problem.v_scale[layer],
+            k_norm_weight=problem.k_norm_weight[layer],
+        )
         assert_bits_equal(out[layer], reference.target_kv_cache_update(*args, **kwargs))
 
 
@@ -541,18 +668,32 @@ def test_layered_slot_is_each_layer_alone():
 def test_layered_paged_is_each_layer_alone(shared):
     rng = np.random.default_rng(4)
     per_layer = not shared
-    problem = make_paged_problem(rng, tokens=10, batch=3, num_pages=9, table_pages=3, layers=3,
-                                 pool_dtype=E5M2, k_norm=True, ring=True,
-                                 scale_shape=(2,) if shared else (3, 1),
-                                 rope_per_layer=per_layer, positions_per_layer=per_layer,
-                                 table_per_layer=per_layer, norm_weight_per_layer=per_layer)
+    problem = make_paged_problem(
+        rng,
+        tokens=10,
+        batch=3,
+        num_pages=9,
+        table_pages=3,
+        layers=3,
+        pool_dtype=E5M2,
+        k_norm=True,
+        ring=True,
+        scale_shape=(2,) if shared else (3, 1),
+        rope_per_layer=per_layer,
+        positions_per_layer=per_layer,
+        table_per_layer=per_layer,
+        norm_weight_per_layer=per_layer,
+    )
     out = reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
     for layer in range(3):
         args = [a[layer] if per_layer or i < 3 else a for i, a in enumerate(problem.args())]
         kwargs = problem.kwargs()
         if per_layer:
-            kwargs.update(k_scale=problem.k_scale[layer], v_scale=problem.v_scale[layer],
-                          k_norm_weight=problem.k_norm_weight[layer])
+            kwargs.update(
+                k_scale=problem.k_scale[layer],
+                v_scale=problem.v_scale[layer],
+                k_norm_weight=problem.k_norm_weight[layer],
+            )
         assert_bits_equal(out[layer], reference.target_kv_cache_update_paged(*args, **kwargs))
 
 
@@ -566,9 +707,10 @@ def test_inputs_are_not_modified():
     assert out is not problem.past_key_value
 
 
-@pytest.mark.parametrize("kwargs, name", [({"v_norm": 1}, "v_norm"),
-                                          ({"norm_eps": "1e-6"}, "norm_eps"),
-                                          ({"ring": None}, "ring")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"v_norm": 1}, "v_norm"), ({"norm_eps": "1e-6"}, "norm_eps"), ({"ring": None}, "ring")],
+)
 def test_bad_options_name_the_argument(kwargs, name):
     problem = make_paged_problem(np.random.default_rng(0))
     with pytest.raises((TypeError, ValueError), match=name):
@@ -597,15 +739,20 @@ def _run_cpu_kernel(problem, paged):
     pool = args[2].copy()
     kw = problem.kwargs()
     extras = [_raw(kw[n]) if n in kw else None for n in ("k_scale", "v_scale", "k_norm_weight")]
-    opts = dict(v_norm=kw.get("v_norm", False), norm_eps=kw.get("norm_eps", 1e-6),
-                delta_dtype=str(problem.k_delta.dtype),
-                pool_dtype=str(problem.past_key_value.dtype))
+    opts = dict(
+        v_norm=kw.get("v_norm", False),
+        norm_eps=kw.get("norm_eps", 1e-6),
+        delta_dtype=str(problem.k_delta.dtype),
+        pool_dtype=str(problem.past_key_value.dtype),
+    )
     if paged:
-        cpu.target_kv_cache_update_paged(*args[:2], pool, *args[3:], *extras, ring=kw["ring"],
-                                         **opts)
+        cpu.target_kv_cache_update_paged(
+            *args[:2], pool, *args[3:], *extras, ring=kw["ring"], **opts
+        )
     else:
-        cpu.target_kv_cache_update(*args[:2], pool, *args[3:], *extras,
-                                   pages_per_slot=kw["pages_per_slot"], **opts)
+        cpu.target_kv_cache_update(
+            *args[:2], pool, *args[3:], *extras, pages_per_slot=kw["pages_per_slot"], **opts
+        )
     return pool.view(problem.past_key_value.dtype)
 
 
@@ -620,20 +767,46 @@ def test_bit_exact_with_the_cpu_kernel_on_special_values(seed):
     layers = [None, 2][seed % 2]
     head_dim = int(rng.integers(2, 70))
     rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
-    common = dict(heads=2, head_dim=head_dim, rotary_dim=rotary_dim, dtype=dtype,
-                  pool_dtype=pool_dtype, layers=layers, k_norm=seed % 3 != 0, v_norm=seed % 4 == 0,
-                  norm_eps=float(rng.choice([1e-6, 0.5])))
+    common = dict(
+        heads=2,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        layers=layers,
+        k_norm=seed % 3 != 0,
+        v_norm=seed % 4 == 0,
+        norm_eps=float(rng.choice([1e-6, 0.5])),
+    )
     paged = seed % 7 < 4
     if paged:
-        problem = make_paged_problem(rng, tokens=16, batch=3, num_pages=7, page_size=3,
-                                     table_pages=2, ring=seed % 3 == 1, **common)
+        problem = make_paged_problem(
+            rng,
+            tokens=16,
+            batch=3,
+            num_pages=7,
+            page_size=3,
+            table_pages=2,
+            ring=seed % 3 == 1,
+            **common,
+        )
     else:
-        problem = make_problem(rng, batch=3, delta_len=4, page_size=3, pages_per_slot=2,
-                               max_batch=4, rope_batch=3, rope_seq_len=5, **common)
+        problem = make_problem(
+            rng,
+            batch=3,
+            delta_len=4,
+            page_size=3,
+            pages_per_slot=2,
+            max_batch=4,
+            rope_batch=3,
+            rope_seq_len=5,
+            **common,
+        )
     for delta in (problem.k_delta, problem.v_delta):  # NaN, inf, subnormal, huge: 1 in 8
         flat = delta.reshape(-1)
         hit = rng.random(flat.size) < 0.125
         flat[hit] = rng.choice(np.array(SPECIALS, np.float32), int(hit.sum())).astype(dtype)
     want = (reference.target_kv_cache_update_paged if paged else reference.target_kv_cache_update)(
-        *problem.args(), **problem.kwargs())
+        *problem.args(), **problem.kwargs()
+    )
     assert_bits_equal(_run_cpu_kernel(problem, paged), want)

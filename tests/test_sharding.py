@@ -34,9 +34,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import make_paged_problem, make_problem
-
 import jax_dflash
+from conftest import make_paged_problem, make_problem
 from jax_dflash._shapes import check_update, check_update_paged
 from jax_dflash.sharding import paged_partition_specs, partition_specs, plan_split
 
@@ -79,146 +78,374 @@ def cases(num_devices: int) -> list[Case]:
     x = (("x", n),)
     out = [
         # Tensor parallel: KV heads split, replicated rope (Rb = 1).
-        Case("heads", x, dict(batch=3, heads=n, max_batch=5, pages_per_slot=3, dtype=np.float16),
-             partition_specs(head_axis="x")),
+        Case(
+            "heads",
+            x,
+            dict(batch=3, heads=n, max_batch=5, pages_per_slot=3, dtype=np.float16),
+            partition_specs(head_axis="x"),
+        ),
         # Data parallel: whole slots split; every slot in use.
-        Case("slots", x, dict(batch=n, heads=2, pages_per_slot=2, dtype="bfloat16"),
-             partition_specs(batch_axis="x")),
+        Case(
+            "slots",
+            x,
+            dict(batch=n, heads=2, pages_per_slot=2, dtype="bfloat16"),
+            partition_specs(batch_axis="x"),
+        ),
         # Rb = B rope split with the batch.
-        Case("slots_rope_batched", x,
-             dict(batch=n, heads=2, pages_per_slot=3, rope_batch=n, dtype=np.float32),
-             partition_specs(batch_axis="x", rope_batched=True)),
+        Case(
+            "slots_rope_batched",
+            x,
+            dict(batch=n, heads=2, pages_per_slot=3, rope_batch=n, dtype=np.float32),
+            partition_specs(batch_axis="x", rope_batched=True),
+        ),
         # Rb = B rope, positions and lengths given replicated: sliced locally, no warning.
-        Case("slots_small_operands_replicated", x,
-             dict(batch=n, heads=2, pages_per_slot=2, rope_batch=n),
-             (P("x"), P("x"), partition_specs(batch_axis="x")[2], R, R, R)),
+        Case(
+            "slots_small_operands_replicated",
+            x,
+            dict(batch=n, heads=2, pages_per_slot=2, rope_batch=n),
+            (P("x"), P("x"), partition_specs(batch_axis="x")[2], R, R, R),
+        ),
         # Layer-batched form (vmap), shared rope/positions, heads split.
-        Case("layered_heads", x, dict(layers=3, batch=2, heads=n, pages_per_slot=2),
-             partition_specs(head_axis="x", layered=True)),
+        Case(
+            "layered_heads",
+            x,
+            dict(layers=3, batch=2, heads=n, pages_per_slot=2),
+            partition_specs(head_axis="x", layered=True),
+        ),
         # Layer-batched form split on layers, per-layer Rb = B rope and positions.
-        Case("layered_layers", x,
-             dict(layers=n, batch=2, heads=2, pages_per_slot=2, rope_batch=2,
-                  rope_per_layer=True, positions_per_layer=True),
-             partition_specs(layer_axis="x", layered=True, rope_batched=True,
-                             rope_per_layer=True, positions_per_layer=True)),
-        Case("layered_slots", x,
-             dict(layers=2, batch=n, heads=2, pages_per_slot=2, positions_per_layer=True),
-             partition_specs(batch_axis="x", layered=True, positions_per_layer=True)),
+        Case(
+            "layered_layers",
+            x,
+            dict(
+                layers=n,
+                batch=2,
+                heads=2,
+                pages_per_slot=2,
+                rope_batch=2,
+                rope_per_layer=True,
+                positions_per_layer=True,
+            ),
+            partition_specs(
+                layer_axis="x",
+                layered=True,
+                rope_batched=True,
+                rope_per_layer=True,
+                positions_per_layer=True,
+            ),
+        ),
+        Case(
+            "layered_slots",
+            x,
+            dict(layers=2, batch=n, heads=2, pages_per_slot=2, positions_per_layer=True),
+            partition_specs(batch_axis="x", layered=True, positions_per_layer=True),
+        ),
         # Hostile positions and lengths (padding, drops, negative starts) per shard.
-        Case("slots_hostile", x, dict(batch=n, heads=2, pages_per_slot=2, hostile=True),
-             partition_specs(batch_axis="x")),
-        Case("not_donated", x, dict(batch=n, heads=n, pages_per_slot=2),
-             partition_specs(batch_axis="x"), mode="nodonate"),
-        Case("eager", x, dict(batch=2, heads=n, pages_per_slot=2),
-             partition_specs(head_axis="x"), mode="eager"),
-        Case("shard_map", x, dict(batch=n, heads=2, pages_per_slot=2),
-             partition_specs(batch_axis="x"), mode="shard_map"),
+        Case(
+            "slots_hostile",
+            x,
+            dict(batch=n, heads=2, pages_per_slot=2, hostile=True),
+            partition_specs(batch_axis="x"),
+        ),
+        Case(
+            "not_donated",
+            x,
+            dict(batch=n, heads=n, pages_per_slot=2),
+            partition_specs(batch_axis="x"),
+            mode="nodonate",
+        ),
+        Case(
+            "eager",
+            x,
+            dict(batch=2, heads=n, pages_per_slot=2),
+            partition_specs(head_axis="x"),
+            mode="eager",
+        ),
+        Case(
+            "shard_map",
+            x,
+            dict(batch=n, heads=2, pages_per_slot=2),
+            partition_specs(batch_axis="x"),
+            mode="shard_map",
+        ),
         # What the op cannot follow: errors naming the pool and the dim.
-        Case("error_pool_head_dim", x, dict(batch=2, heads=2, head_dim=8 * n),
-             (R, R, P(None, None, None, None, "x"), R, R, R), expect="error",
-             match=("past_key_value", "dim 4 (D)", "'x'")),
-        Case("error_pool_page_rows", x, dict(batch=2, heads=2, page_size=2 * n),
-             (R, R, P(None, None, "x"), R, R, R), expect="error",
-             match=("past_key_value", "dim 2 (P)")),
-        Case("error_pool_planes", (("x", 2),), dict(batch=2, heads=2),
-             (R, R, P("x"), R, R, R), expect="error",
-             match=("past_key_value", "dim 0 (K/V plane)")),
-        Case("error_pages_not_whole_slots", x, dict(batch=1, heads=2, pages_per_slot=n),
-             (R, R, P(None, "x"), R, R, R), expect="error",
-             match=("past_key_value", "not a whole number of slots", f"pages_per_slot = {n}")),
-        Case("error_slots_not_all_used", x,
-             dict(batch=n // 2, max_batch=n, heads=2, pages_per_slot=1),
-             (R, R, P(None, "x"), R, R, R), expect="error",
-             match=("past_key_value", "B * pages_per_slot == numPages", f"B = {n // 2}")),
-        Case("error_layered_page_rows", x, dict(layers=2, batch=2, heads=2, page_size=n),
-             (R, R, P(None, None, None, "x"), R, R, R), expect="error",
-             match=("past_key_value", "dim 3 (P)")),
+        Case(
+            "error_pool_head_dim",
+            x,
+            dict(batch=2, heads=2, head_dim=8 * n),
+            (R, R, P(None, None, None, None, "x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "dim 4 (D)", "'x'"),
+        ),
+        Case(
+            "error_pool_page_rows",
+            x,
+            dict(batch=2, heads=2, page_size=2 * n),
+            (R, R, P(None, None, "x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "dim 2 (P)"),
+        ),
+        Case(
+            "error_pool_planes",
+            (("x", 2),),
+            dict(batch=2, heads=2),
+            (R, R, P("x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "dim 0 (K/V plane)"),
+        ),
+        Case(
+            "error_pages_not_whole_slots",
+            x,
+            dict(batch=1, heads=2, pages_per_slot=n),
+            (R, R, P(None, "x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "not a whole number of slots", f"pages_per_slot = {n}"),
+        ),
+        Case(
+            "error_slots_not_all_used",
+            x,
+            dict(batch=n // 2, max_batch=n, heads=2, pages_per_slot=1),
+            (R, R, P(None, "x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "B * pages_per_slot == numPages", f"B = {n // 2}"),
+        ),
+        Case(
+            "error_layered_page_rows",
+            x,
+            dict(layers=2, batch=2, heads=2, page_size=n),
+            (R, R, P(None, None, None, "x"), R, R, R),
+            expect="error",
+            match=("past_key_value", "dim 3 (P)"),
+        ),
         # A small operand against the pool: resharded with a warning, still exact.
-        Case("warn_k_split_on_head_dim", x, dict(batch=2, heads=n, head_dim=4 * n),
-             (P(None, None, None, "x"), R, partition_specs(head_axis="x")[2], R, R, R),
-             expect="warn", match=("k_delta", "does not follow past_key_value")),
-        Case("warn_batch_split_pool_replicated", x, dict(batch=n, heads=2),
-             (P("x"), P("x"), R, R, P("x"), P("x")), expect="warn",
-             match=("k_delta", "v_delta", "delta_start_positions", "delta_lengths")),
+        Case(
+            "warn_k_split_on_head_dim",
+            x,
+            dict(batch=2, heads=n, head_dim=4 * n),
+            (P(None, None, None, "x"), R, partition_specs(head_axis="x")[2], R, R, R),
+            expect="warn",
+            match=("k_delta", "does not follow past_key_value"),
+        ),
+        Case(
+            "warn_batch_split_pool_replicated",
+            x,
+            dict(batch=n, heads=2),
+            (P("x"), P("x"), R, R, P("x"), P("x")),
+            expect="warn",
+            match=("k_delta", "v_delta", "delta_start_positions", "delta_lengths"),
+        ),
         # The pool's sharding set inside the program: still reported while lowering.
-        Case("error_constraint_page_rows", x, dict(batch=2, heads=2, page_size=2 * n),
-             (R, R, P(None, None, "x"), R, R, R), expect="error", mode="constraint",
-             match=("past_key_value", "dim 2 (P)")),
+        Case(
+            "error_constraint_page_rows",
+            x,
+            dict(batch=2, heads=2, page_size=2 * n),
+            (R, R, P(None, None, "x"), R, R, R),
+            expect="error",
+            mode="constraint",
+            match=("past_key_value", "dim 2 (P)"),
+        ),
         # A pool computed inside the program: its sharding is known only to the partitioner,
         # whose error XLA wraps; the message is still there.
-        Case("error_computed_pool_page_rows", x, dict(batch=2, heads=2, page_size=2 * n),
-             (R, R, P(None, None, "x"), R, R, R), expect="error", mode="computed",
-             match=("past_key_value", "dim 2 (P)"), plain_error=False),
+        Case(
+            "error_computed_pool_page_rows",
+            x,
+            dict(batch=2, heads=2, page_size=2 * n),
+            (R, R, P(None, None, "x"), R, R, R),
+            expect="error",
+            mode="computed",
+            match=("past_key_value", "dim 2 (P)"),
+            plain_error=False,
+        ),
         # FP8 pools: per-head scales follow the heads, per-tensor ones are replicated.
-        Case("fp8_per_head_scales_heads", x,
-             dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,), k_norm=True),
-             partition_specs(head_axis="x", scales="head", k_norm=True)),
-        Case("fp8_per_tensor_scales_slots", x,
-             dict(batch=n, heads=2, pool_dtype="float8_e5m2", scale_shape=(), v_norm=True),
-             partition_specs(batch_axis="x", scales="tensor")),
-        Case("warn_scale_split_pool_replicated", x,
-             dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,)),
-             (R, R, R, R, R, R, P("x"), P("x")), expect="warn",
-             match=("k_scale", "v_scale", "does not follow past_key_value")),
+        Case(
+            "fp8_per_head_scales_heads",
+            x,
+            dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,), k_norm=True),
+            partition_specs(head_axis="x", scales="head", k_norm=True),
+        ),
+        Case(
+            "fp8_per_tensor_scales_slots",
+            x,
+            dict(batch=n, heads=2, pool_dtype="float8_e5m2", scale_shape=(), v_norm=True),
+            partition_specs(batch_axis="x", scales="tensor"),
+        ),
+        Case(
+            "warn_scale_split_pool_replicated",
+            x,
+            dict(batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,)),
+            (R, R, R, R, R, R, P("x"), P("x")),
+            expect="warn",
+            match=("k_scale", "v_scale", "does not follow past_key_value"),
+        ),
         # The paged contract: KV heads and layers only.
-        Case("paged_heads", x, dict(tokens=9, batch=2, heads=n, num_pages=6, table_pages=3),
-             paged_partition_specs(head_axis="x"), contract="paged"),
-        Case("paged_hostile_ring_heads", x,
-             dict(tokens=9, batch=2, heads=n, num_pages=6, table_pages=3, hostile=True,
-                  ring=True, dtype=np.float32, pool_dtype="bfloat16"),
-             paged_partition_specs(head_axis="x"), contract="paged"),
-        Case("paged_fp8_per_head_scales_heads", x,
-             dict(tokens=7, batch=2, heads=n, pool_dtype="float8_e4m3fn", scale_shape=(n,),
-                  k_norm=True, v_norm=True),
-             paged_partition_specs(head_axis="x", scales="head", k_norm=True), contract="paged"),
-        Case("paged_layered_heads", x, dict(layers=3, tokens=6, batch=2, heads=n),
-             paged_partition_specs(head_axis="x", layered=True), contract="paged"),
-        Case("paged_layered_layers", x,
-             dict(layers=n, tokens=6, batch=2, heads=2, rope_per_layer=True,
-                  positions_per_layer=True, table_per_layer=True, pool_dtype="float8_e5m2",
-                  scale_shape=(n, 2), k_norm=True, norm_weight_per_layer=True),
-             paged_partition_specs(layer_axis="x", layered=True, rope_per_layer=True,
-                                   positions_per_layer=True, table_per_layer=True,
-                                   scales="head", scales_per_layer=True, k_norm=True,
-                                   norm_weight_per_layer=True), contract="paged"),
-        Case("paged_eager", x, dict(tokens=5, batch=2, heads=n),
-             paged_partition_specs(head_axis="x"), mode="eager", contract="paged"),
-        Case("paged_shard_map", x, dict(tokens=5, batch=2, heads=n),
-             paged_partition_specs(head_axis="x"), mode="shard_map", contract="paged"),
-        Case("error_paged_pages", x, dict(tokens=6, batch=2, heads=2, num_pages=2 * n),
-             (R, R, P(None, "x"), R, R, R, R), expect="error", contract="paged",
-             match=("past_key_value", "dim 1 (numPages)", "page table",
-                    "only the KV heads (dim 3)")),
-        Case("error_paged_layered_page_rows", x,
-             dict(layers=2, tokens=6, batch=2, heads=2, page_size=n),
-             (R, R, P(None, None, None, "x"), R, R, R, R), expect="error", contract="paged",
-             match=("past_key_value", "dim 3 (P)", "the layers (dim 0)")),
-        Case("warn_paged_table_split", x, dict(tokens=6, batch=n, heads=2, num_pages=2 * n,
-                                               table_pages=2),
-             (*paged_partition_specs()[:6], P("x")), expect="warn", contract="paged",
-             match=("kv_page_table", "does not follow past_key_value")),
+        Case(
+            "paged_heads",
+            x,
+            dict(tokens=9, batch=2, heads=n, num_pages=6, table_pages=3),
+            paged_partition_specs(head_axis="x"),
+            contract="paged",
+        ),
+        Case(
+            "paged_hostile_ring_heads",
+            x,
+            dict(
+                tokens=9,
+                batch=2,
+                heads=n,
+                num_pages=6,
+                table_pages=3,
+                hostile=True,
+                ring=True,
+                dtype=np.float32,
+                pool_dtype="bfloat16",
+            ),
+            paged_partition_specs(head_axis="x"),
+            contract="paged",
+        ),
+        Case(
+            "paged_fp8_per_head_scales_heads",
+            x,
+            dict(
+                tokens=7,
+                batch=2,
+                heads=n,
+                pool_dtype="float8_e4m3fn",
+                scale_shape=(n,),
+                k_norm=True,
+                v_norm=True,
+            ),
+            paged_partition_specs(head_axis="x", scales="head", k_norm=True),
+            contract="paged",
+        ),
+        Case(
+            "paged_layered_heads",
+            x,
+            dict(layers=3, tokens=6, batch=2, heads=n),
+            paged_partition_specs(head_axis="x", layered=True),
+            contract="paged",
+        ),
+        Case(
+            "paged_layered_layers",
+            x,
+            dict(
+                layers=n,
+                tokens=6,
+                batch=2,
+                heads=2,
+                rope_per_layer=True,
+                positions_per_layer=True,
+                table_per_layer=True,
+                pool_dtype="float8_e5m2",
+                scale_shape=(n, 2),
+                k_norm=True,
+                norm_weight_per_layer=True,
+            ),
+            paged_partition_specs(
+                layer_axis="x",
+                layered=True,
+                rope_per_layer=True,
+                positions_per_layer=True,
+                table_per_layer=True,
+                scales="head",
+                scales_per_layer=True,
+                k_norm=True,
+                norm_weight_per_layer=True,
+            ),
+            contract="paged",
+        ),
+        Case(
+            "paged_eager",
+            x,
+            dict(tokens=5, batch=2, heads=n),
+            paged_partition_specs(head_axis="x"),
+            mode="eager",
+            contract="paged",
+        ),
+        Case(
+            "paged_shard_map",
+            x,
+            dict(tokens=5, batch=2, heads=n),
+            paged_partition_specs(head_axis="x"),
+            mode="shard_map",
+            contract="paged",
+        ),
+        Case(
+            "error_paged_pages",
+            x,
+            dict(tokens=6, batch=2, heads=2, num_pages=2 * n),
+            (R, R, P(None, "x"), R, R, R, R),
+            expect="error",
+            contract="paged",
+            match=("past_key_value", "dim 1 (numPages)", "page table", "only the KV heads (dim 3)"),
+        ),
+        Case(
+            "error_paged_layered_page_rows",
+            x,
+            dict(layers=2, tokens=6, batch=2, heads=2, page_size=n),
+            (R, R, P(None, None, None, "x"), R, R, R, R),
+            expect="error",
+            contract="paged",
+            match=("past_key_value", "dim 3 (P)", "the layers (dim 0)"),
+        ),
+        Case(
+            "warn_paged_table_split",
+            x,
+            dict(tokens=6, batch=n, heads=2, num_pages=2 * n, table_pages=2),
+            (*paged_partition_specs()[:6], P("x")),
+            expect="warn",
+            contract="paged",
+            match=("kv_page_table", "does not follow past_key_value"),
+        ),
     ]
     if n >= 4:
         tp = (("dp", 2), ("tp", 2))
         out += [
-            Case("slots_and_heads", tp, dict(batch=4, heads=4, pages_per_slot=2),
-                 partition_specs(batch_axis="dp", head_axis="tp")),
-            Case("slots_and_heads_rope_batched", tp,
-                 dict(batch=4, heads=2, pages_per_slot=1, rope_batch=4, delta_len=6),
-                 partition_specs(batch_axis="dp", head_axis="tp", rope_batched=True)),
-            Case("layered_slots_and_heads", tp, dict(layers=3, batch=2, heads=4, pages_per_slot=2),
-                 partition_specs(batch_axis="dp", head_axis="tp", layered=True)),
-            Case("layered_layers_and_heads", tp,
-                 dict(layers=2, batch=2, heads=2, pages_per_slot=2, rope_per_layer=True),
-                 partition_specs(layer_axis="dp", head_axis="tp", layered=True,
-                                 rope_per_layer=True)),
-            Case("shard_map_slots_and_heads", tp, dict(batch=2, heads=4, pages_per_slot=2),
-                 partition_specs(batch_axis="dp", head_axis="tp"), mode="shard_map"),
-            Case("gspmd_slots_and_heads", tp, dict(batch=2, heads=4, pages_per_slot=2),
-                 partition_specs(batch_axis="dp", head_axis="tp"), mode="gspmd"),
-            Case("warn_partial_manual_shard_map", tp, dict(batch=2, heads=4, pages_per_slot=2),
-                 partition_specs(batch_axis="dp"), expect="warn", mode="partial_manual",
-                 match=("shard_map", "automatic", "'tp'")),
+            Case(
+                "slots_and_heads",
+                tp,
+                dict(batch=4, heads=4, pages_per_slot=2),
+                partition_specs(batch_axis="dp", head_axis="tp"),
+            ),
+            Case(
+                "slots_and_heads_rope_batched",
+                tp,
+                dict(batch=4, heads=2, pages_per_slot=1, rope_batch=4, delta_len=6),
+                partition_specs(batch_axis="dp", head_axis="tp", rope_batched=True),
+            ),
+            Case(
+                "layered_slots_and_heads",
+                tp,
+                dict(layers=3, batch=2, heads=4, pages_per_slot=2),
+                partition_specs(batch_axis="dp", head_axis="tp", layered=True),
+            ),
+            Case(
+                "layered_layers_and_heads",
+                tp,
+                dict(layers=2, batch=2, heads=2, pages_per_slot=2, rope_per_layer=True),
+                partition_specs(layer_axis="dp", head_axis="tp", layered=True, rope_per_layer=True),
+            ),
+            Case(
+                "shard_map_slots_and_heads",
+                tp,
+                dict(batch=2, heads=4, pages_per_slot=2),
+                partition_specs(batch_axis="dp", head_axis="tp"),
+                mode="shard_map",
+            ),
+            Case(
+                "gspmd_slots_and_heads",
+                tp,
+                dict(batch=2, heads=4, pages_per_slot=2),
+                partition_specs(batch_axis="dp", head_axis="tp"),
+                mode="gspmd",
+            ),
+            Case(
+                "warn_partial_manual_shard_map",
+                tp,
+                dict(batch=2, heads=4, pages_per_slot=2),
+                partition_specs(batch_axis="dp"),
+                expect="warn",
+                mode="partial_manual",
+                match=("shard_map", "automatic", "'tp'"),
+            ),
         ]
     return out
 
@@ -241,26 +468,34 @@ def _operands(problem):
 
 def _op(case: Case, operands, extras, static):
     base = len(_BASE_RANKS[case.contract])
-    op = (jax_dflash.target_kv_cache_update_paged if case.contract == "paged"
-          else jax_dflash.target_kv_cache_update)
+    op = (
+        jax_dflash.target_kv_cache_update_paged
+        if case.contract == "paged"
+        else jax_dflash.target_kv_cache_update
+    )
 
     def fn(*ops):
         return op(*ops[:base], **static, **dict(zip(extras, ops[base:])))
 
     if "layers" in case.problem:
         ranks = _BASE_RANKS[case.contract] + tuple(_EXTRA_RANKS[n] for n in extras)
-        fn = jax.vmap(fn, in_axes=tuple(0 if a.ndim > r else None
-                                        for a, r in zip(operands, ranks)))
+        fn = jax.vmap(fn, in_axes=tuple(0 if a.ndim > r else None for a, r in zip(operands, ranks)))
     return fn, op, base
 
 
-_HLO_DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32",
-               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+_HLO_DTYPES = {
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
+}
 
 
 def _buffers(array) -> dict:
-    return {str(shard.device): shard.data.unsafe_buffer_pointer()
-            for shard in array.addressable_shards}
+    return {
+        str(shard.device): shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards
+    }
 
 
 def _bit_mismatches(actual, expected) -> int:
@@ -312,11 +547,13 @@ def run_case(case: Case, devices) -> dict:
         def fn(*ops):
             pool = jax.lax.with_sharding_constraint(ops[2], pool_sharding)
             return inner(*ops[:2], pool, *ops[3:])
+
     if case.mode == "computed":
         inner_op = fn
 
         def fn(*ops):
             return inner_op(*ops[:2], ops[2] * jnp.ones((), ops[2].dtype), *ops[3:])
+
     sharded = [jax.device_put(a, s) for a, s in zip(args, shardings)]
     # A pool in buffers of XLA's own (device_put of a NumPy array may borrow the host memory,
     # which donation then cannot reuse).
@@ -327,8 +564,13 @@ def run_case(case: Case, devices) -> dict:
 
     if case.mode in ("shard_map", "partial_manual"):
         axis_names = {"dp"} if case.mode == "partial_manual" else set(names)
-        fn = jax.shard_map(fn, mesh=mesh, in_specs=tuple(case.specs), out_specs=case.specs[2],
-                           axis_names=axis_names)
+        fn = jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=tuple(case.specs),
+            out_specs=case.specs[2],
+            axis_names=axis_names,
+        )
     donate = () if case.mode in ("nodonate", "eager") else (2,)
     jitted = jax.jit(fn, donate_argnums=donate)
     previous_partitioner = jax.config.jax_use_shardy_partitioner
@@ -356,15 +598,20 @@ def run_case(case: Case, devices) -> dict:
     calls = [line for line in hlo.splitlines() if _TARGET_RE.search(line)]
     record["shard_calls"] = len(calls)
     record["shard_calls_alias_pool"] = bool(calls) and all(
-        "output_to_operand_aliasing={{}: (2, {})}" in line for line in calls)
+        "output_to_operand_aliasing={{}: (2, {})}" in line for line in calls
+    )
     dims = ",".join(map(str, record["local_pool_shape"]))
     local_pool = f"{_HLO_DTYPES[str(expected.dtype)]}[{dims}]"
-    record["pool_copies"] = sum(1 for line in hlo.splitlines()
-                                if re.search(r"\bcopy(-start)?\(", line) and local_pool in line)
+    record["pool_copies"] = sum(
+        1
+        for line in hlo.splitlines()
+        if re.search(r"\bcopy(-start)?\(", line) and local_pool in line
+    )
     # Donated: every shard's output is the shard's own pool buffer, updated in place.
     record["in_place"] = _buffers(out) == pool_buffers
     record["out_has_pool_sharding"] = out.sharding.is_equivalent_to(
-        NamedSharding(mesh, case.specs[2]), expected.ndim)
+        NamedSharding(mesh, case.specs[2]), expected.ndim
+    )
     record["out_sharding"] = str(out.sharding)
     record["mismatches"] = _bit_mismatches(out, expected)
     return record
@@ -373,8 +620,11 @@ def run_case(case: Case, devices) -> dict:
 def run_cases(platform: str, num_devices: int) -> dict[str, dict]:
     """Runs ``cases(num_devices)`` on the first devices of ``platform``."""
     devices = jax.devices(platform)
-    return {case.name: run_case(case, devices) for case in cases(num_devices)
-            if case.num_devices <= len(devices)}
+    return {
+        case.name: run_case(case, devices)
+        for case in cases(num_devices)
+        if case.num_devices <= len(devices)
+    }
 
 
 # ---- the judge -------------------------------------------------------------------------------
@@ -431,7 +681,11 @@ def cpu_records(tmp_path_factory):
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
         [sys.executable, __file__, "--platform", "cpu", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
@@ -499,12 +753,14 @@ def test_plan_split_rejects_uneven_splits():
 
 def test_partition_specs():
     k, v, pool, rope, starts, lengths = partition_specs(
-        batch_axis="dp", head_axis=("tp", "sp"), rope_batched=True)
+        batch_axis="dp", head_axis=("tp", "sp"), rope_batched=True
+    )
     assert k == v == P("dp", None, ("tp", "sp"), None)
     assert pool == P(None, "dp", None, ("tp", "sp"), None)
     assert rope == P("dp", None, None) and starts == lengths == P("dp")
-    k, _, pool, rope, starts, _ = partition_specs(layer_axis="pp", layered=True,
-                                                  positions_per_layer=True)
+    k, _, pool, rope, starts, _ = partition_specs(
+        layer_axis="pp", layered=True, positions_per_layer=True
+    )
     assert k == P("pp", None, None, None, None) and pool == P("pp", None, None, None, None, None)
     assert rope == P(None, None, None) and starts == P("pp", None)
     with pytest.raises(ValueError, match="layer_axis"):
@@ -513,8 +769,9 @@ def test_partition_specs():
 
 def _paged_shape(**kwargs):
     problem = make_paged_problem(np.random.default_rng(0), **kwargs)
-    extras = {k: v for k, v in problem.kwargs().items()
-              if k in ("k_scale", "v_scale", "k_norm_weight")}
+    extras = {
+        k: v for k, v in problem.kwargs().items() if k in ("k_scale", "v_scale", "k_norm_weight")
+    }
     return check_update_paged(*problem.args(), **extras)
 
 
@@ -526,8 +783,13 @@ def test_paged_plan_allows_heads_and_layers_only():
     with pytest.raises(ValueError) as info:
         plan_split(_paged_shape(heads=2), mesh, NamedSharding(mesh, P(None, "dp")))
     message = str(info.value)
-    for text in ("past_key_value: sharding P(None, 'dp', None, None, None)", "dim 1 (numPages)",
-                 "page table", "only the KV heads (dim 3)", "replicate dim 1"):
+    for text in (
+        "past_key_value: sharding P(None, 'dp', None, None, None)",
+        "dim 1 (numPages)",
+        "page table",
+        "only the KV heads (dim 3)",
+        "replicate dim 1",
+    ):
         assert text in message, (text, message)
 
 
@@ -535,8 +797,15 @@ def test_operand_specs_follow_heads_and_layers():
     from jax_dflash.sharding import Split, operand_specs
 
     split = Split(layers=("pp",), heads=("tp",))
-    shape = _paged_shape(layers=2, heads=2, pool_dtype="float8_e4m3fn", scale_shape=(2, 2),
-                         k_norm=True, norm_weight_per_layer=True, table_per_layer=True)
+    shape = _paged_shape(
+        layers=2,
+        heads=2,
+        pool_dtype="float8_e4m3fn",
+        scale_shape=(2, 2),
+        k_norm=True,
+        norm_weight_per_layer=True,
+        table_per_layer=True,
+    )
     specs = operand_specs(shape, split)
     assert len(specs) == 10  # 7 base operands, k_scale, v_scale, k_norm_weight
     assert specs[2] == P("pp", None, None, None, "tp", None)
@@ -547,11 +816,13 @@ def test_operand_specs_follow_heads_and_layers():
     specs = operand_specs(shared, Split(heads=("tp",)))
     assert specs[7] == specs[8] == P() and specs[9] == P()
     assert specs == paged_partition_specs(head_axis="tp", scales="tensor", k_norm=True)
-    fp8 = make_problem(np.random.default_rng(0), heads=2, batch=2, pool_dtype="float8_e4m3fn",
-                       scale_shape=(2,))
+    fp8 = make_problem(
+        np.random.default_rng(0), heads=2, batch=2, pool_dtype="float8_e4m3fn", scale_shape=(2,)
+    )
     slot_shape = check_update(*fp8.args(), 2, k_scale=fp8.k_scale, v_scale=fp8.v_scale)
     assert operand_specs(slot_shape, Split(slots=("dp",), heads=("tp",))) == partition_specs(
-        batch_axis="dp", head_axis="tp", scales="head")
+        batch_axis="dp", head_axis="tp", scales="head"
+    )
 
 
 def _main(argv):

@@ -33,23 +33,39 @@ from jax_dflash.testing import assert_bits_equal, gpu_devices
 REPO = Path(__file__).resolve().parent.parent
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
 # Groups of checks each mode must report (the harness lists them in "required_groups" too).
-CPU_GROUPS = {"slot_contract", "paged_contract", "fields", "slot_bad_inputs", "paged_bad_inputs",
-              "overflow", "registration"}
+CPU_GROUPS = {
+    "slot_contract",
+    "paged_contract",
+    "fields",
+    "slot_bad_inputs",
+    "paged_bad_inputs",
+    "overflow",
+    "registration",
+}
 GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged"}
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+}
 DELTA_TYPED = ("k_delta", "v_delta", "k_norm_weight")  # stored in the delta dtype
 POOL_TYPED = ("past_key_value", "present_key_value")  # stored in the pool dtype
 
 
 def _cuda_toolkit_present() -> bool:
-    return bool(shutil.which("nvcc") or os.environ.get("CUDACXX")
-                or Path("/usr/local/cuda/bin/nvcc").exists())
+    return bool(
+        shutil.which("nvcc")
+        or os.environ.get("CUDACXX")
+        or Path("/usr/local/cuda/bin/nvcc").exists()
+    )
 
 
 def _trt_headers_present() -> bool:
-    return bool(os.environ.get("TENSORRT_ROOT")
-                or (REPO / ".deps/tensorrt/include/NvInferRuntime.h").exists())
+    return bool(
+        os.environ.get("TENSORRT_ROOT")
+        or (REPO / ".deps/tensorrt/include/NvInferRuntime.h").exists()
+    )
 
 
 def _built(path_function):
@@ -57,10 +73,14 @@ def _built(path_function):
         return path_function()
     except FileNotFoundError as e:
         if _cuda_toolkit_present() and _trt_headers_present():
-            pytest.fail(f"the TensorRT plugin should have been built (CUDA and TensorRT headers "
-                        f"are present): {e}")
-        pytest.skip(f"the TensorRT plugin was not built here (needs a CUDA toolkit and TensorRT "
-                    f"headers): {e}")
+            pytest.fail(
+                f"the TensorRT plugin should have been built (CUDA and TensorRT headers "
+                f"are present): {e}"
+            )
+        pytest.skip(
+            f"the TensorRT plugin was not built here (needs a CUDA toolkit and TensorRT "
+            f"headers): {e}"
+        )
 
 
 def _harness_path() -> str:
@@ -85,22 +105,30 @@ def harness():
 def _run_harness(harness, *args, timeout=300, report=None):
     """Runs the harness with ``--report`` and returns the report (a dict); fails on any failed
     check, naming each with its detail."""
-    report = Path(report) if report is not None else Path(
-        os.environ.get("TMPDIR", "/tmp")) / f"dflash_trt_report_{os.getpid()}_{id(args)}.json"
-    result = subprocess.run([harness, "--report", str(report), *args], capture_output=True,
-                            text=True, timeout=timeout)
+    report = (
+        Path(report)
+        if report is not None
+        else Path(os.environ.get("TMPDIR", "/tmp"))
+        / f"dflash_trt_report_{os.getpid()}_{id(args)}.json"
+    )
+    result = subprocess.run(
+        [harness, "--report", str(report), *args], capture_output=True, text=True, timeout=timeout
+    )
     try:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as e:
-        pytest.fail(f"harness exited {result.returncode} without a readable report ({e}); "
-                    f"stdout tail:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
+        pytest.fail(
+            f"harness exited {result.returncode} without a readable report ({e}); "
+            f"stdout tail:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+        )
     finally:
         report.unlink(missing_ok=True)
     failed = [c for c in data["checks"] if not c["passed"]]
     assert result.returncode == 0 and not failed and data["summary"]["failed"] == 0, (
         f"harness exited {result.returncode}; failed checks:\n"
         + "\n".join(f"  [{c['group']}] {c['name']}: {c['detail']}" for c in failed[:40])
-        + f"\nstderr:\n{result.stderr[-3000:]}")
+        + f"\nstderr:\n{result.stderr[-3000:]}"
+    )
     assert data["summary"]["passed"] == len(data["checks"]) > 0
     return data
 
@@ -120,6 +148,7 @@ def test_library_path_is_inside_the_package(plugin_library, monkeypatch):
         path = Path(_built(trt.trt_plugin_library_path))
     assert path.parent.name == "lib" and path.parent.parent.name == "jax_dflash"
     import jax_dflash
+
     assert jax_dflash.trt_plugin_library_path() == str(path)
 
 
@@ -146,7 +175,11 @@ def test_contract_harness_cpu(harness, tmp_path):
 
 
 def test_harness_usage_errors(harness, tmp_path):
-    for args in (["--dump", str(tmp_path)], ["--bogus"], ["--check-shapes", str(tmp_path / "none")]):
+    for args in (
+        ["--dump", str(tmp_path)],
+        ["--bogus"],
+        ["--check-shapes", str(tmp_path / "none")],
+    ):
         result = subprocess.run([harness, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, (args, result.stdout[-500:], result.stderr[-500:])
         assert result.stderr.strip(), args
@@ -154,23 +187,63 @@ def test_harness_usage_errors(harness, tmp_path):
 
 # ---- --check-shapes: the plugin's own verdict ------------------------------------------------
 
+
 def _tensor(dtype, *dims):
     return f"{dtype}:{','.join(str(d) for d in dims)}"
 
 
-def _slot_line(name, *, fields="pages_per_slot=2", B=2, L=4, H=2, D=64, N=4, S=128, R=64,
-               pool="float16", extra=()):
-    tensors = [_tensor("float16", B, L, H, D), _tensor("float16", B, L, H, D),
-               _tensor(pool, 2, N, 128, H, D), _tensor("float32", 1, S, R),
-               _tensor("int32", B), _tensor("int32", B), *extra]
+def _slot_line(
+    name,
+    *,
+    fields="pages_per_slot=2",
+    B=2,
+    L=4,
+    H=2,
+    D=64,
+    N=4,
+    S=128,
+    R=64,
+    pool="float16",
+    extra=(),
+):
+    tensors = [
+        _tensor("float16", B, L, H, D),
+        _tensor("float16", B, L, H, D),
+        _tensor(pool, 2, N, 128, H, D),
+        _tensor("float32", 1, S, R),
+        _tensor("int32", B),
+        _tensor("int32", B),
+        *extra,
+    ]
     return f"{name}|{fields}|{';'.join(tensors)}"
 
 
-def _paged_line(name, *, fields="", T=8, H=2, D=64, N=8, B=3, M=4, R=64, pool="float16",
-                table="int32", rope_rows=None, extra=()):
-    tensors = [_tensor("float16", T, H, D), _tensor("float16", T, H, D),
-               _tensor(pool, 2, N, 128, H, D), _tensor("float32", T if rope_rows is None else rope_rows, R),
-               _tensor("int32", T), _tensor("int32", T), _tensor(table, B, 2, M), *extra]
+def _paged_line(
+    name,
+    *,
+    fields="",
+    T=8,
+    H=2,
+    D=64,
+    N=8,
+    B=3,
+    M=4,
+    R=64,
+    pool="float16",
+    table="int32",
+    rope_rows=None,
+    extra=(),
+):
+    tensors = [
+        _tensor("float16", T, H, D),
+        _tensor("float16", T, H, D),
+        _tensor(pool, 2, N, 128, H, D),
+        _tensor("float32", T if rope_rows is None else rope_rows, R),
+        _tensor("int32", T),
+        _tensor("int32", T),
+        _tensor(table, B, 2, M),
+        *extra,
+    ]
     return f"{name}|{fields}|{';'.join(tensors)}"
 
 
@@ -209,47 +282,87 @@ def test_check_shapes_verdicts(harness, tmp_path):
     fp8_scales = (_tensor("float32", 2), _tensor("float32", 2))
     cases = {  # name -> (line, accepted, an operand or field the rejection must name)
         "slot_ok": (_slot_line("slot_ok"), True, None),
-        "slot_fp8_k_norm_ok": (_slot_line(
-            "slot_fp8_k_norm_ok", fields="pages_per_slot=2,k_norm=1,v_norm=1,norm_eps=1e-5",
-            pool="float8_e4m3fn", extra=(*fp8_scales, _tensor("float16", 64))), True, None),
+        "slot_fp8_k_norm_ok": (
+            _slot_line(
+                "slot_fp8_k_norm_ok",
+                fields="pages_per_slot=2,k_norm=1,v_norm=1,norm_eps=1e-5",
+                pool="float8_e4m3fn",
+                extra=(*fp8_scales, _tensor("float16", 64)),
+            ),
+            True,
+            None,
+        ),
         "slot_B_past_slots": (_slot_line("slot_B_past_slots", B=3), False, "k_delta"),
         "slot_S_past_cap": (_slot_line("slot_S_past_cap", S=257), False, "rope_cos_sin"),
-        "slot_scales_on_fp16_pool": (_slot_line("slot_scales_on_fp16_pool", extra=fp8_scales),
-                                     False, "past_key_value"),
-        "slot_weight_wrong_length": (_slot_line(
-            "slot_weight_wrong_length", fields="pages_per_slot=2,k_norm=1",
-            extra=(_tensor("float16", 63),)), False, "k_norm_weight"),
+        "slot_scales_on_fp16_pool": (
+            _slot_line("slot_scales_on_fp16_pool", extra=fp8_scales),
+            False,
+            "past_key_value",
+        ),
+        "slot_weight_wrong_length": (
+            _slot_line(
+                "slot_weight_wrong_length",
+                fields="pages_per_slot=2,k_norm=1",
+                extra=(_tensor("float16", 63),),
+            ),
+            False,
+            "k_norm_weight",
+        ),
         "paged_fieldless_ok": (_paged_line("paged_fieldless_ok"), True, None),
-        "paged_fp8_ring_ok": (_paged_line("paged_fp8_ring_ok", fields="ring=1",
-                                          pool="float8_e4m3fn", extra=fp8_scales), True, None),
+        "paged_fp8_ring_ok": (
+            _paged_line(
+                "paged_fp8_ring_ok", fields="ring=1", pool="float8_e4m3fn", extra=fp8_scales
+            ),
+            True,
+            None,
+        ),
         "paged_M_past_N": (_paged_line("paged_M_past_N", M=9), False, "kv_page_table"),
-        "paged_table_int64": (_paged_line("paged_table_int64", table="int64"), False,
-                              "kv_page_table"),
+        "paged_table_int64": (
+            _paged_line("paged_table_int64", table="int64"),
+            False,
+            "kv_page_table",
+        ),
         "paged_rope_rows": (_paged_line("paged_rope_rows", rope_rows=9), False, "rope_cos_sin"),
-        "paged_fp8_without_scales": (_paged_line("paged_fp8_without_scales",
-                                                 pool="float8_e4m3fn"), False, "past_key_value"),
+        "paged_fp8_without_scales": (
+            _paged_line("paged_fp8_without_scales", pool="float8_e4m3fn"),
+            False,
+            "past_key_value",
+        ),
     }
     plugin_only = {  # rules of TensorRT's contract, or fields: not the JAX op's business
         "paged_T_2_62": (_paged_line("paged_T_2_62", T=2**62), False, "k_delta"),
-        "paged_with_pages_per_slot": (_paged_line("paged_with_pages_per_slot",
-                                                  fields="pages_per_slot=2"), False, "pages_per_slot"),
-        "slot_without_pages_per_slot": (_slot_line("slot_without_pages_per_slot", fields=""),
-                                        False, "pages_per_slot"),
-        "slot_pages_per_slot_twice": (_slot_line(
-            "slot_pages_per_slot_twice", fields="pages_per_slot=2,pages_per_slot=2"), False,
-            "pages_per_slot"),
+        "paged_with_pages_per_slot": (
+            _paged_line("paged_with_pages_per_slot", fields="pages_per_slot=2"),
+            False,
+            "pages_per_slot",
+        ),
+        "slot_without_pages_per_slot": (
+            _slot_line("slot_without_pages_per_slot", fields=""),
+            False,
+            "pages_per_slot",
+        ),
+        "slot_pages_per_slot_twice": (
+            _slot_line("slot_pages_per_slot_twice", fields="pages_per_slot=2,pages_per_slot=2"),
+            False,
+            "pages_per_slot",
+        ),
         "slot_ring": (_slot_line("slot_ring", fields="pages_per_slot=2,ring=1"), False, "ring"),
-        "paged_page_size_64": (_paged_line("paged_page_size_64").replace(",128,", ",64,", 1),
-                               False, "past_key_value"),
+        "paged_page_size_64": (
+            _paged_line("paged_page_size_64").replace(",128,", ",64,", 1),
+            False,
+            "past_key_value",
+        ),
     }
     everything = {**cases, **plugin_only}
     path = tmp_path / "cases.txt"
-    path.write_text("# name|fields|inputs\n\n" + "\n".join(v[0] for v in everything.values()) + "\n")
+    path.write_text(
+        "# name|fields|inputs\n\n" + "\n".join(v[0] for v in everything.values()) + "\n"
+    )
     report = _run_harness(harness, "--check-shapes", str(path), report=tmp_path / "report.json")
     assert report["mode"] == "check-shapes"
     verdicts = {c["name"]: c for c in report["shape_cases"]}
     assert set(verdicts) == set(everything)
-    for name, (line, accepted, named) in everything.items():
+    for name, (_line, accepted, named) in everything.items():
         v = verdicts[name]
         assert v["accepted"] is accepted, (name, v)
         assert v["configure"]["accepted"] is v["on_shape_change"]["accepted"] is accepted, v
@@ -258,18 +371,22 @@ def test_check_shapes_verdicts(harness, tmp_path):
         else:
             assert named in v["message"] and v["message"].startswith("DFlashTargetKVCacheUpdate"), v
     for name, (line, accepted, _) in cases.items():
-        assert _python_verdict(line) is accepted, f"{name}: jax_dflash._shapes disagrees with the plugin"
+        assert _python_verdict(line) is accepted, (
+            f"{name}: jax_dflash._shapes disagrees with the plugin"
+        )
 
 
 def test_check_shapes_rejects_a_malformed_file(harness, tmp_path):
     path = tmp_path / "bad.txt"
     path.write_text("only|two\n")
-    result = subprocess.run([harness, "--check-shapes", str(path)], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [harness, "--check-shapes", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "bad.txt:1" in result.stderr, result.stderr
 
 
 # ---- the library itself --------------------------------------------------------------------------
+
 
 def test_exports_the_loadlibrary_entry_points(plugin_library):
     library = ctypes.CDLL(plugin_library)
@@ -278,8 +395,13 @@ def test_exports_the_loadlibrary_entry_points(plugin_library):
     count = ctypes.c_int32(-1)
     creators = library.getCreators(ctypes.byref(count))
     assert count.value == 1 and creators and creators[0]
-    for name in ("setLoggerFinder", "initDFlashPlugin", "initDFlashPluginWithRegistry",
-                 "setDFlashPluginLogger", "getDFlashPluginTensorRTVersion"):
+    for name in (
+        "setLoggerFinder",
+        "initDFlashPlugin",
+        "initDFlashPluginWithRegistry",
+        "setDFlashPluginLogger",
+        "getDFlashPluginTensorRTVersion",
+    ):
         assert hasattr(library, name), name
     maps = Path("/proc/self/maps").read_text()
     if "libnvinfer" not in maps:  # no TensorRT in this process: the lookup must fail, not crash
@@ -290,14 +412,19 @@ def test_exports_the_loadlibrary_entry_points(plugin_library):
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("nm (binutils) is not installed: the dynamic symbol table was not inspected")
-    symbols = subprocess.run([nm, "-D", "--defined-only", plugin_library], capture_output=True,
-                             text=True, check=True).stdout
+    symbols = subprocess.run(
+        [nm, "-D", "--defined-only", plugin_library], capture_output=True, text=True, check=True
+    ).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if line.strip()}
     assert {"getCreators", "setLoggerFinder", "initDFlashPlugin"} <= exported
     # The plugin classes (dflash::trt) are exported on purpose; the core, the kernel and cudart
     # are not, and there is no test hook.
-    leaked = sorted(s for s in exported if s.startswith(("cuda", "__cuda"))
-                    or (s.startswith("_ZN6dflash") and not s.startswith("_ZN6dflash3trt")))
+    leaked = sorted(
+        s
+        for s in exported
+        if s.startswith(("cuda", "__cuda"))
+        or (s.startswith("_ZN6dflash") and not s.startswith("_ZN6dflash3trt"))
+    )
     assert not leaked, f"the static CUDA runtime / core symbols must stay private: {leaked[:10]}"
 
 
@@ -305,15 +432,19 @@ def test_depends_on_no_tensorrt_library(plugin_library):
     readelf = shutil.which("readelf")
     if readelf is None:
         pytest.skip("readelf (binutils) is not installed: the NEEDED entries were not inspected")
-    dynamic = subprocess.run([readelf, "-d", plugin_library], capture_output=True, text=True,
-                             check=True).stdout
+    dynamic = subprocess.run(
+        [readelf, "-d", plugin_library], capture_output=True, text=True, check=True
+    ).stdout
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
     assert needed, dynamic
     assert not [n for n in needed if "nvinfer" in n or "nvonnxparser" in n], needed
-    assert not [n for n in needed if n.startswith("libcudart")], f"cudart is linked statically: {needed}"
+    assert not [n for n in needed if n.startswith("libcudart")], (
+        f"cudart is linked statically: {needed}"
+    )
 
 
 # ---- GPU: the plugin's pools equal the JAX op's and the reference's ------------------------------
+
 
 def _gpu_or_skip():
     if not gpu_devices():
@@ -367,8 +498,14 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
 
     import jax_dflash
 
-    report = _run_harness(harness, "--gpu", "--dump", str(tmp_path / "dump"),
-                          report=tmp_path / "report.json", timeout=600)
+    report = _run_harness(
+        harness,
+        "--gpu",
+        "--dump",
+        str(tmp_path / "dump"),
+        report=tmp_path / "report.json",
+        timeout=600,
+    )
     assert report["mode"] == "gpu"
     _assert_groups(report, GPU_GROUPS)
     dumps = report["dumps"]
@@ -389,29 +526,43 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
         if entry["contract"] == "slot":
             op, ref = jax_dflash.target_kv_cache_update, reference.target_kv_cache_update
         else:
-            op, ref = jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged
-        on_gpu = {k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v
-                  for k, v in kwargs.items()}
+            op, ref = (
+                jax_dflash.target_kv_cache_update_paged,
+                reference.target_kv_cache_update_paged,
+            )
+        on_gpu = {
+            k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
+        }
         expected = op(*[jax.device_put(a, gpu) for a in args], **on_gpu)
         try:
             assert_bits_equal(plugin_pool, np.asarray(expected))
             assert_bits_equal(plugin_pool, ref(*args, **kwargs))
         except AssertionError as e:
             raise AssertionError(f"case {entry['name']}: {e}") from None
-        assert not np.array_equal(plugin_pool.view(np.uint8),
-                                  arrays["past_key_value"].view(np.uint8)), entry["name"]
+        assert not np.array_equal(
+            plugin_pool.view(np.uint8), arrays["past_key_value"].view(np.uint8)
+        ), entry["name"]
 
 
 # ---- TensorRT itself, where installed -----------------------------------------------------------
 
+
 def test_build_engine_with_tensorrt(plugin_library):
     tensorrt = pytest.importorskip(
-        "tensorrt", reason="the 'tensorrt' package (builder) cannot be imported here")
+        "tensorrt", reason="the 'tensorrt' package (builder) cannot be imported here"
+    )
     _gpu_or_skip()
     from jax_dflash.interop.onnx import make_update_model
 
-    model = make_update_model(num_kv_heads=2, head_dim=64, num_pages=8, pages_per_slot=2,
-                              rotary_dim=64, rope_seq_len=256, dtype="float16")
+    model = make_update_model(
+        num_kv_heads=2,
+        head_dim=64,
+        num_pages=8,
+        pages_per_slot=2,
+        rotary_dim=64,
+        rope_seq_len=256,
+        dtype="float16",
+    )
     shapes = {
         "k_delta": ((1, 1, 2, 64), (2, 8, 2, 64), (4, 16, 2, 64)),
         "v_delta": ((1, 1, 2, 64), (2, 8, 2, 64), (4, 16, 2, 64)),

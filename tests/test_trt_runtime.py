@@ -104,25 +104,38 @@ def _bindings():
 def test_plugin_in_a_real_tensorrt_registry():
     module = _bindings()
     if module is None:
-        pytest.skip("no TensorRT Python bindings (tensorrt_lean / tensorrt) importable here; "
-                    "see BUILD.md for installing the tensorrt-lean-cu13 wheels")
+        pytest.skip(
+            "no TensorRT Python bindings (tensorrt_lean / tensorrt) importable here; "
+            "see BUILD.md for installing the tensorrt-lean-cu13 wheels"
+        )
     try:
         library = trt.trt_plugin_library_path()
     except FileNotFoundError as e:
         pytest.skip(f"the TensorRT plugin was not built here: {e}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    result = subprocess.run([sys.executable, "-c", SCRIPT, module, library], capture_output=True,
-                            text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, module, library],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("FACTS ")]
     assert result.returncode == 0 and lines, (
-        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}")
-    facts = json.loads(lines[-1][len("FACTS "):])
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    )
+    facts = json.loads(lines[-1][len("FACTS ") :])
     print(f"TensorRT runtime facts: {facts}")
 
     assert facts["creator_type"] == "IPluginCreatorV3One", facts
     int32, float32 = 5, 1  # PluginFieldType.INT32, FLOAT32
-    assert facts["field_names"] == [["pages_per_slot", int32], ["ring", int32], ["k_norm", int32],
-                                    ["v_norm", int32], ["norm_eps", float32]], facts
+    assert facts["field_names"] == [
+        ["pages_per_slot", int32],
+        ["ring", int32],
+        ["k_norm", int32],
+        ["v_norm", int32],
+        ["norm_eps", float32],
+    ], facts
     assert facts["creator_namespace"] == ""
     # (plugin.clone() from Python is only recorded: the bindings return None for C++ plugins.)
     assert facts["runtime_plugin"] and facts["build_plugin"], facts

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_paged_problem, make_problem
 
 import jax_dflash
+from conftest import make_paged_problem, make_problem
 from jax_dflash import reference
 
 F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
@@ -20,13 +20,31 @@ E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
 
 def _problem(**kw):
-    return make_problem(np.random.default_rng(0), batch=2, delta_len=3, heads=2, head_dim=8,
-                        page_size=4, pages_per_slot=2, max_batch=3, **kw)
+    return make_problem(
+        np.random.default_rng(0),
+        batch=2,
+        delta_len=3,
+        heads=2,
+        head_dim=8,
+        page_size=4,
+        pages_per_slot=2,
+        max_batch=3,
+        **kw,
+    )
 
 
 def _paged(**kw):
-    return make_paged_problem(np.random.default_rng(0), tokens=5, batch=2, heads=2, head_dim=8,
-                              num_pages=6, page_size=4, table_pages=3, **kw)
+    return make_paged_problem(
+        np.random.default_rng(0),
+        tokens=5,
+        batch=2,
+        heads=2,
+        head_dim=8,
+        num_pages=6,
+        page_size=4,
+        table_pages=3,
+        **kw,
+    )
 
 
 def _replace(args, index, value):
@@ -39,92 +57,277 @@ def _slot_cases():
     p = _problem()
     k, v, pool, rope, starts, lengths = p.args()
     fp8 = _problem(pool_dtype=E4M3)
-    scales = dict(k_scale=fp8.k_scale, v_scale=fp8.v_scale)
     f32_scale = np.float32(0.5)
     return [
         # (id, args, keywords, error type, fragments that must appear in the message)
-        ("numpages-not-divisible", p.args(), dict(pages_per_slot=4), ValueError,
-         ["past_key_value", "numPages", "6", "pages_per_slot = 4"]),
-        ("batch-larger-than-slots", p.args(), dict(pages_per_slot=6), ValueError,
-         ["k_delta", "B = 2", "1 slots"]),
-        ("rope-longer-than-slot", _replace(p.args(), 3, np.zeros((1, 9, 8), np.float32)), {},
-         ValueError, ["rope_cos_sin", "S = 9", "slot capacity", "8"]),
-        ("rotary-odd", _replace(p.args(), 3, np.zeros((1, 8, 7), np.float32)), {}, ValueError,
-         ["rope_cos_sin", "R = 7", "even"]),
-        ("rotary-larger-than-head", _replace(p.args(), 3, np.zeros((1, 8, 10), np.float32)), {},
-         ValueError, ["rope_cos_sin", "R = 10", "D = 8"]),
-        ("rope-batch", _replace(p.args(), 3, np.zeros((3, 8, 8), np.float32)), {}, ValueError,
-         ["rope_cos_sin", "batch 1 or B = 2", "(3, 8, 8)"]),
-        ("rope-rank", _replace(p.args(), 3, np.zeros((8, 8), np.float32)), {}, ValueError,
-         ["rope_cos_sin", "rank 3", "(8, 8)"]),
-        ("rope-dtype", _replace(p.args(), 3, rope.astype(F16)), {}, TypeError,
-         ["rope_cos_sin", "float32", "float16"]),
-        ("v-shape", _replace(p.args(), 1, v[:, :2]), {}, ValueError,
-         ["v_delta", "(2, 3, 2, 8)", "(2, 2, 2, 8)"]),
-        ("k-heads", _replace(_replace(p.args(), 0, k[:, :, :1]), 1, v[:, :, :1]), {}, ValueError,
-         ["k_delta", "H, D = 2, 8", "(2, 3, 1, 8)"]),
-        ("k-rank", _replace(_replace(p.args(), 0, k[0]), 1, v[0]), {}, ValueError,
-         ["k_delta", "rank 4", "(3, 2, 8)"]),
-        ("k-v-dtype-mismatch", _replace(p.args(), 1, v.astype(F32)), {}, TypeError,
-         ["v_delta", "float16", "float32"]),
-        ("delta-dtype-fp8", _replace(_replace(p.args(), 0, k.astype(E4M3)), 1, v.astype(E4M3)),
-         {}, TypeError, ["k_delta", "float16, bfloat16 or float32", "float8_e4m3fn"]),
-        ("delta-dtype-float64", _replace(_replace(p.args(), 0, k.astype(np.float64)), 1,
-                                         v.astype(np.float64)), {}, TypeError,
-         ["k_delta", "float64"]),
-        ("pool-dtype-int", _replace(p.args(), 2, pool.astype(np.int16)), {}, TypeError,
-         ["past_key_value", "float8_e4m3fn or float8_e5m2", "int16"]),
-        ("pool-rank", _replace(p.args(), 2, pool[0]), {}, ValueError,
-         ["past_key_value", "rank 5", "(6, 4, 2, 8)"]),
-        ("pool-planes", _replace(p.args(), 2, np.concatenate([pool, pool[:1]])), {}, ValueError,
-         ["past_key_value", "== 2", "(3, 6, 4, 2, 8)"]),
-        ("positions-float", _replace(p.args(), 4, starts.astype(np.float32)), {}, TypeError,
-         ["delta_start_positions", "int32", "float32"]),
-        ("positions-int64", _replace(p.args(), 4, starts.astype(np.int64)), {}, TypeError,
-         ["delta_start_positions", "int32", "int64"]),
-        ("lengths-int64", _replace(p.args(), 5, lengths.astype(np.int64)), {}, TypeError,
-         ["delta_lengths", "int32", "int64"]),
-        ("lengths-shape", _replace(p.args(), 5, lengths[:1]), {}, ValueError,
-         ["delta_lengths", "[2]", "(1,)"]),
-        ("pages-per-slot-zero", p.args(), dict(pages_per_slot=0), ValueError,
-         ["pages_per_slot", "> 0", "0"]),
-        ("pages-per-slot-float", p.args(), dict(pages_per_slot=2.0), TypeError,
-         ["pages_per_slot", "int", "2.0"]),
-        ("pages-per-slot-past-int64", p.args(), dict(pages_per_slot=2**63), ValueError,
-         ["pages_per_slot", str(2**63 - 1), str(2**63)]),
+        (
+            "numpages-not-divisible",
+            p.args(),
+            dict(pages_per_slot=4),
+            ValueError,
+            ["past_key_value", "numPages", "6", "pages_per_slot = 4"],
+        ),
+        (
+            "batch-larger-than-slots",
+            p.args(),
+            dict(pages_per_slot=6),
+            ValueError,
+            ["k_delta", "B = 2", "1 slots"],
+        ),
+        (
+            "rope-longer-than-slot",
+            _replace(p.args(), 3, np.zeros((1, 9, 8), np.float32)),
+            {},
+            ValueError,
+            ["rope_cos_sin", "S = 9", "slot capacity", "8"],
+        ),
+        (
+            "rotary-odd",
+            _replace(p.args(), 3, np.zeros((1, 8, 7), np.float32)),
+            {},
+            ValueError,
+            ["rope_cos_sin", "R = 7", "even"],
+        ),
+        (
+            "rotary-larger-than-head",
+            _replace(p.args(), 3, np.zeros((1, 8, 10), np.float32)),
+            {},
+            ValueError,
+            ["rope_cos_sin", "R = 10", "D = 8"],
+        ),
+        (
+            "rope-batch",
+            _replace(p.args(), 3, np.zeros((3, 8, 8), np.float32)),
+            {},
+            ValueError,
+            ["rope_cos_sin", "batch 1 or B = 2", "(3, 8, 8)"],
+        ),
+        (
+            "rope-rank",
+            _replace(p.args(), 3, np.zeros((8, 8), np.float32)),
+            {},
+            ValueError,
+            ["rope_cos_sin", "rank 3", "(8, 8)"],
+        ),
+        (
+            "rope-dtype",
+            _replace(p.args(), 3, rope.astype(F16)),
+            {},
+            TypeError,
+            ["rope_cos_sin", "float32", "float16"],
+        ),
+        (
+            "v-shape",
+            _replace(p.args(), 1, v[:, :2]),
+            {},
+            ValueError,
+            ["v_delta", "(2, 3, 2, 8)", "(2, 2, 2, 8)"],
+        ),
+        (
+            "k-heads",
+            _replace(_replace(p.args(), 0, k[:, :, :1]), 1, v[:, :, :1]),
+            {},
+            ValueError,
+            ["k_delta", "H, D = 2, 8", "(2, 3, 1, 8)"],
+        ),
+        (
+            "k-rank",
+            _replace(_replace(p.args(), 0, k[0]), 1, v[0]),
+            {},
+            ValueError,
+            ["k_delta", "rank 4", "(3, 2, 8)"],
+        ),
+        (
+            "k-v-dtype-mismatch",
+            _replace(p.args(), 1, v.astype(F32)),
+            {},
+            TypeError,
+            ["v_delta", "float16", "float32"],
+        ),
+        (
+            "delta-dtype-fp8",
+            _replace(_replace(p.args(), 0, k.astype(E4M3)), 1, v.astype(E4M3)),
+            {},
+            TypeError,
+            ["k_delta", "float16, bfloat16 or float32", "float8_e4m3fn"],
+        ),
+        (
+            "delta-dtype-float64",
+            _replace(_replace(p.args(), 0, k.astype(np.float64)), 1, v.astype(np.float64)),
+            {},
+            TypeError,
+            ["k_delta", "float64"],
+        ),
+        (
+            "pool-dtype-int",
+            _replace(p.args(), 2, pool.astype(np.int16)),
+            {},
+            TypeError,
+            ["past_key_value", "float8_e4m3fn or float8_e5m2", "int16"],
+        ),
+        (
+            "pool-rank",
+            _replace(p.args(), 2, pool[0]),
+            {},
+            ValueError,
+            ["past_key_value", "rank 5", "(6, 4, 2, 8)"],
+        ),
+        (
+            "pool-planes",
+            _replace(p.args(), 2, np.concatenate([pool, pool[:1]])),
+            {},
+            ValueError,
+            ["past_key_value", "== 2", "(3, 6, 4, 2, 8)"],
+        ),
+        (
+            "positions-float",
+            _replace(p.args(), 4, starts.astype(np.float32)),
+            {},
+            TypeError,
+            ["delta_start_positions", "int32", "float32"],
+        ),
+        (
+            "positions-int64",
+            _replace(p.args(), 4, starts.astype(np.int64)),
+            {},
+            TypeError,
+            ["delta_start_positions", "int32", "int64"],
+        ),
+        (
+            "lengths-int64",
+            _replace(p.args(), 5, lengths.astype(np.int64)),
+            {},
+            TypeError,
+            ["delta_lengths", "int32", "int64"],
+        ),
+        (
+            "lengths-shape",
+            _replace(p.args(), 5, lengths[:1]),
+            {},
+            ValueError,
+            ["delta_lengths", "[2]", "(1,)"],
+        ),
+        (
+            "pages-per-slot-zero",
+            p.args(),
+            dict(pages_per_slot=0),
+            ValueError,
+            ["pages_per_slot", "> 0", "0"],
+        ),
+        (
+            "pages-per-slot-float",
+            p.args(),
+            dict(pages_per_slot=2.0),
+            TypeError,
+            ["pages_per_slot", "int", "2.0"],
+        ),
+        (
+            "pages-per-slot-past-int64",
+            p.args(),
+            dict(pages_per_slot=2**63),
+            ValueError,
+            ["pages_per_slot", str(2**63 - 1), str(2**63)],
+        ),
         # FP8 pools and scales.
-        ("fp8-without-scales", fp8.args(), {}, ValueError,
-         ["k_scale", "float8_e4m3fn pool needs k_scale and v_scale", "None"]),
-        ("fp8-without-v-scale", fp8.args(), dict(k_scale=fp8.k_scale), ValueError,
-         ["v_scale", "needs", "None"]),
-        ("scales-on-16-bit-pool", p.args(), dict(k_scale=f32_scale, v_scale=f32_scale),
-         ValueError, ["k_scale", "FP8 pools", "float16", "expected None"]),
-        ("scale-dtype", fp8.args(), dict(k_scale=fp8.k_scale.astype(F16), v_scale=fp8.v_scale),
-         TypeError, ["k_scale", "float32", "float16"]),
-        ("scale-shape", fp8.args(), dict(k_scale=np.ones(3, np.float32),
-                                        v_scale=np.ones(3, np.float32)), ValueError,
-         ["k_scale", "[] or [1] or [2]", "(3,)"]),
-        ("scale-per-layer-unbatched", fp8.args(), dict(k_scale=np.ones((1, 2), np.float32),
-                                                      v_scale=np.ones((1, 2), np.float32)),
-         ValueError, ["k_scale", "(1, 2)"]),
-        ("scales-differ", fp8.args(), dict(k_scale=np.ones(2, np.float32),
-                                          v_scale=np.float32(1)), ValueError,
-         ["v_scale", "k_scale's shape (2,)", "()"]),
+        (
+            "fp8-without-scales",
+            fp8.args(),
+            {},
+            ValueError,
+            ["k_scale", "float8_e4m3fn pool needs k_scale and v_scale", "None"],
+        ),
+        (
+            "fp8-without-v-scale",
+            fp8.args(),
+            dict(k_scale=fp8.k_scale),
+            ValueError,
+            ["v_scale", "needs", "None"],
+        ),
+        (
+            "scales-on-16-bit-pool",
+            p.args(),
+            dict(k_scale=f32_scale, v_scale=f32_scale),
+            ValueError,
+            ["k_scale", "FP8 pools", "float16", "expected None"],
+        ),
+        (
+            "scale-dtype",
+            fp8.args(),
+            dict(k_scale=fp8.k_scale.astype(F16), v_scale=fp8.v_scale),
+            TypeError,
+            ["k_scale", "float32", "float16"],
+        ),
+        (
+            "scale-shape",
+            fp8.args(),
+            dict(k_scale=np.ones(3, np.float32), v_scale=np.ones(3, np.float32)),
+            ValueError,
+            ["k_scale", "[] or [1] or [2]", "(3,)"],
+        ),
+        (
+            "scale-per-layer-unbatched",
+            fp8.args(),
+            dict(k_scale=np.ones((1, 2), np.float32), v_scale=np.ones((1, 2), np.float32)),
+            ValueError,
+            ["k_scale", "(1, 2)"],
+        ),
+        (
+            "scales-differ",
+            fp8.args(),
+            dict(k_scale=np.ones(2, np.float32), v_scale=np.float32(1)),
+            ValueError,
+            ["v_scale", "k_scale's shape (2,)", "()"],
+        ),
         # The k-norm weight and the norm options.
-        ("weight-length", p.args(), dict(k_norm_weight=np.ones(7, F16)), ValueError,
-         ["k_norm_weight", "[8]", "(7,)"]),
-        ("weight-dtype", p.args(), dict(k_norm_weight=np.ones(8, F32)), TypeError,
-         ["k_norm_weight", "delta dtype float16", "float32"]),
-        ("weight-per-layer-unbatched", p.args(), dict(k_norm_weight=np.ones((1, 8), F16)),
-         ValueError, ["k_norm_weight", "[8]", "(1, 8)"]),
-        ("norm-eps-zero", p.args(), dict(v_norm=True, norm_eps=0.0), ValueError,
-         ["norm_eps", "> 0", "0.0"]),
-        ("norm-eps-nan", p.args(), dict(v_norm=True, norm_eps=float("nan")), ValueError,
-         ["norm_eps", "finite", "nan"]),
-        ("norm-eps-underflows-float32", p.args(), dict(v_norm=True, norm_eps=1e-60), ValueError,
-         ["norm_eps", "float32", "1e-60"]),
-        ("norm-eps-array", p.args(), dict(v_norm=True, norm_eps=np.ones(2)), TypeError,
-         ["norm_eps", "float", "ndarray"]),
+        (
+            "weight-length",
+            p.args(),
+            dict(k_norm_weight=np.ones(7, F16)),
+            ValueError,
+            ["k_norm_weight", "[8]", "(7,)"],
+        ),
+        (
+            "weight-dtype",
+            p.args(),
+            dict(k_norm_weight=np.ones(8, F32)),
+            TypeError,
+            ["k_norm_weight", "delta dtype float16", "float32"],
+        ),
+        (
+            "weight-per-layer-unbatched",
+            p.args(),
+            dict(k_norm_weight=np.ones((1, 8), F16)),
+            ValueError,
+            ["k_norm_weight", "[8]", "(1, 8)"],
+        ),
+        (
+            "norm-eps-zero",
+            p.args(),
+            dict(v_norm=True, norm_eps=0.0),
+            ValueError,
+            ["norm_eps", "> 0", "0.0"],
+        ),
+        (
+            "norm-eps-nan",
+            p.args(),
+            dict(v_norm=True, norm_eps=float("nan")),
+            ValueError,
+            ["norm_eps", "finite", "nan"],
+        ),
+        (
+            "norm-eps-underflows-float32",
+            p.args(),
+            dict(v_norm=True, norm_eps=1e-60),
+            ValueError,
+            ["norm_eps", "float32", "1e-60"],
+        ),
+        (
+            "norm-eps-array",
+            p.args(),
+            dict(v_norm=True, norm_eps=np.ones(2)),
+            TypeError,
+            ["norm_eps", "float", "ndarray"],
+        ),
         ("v-norm-not-bool", p.args(), dict(v_norm=1), TypeError, ["v_norm", "bool", "int"]),
     ]
 
@@ -161,40 +364,119 @@ def _paged_cases():
     k, v, pool, rope, positions, owners, table = p.args()
     fp8 = _paged(pool_dtype=E5M2)
     return [
-        ("k-rank", _replace(_replace(p.args(), 0, k[None]), 1, v[None]), {}, ValueError,
-         ["k_delta", "rank 3", "T, H, D", "(1, 5, 2, 8)"]),
-        ("k-heads", _replace(_replace(p.args(), 0, k[:, :1]), 1, v[:, :1]), {}, ValueError,
-         ["k_delta", "H, D = 2, 8", "(5, 1, 8)"]),
-        ("rope-rows", _replace(p.args(), 3, rope[:4]), {}, ValueError,
-         ["rope_cos_sin", "T = 5 rows", "(4, 8)"]),
-        ("rope-rank", _replace(p.args(), 3, rope[None]), {}, ValueError,
-         ["rope_cos_sin", "rank 2", "(1, 5, 8)"]),
-        ("rope-odd", _replace(p.args(), 3, rope[:, :7]), {}, ValueError,
-         ["rope_cos_sin", "R = 7", "even"]),
-        ("rope-dtype", _replace(p.args(), 3, rope.astype(BF16)), {}, TypeError,
-         ["rope_cos_sin", "float32", "bfloat16"]),
-        ("positions-int64", _replace(p.args(), 4, positions.astype(np.int64)), {}, TypeError,
-         ["delta_positions", "int32", "int64"]),
-        ("owners-uint32", _replace(p.args(), 5, owners.astype(np.uint32)), {}, TypeError,
-         ["delta_token_to_sequence", "int32", "uint32"]),
-        ("table-int64", _replace(p.args(), 6, table.astype(np.int64)), {}, TypeError,
-         ["kv_page_table", "int32", "int64"]),
-        ("owners-length", _replace(p.args(), 5, owners[:4]), {}, ValueError,
-         ["delta_token_to_sequence", "[5]", "(4,)"]),
-        ("table-planes", _replace(p.args(), 6, table[:, :1]), {}, ValueError,
-         ["kv_page_table", "[B, 2, M]", "(2, 1, 3)"]),
-        ("table-rank", _replace(p.args(), 6, table[0]), {}, ValueError,
-         ["kv_page_table", "[B, 2, M]", "(2, 3)"]),
-        ("table-longer-than-pool", _replace(p.args(), 6, np.zeros((2, 2, 7), np.int32)), {},
-         ValueError, ["kv_page_table", "M <= N = 6", "M = 7"]),
-        ("pool-planes", _replace(p.args(), 2, pool[:1]), {}, ValueError,
-         ["past_key_value", "== 2", "(1, 6, 4, 2, 8)"]),
-        ("fp8-without-scales", fp8.args(), {}, ValueError,
-         ["k_scale", "float8_e5m2 pool needs"]),
-        ("scales-on-16-bit-pool", p.args(), dict(k_scale=1.0, v_scale=1.0), ValueError,
-         ["k_scale", "FP8 pools", "expected None"]),
-        ("weight-dtype", p.args(), dict(k_norm_weight=np.ones(8, BF16)), TypeError,
-         ["k_norm_weight", "float16", "bfloat16"]),
+        (
+            "k-rank",
+            _replace(_replace(p.args(), 0, k[None]), 1, v[None]),
+            {},
+            ValueError,
+            ["k_delta", "rank 3", "T, H, D", "(1, 5, 2, 8)"],
+        ),
+        (
+            "k-heads",
+            _replace(_replace(p.args(), 0, k[:, :1]), 1, v[:, :1]),
+            {},
+            ValueError,
+            ["k_delta", "H, D = 2, 8", "(5, 1, 8)"],
+        ),
+        (
+            "rope-rows",
+            _replace(p.args(), 3, rope[:4]),
+            {},
+            ValueError,
+            ["rope_cos_sin", "T = 5 rows", "(4, 8)"],
+        ),
+        (
+            "rope-rank",
+            _replace(p.args(), 3, rope[None]),
+            {},
+            ValueError,
+            ["rope_cos_sin", "rank 2", "(1, 5, 8)"],
+        ),
+        (
+            "rope-odd",
+            _replace(p.args(), 3, rope[:, :7]),
+            {},
+            ValueError,
+            ["rope_cos_sin", "R = 7", "even"],
+        ),
+        (
+            "rope-dtype",
+            _replace(p.args(), 3, rope.astype(BF16)),
+            {},
+            TypeError,
+            ["rope_cos_sin", "float32", "bfloat16"],
+        ),
+        (
+            "positions-int64",
+            _replace(p.args(), 4, positions.astype(np.int64)),
+            {},
+            TypeError,
+            ["delta_positions", "int32", "int64"],
+        ),
+        (
+            "owners-uint32",
+            _replace(p.args(), 5, owners.astype(np.uint32)),
+            {},
+            TypeError,
+            ["delta_token_to_sequence", "int32", "uint32"],
+        ),
+        (
+            "table-int64",
+            _replace(p.args(), 6, table.astype(np.int64)),
+            {},
+            TypeError,
+            ["kv_page_table", "int32", "int64"],
+        ),
+        (
+            "owners-length",
+            _replace(p.args(), 5, owners[:4]),
+            {},
+            ValueError,
+            ["delta_token_to_sequence", "[5]", "(4,)"],
+        ),
+        (
+            "table-planes",
+            _replace(p.args(), 6, table[:, :1]),
+            {},
+            ValueError,
+            ["kv_page_table", "[B, 2, M]", "(2, 1, 3)"],
+        ),
+        (
+            "table-rank",
+            _replace(p.args(), 6, table[0]),
+            {},
+            ValueError,
+            ["kv_page_table", "[B, 2, M]", "(2, 3)"],
+        ),
+        (
+            "table-longer-than-pool",
+            _replace(p.args(), 6, np.zeros((2, 2, 7), np.int32)),
+            {},
+            ValueError,
+            ["kv_page_table", "M <= N = 6", "M = 7"],
+        ),
+        (
+            "pool-planes",
+            _replace(p.args(), 2, pool[:1]),
+            {},
+            ValueError,
+            ["past_key_value", "== 2", "(1, 6, 4, 2, 8)"],
+        ),
+        ("fp8-without-scales", fp8.args(), {}, ValueError, ["k_scale", "float8_e5m2 pool needs"]),
+        (
+            "scales-on-16-bit-pool",
+            p.args(),
+            dict(k_scale=1.0, v_scale=1.0),
+            ValueError,
+            ["k_scale", "FP8 pools", "expected None"],
+        ),
+        (
+            "weight-dtype",
+            p.args(),
+            dict(k_norm_weight=np.ones(8, BF16)),
+            TypeError,
+            ["k_norm_weight", "float16", "bfloat16"],
+        ),
         ("ring-not-bool", p.args(), dict(ring="yes"), TypeError, ["ring", "bool", "str"]),
     ]
 
@@ -210,10 +492,12 @@ def test_paged_trace_time_errors(case):
     if not _jit_converts(args):
         _expect(error, fragments, lambda: jax.jit(op).lower(*args))
     # Python-float scales are a convenience of the JAX op; give the reference arrays.
-    ref_keywords = {name: (np.float32(x) if isinstance(x, float) else x)
-                    for name, x in keywords.items()}
-    _expect(error, [fragments[0]],
-            lambda: reference.target_kv_cache_update_paged(*args, **ref_keywords))
+    ref_keywords = {
+        name: (np.float32(x) if isinstance(x, float) else x) for name, x in keywords.items()
+    }
+    _expect(
+        error, [fragments[0]], lambda: reference.target_kv_cache_update_paged(*args, **ref_keywords)
+    )
 
 
 def test_int64_start_is_an_error_not_a_narrowed_start():
@@ -222,16 +506,25 @@ def test_int64_start_is_an_error_not_a_narrowed_start():
     assert not jax.config.jax_enable_x64
     p = _problem(hostile=False)
     starts = np.full(2, 2**32 + 1, np.int64)
-    _expect(TypeError, ["delta_start_positions", "int32", "int64"],
-            lambda: jax_dflash.target_kv_cache_update(*_replace(p.args(), 4, starts),
-                                                      pages_per_slot=2))
-    _expect(TypeError, ["delta_start_positions", "int32", "list"],
-            lambda: jax_dflash.target_kv_cache_update(*_replace(p.args(), 4, [2**32 + 1, 0]),
-                                                      pages_per_slot=2))
+    _expect(
+        TypeError,
+        ["delta_start_positions", "int32", "int64"],
+        lambda: jax_dflash.target_kv_cache_update(*_replace(p.args(), 4, starts), pages_per_slot=2),
+    )
+    _expect(
+        TypeError,
+        ["delta_start_positions", "int32", "list"],
+        lambda: jax_dflash.target_kv_cache_update(
+            *_replace(p.args(), 4, [2**32 + 1, 0]), pages_per_slot=2
+        ),
+    )
     q = _paged(hostile=False)
     positions = q.delta_positions.astype(np.int64) + 2**32
-    _expect(TypeError, ["delta_positions", "int32", "int64"],
-            lambda: jax_dflash.target_kv_cache_update_paged(*_replace(q.args(), 4, positions)))
+    _expect(
+        TypeError,
+        ["delta_positions", "int32", "int64"],
+        lambda: jax_dflash.target_kv_cache_update_paged(*_replace(q.args(), 4, positions)),
+    )
 
 
 def test_layered_operands_must_agree():
@@ -247,8 +540,15 @@ def test_layered_operands_must_agree():
     with pytest.raises(ValueError, match=r"k_norm_weight: expected shape \[8\] or \[3, 8\]"):
         jax.eval_shape(functools.partial(op, k_norm_weight=np.ones((2, 8), F16)), *p.args())
     # Per-layer rope, positions and weight are accepted.
-    out = jax.eval_shape(functools.partial(op, k_norm_weight=np.ones((3, 8), F16)), k, v, pool,
-                         np.stack([rope] * 3), np.stack([starts] * 3), np.stack([lengths] * 3))
+    out = jax.eval_shape(
+        functools.partial(op, k_norm_weight=np.ones((3, 8), F16)),
+        k,
+        v,
+        pool,
+        np.stack([rope] * 3),
+        np.stack([starts] * 3),
+        np.stack([lengths] * 3),
+    )
     assert out.shape == pool.shape and out.dtype == pool.dtype
 
 
@@ -261,10 +561,20 @@ def test_layered_paged_operands_must_agree():
     with pytest.raises(ValueError, match=r"delta_token_to_sequence: expected the same layout"):
         jax.eval_shape(op, *_replace(p.args(), 4, np.stack([positions] * 2)))
     with pytest.raises(ValueError, match=r"k_scale: expected shape .*\[2, 1\] or \[2, 2\]"):
-        jax.eval_shape(functools.partial(op, k_scale=np.ones((3, 1), F32),
-                                         v_scale=np.ones((3, 1), F32)), *p.args())
-    out = jax.eval_shape(op, k, v, pool, np.stack([rope] * 2), np.stack([positions] * 2),
-                         np.stack([owners] * 2), np.stack([table] * 2))
+        jax.eval_shape(
+            functools.partial(op, k_scale=np.ones((3, 1), F32), v_scale=np.ones((3, 1), F32)),
+            *p.args(),
+        )
+    out = jax.eval_shape(
+        op,
+        k,
+        v,
+        pool,
+        np.stack([rope] * 2),
+        np.stack([positions] * 2),
+        np.stack([owners] * 2),
+        np.stack([table] * 2),
+    )
     assert out.shape == pool.shape and out.dtype == pool.dtype
 
 
@@ -272,9 +582,16 @@ def test_hand_bound_primitive_checks_its_operand_count():
     """A bind that forgets the scales of an FP8 pool is a trace-time error naming the ABI."""
     p = _problem(pool_dtype=E4M3)
     with pytest.raises(TypeError, match=r"expected 8 operands .*k_scale, v_scale.*got 6"):
-        jax.eval_shape(functools.partial(jax_dflash.target_kv_cache_update_p.bind,
-                                         pages_per_slot=2, k_norm=False, v_norm=False,
-                                         norm_eps=1e-6), *p.args())
+        jax.eval_shape(
+            functools.partial(
+                jax_dflash.target_kv_cache_update_p.bind,
+                pages_per_slot=2,
+                k_norm=False,
+                v_norm=False,
+                norm_eps=1e-6,
+            ),
+            *p.args(),
+        )
 
 
 def test_not_differentiable_is_an_error_not_a_wrong_gradient():

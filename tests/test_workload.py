@@ -24,12 +24,32 @@ def gpu_devices():
         return []
 
 
-def _run(contract, kv_dtype=None, *, window=None, fused_norm=True, steps=6, dtype=None,
-         device=None, impl="kernel", measure_update=False, seed=5):
+def _run(
+    contract,
+    kv_dtype=None,
+    *,
+    window=None,
+    fused_norm=True,
+    steps=6,
+    dtype=None,
+    device=None,
+    impl="kernel",
+    measure_update=False,
+    seed=5,
+):
     w = workload.Workload(
-        TINY, batch=4, steps=steps, seed=seed, accept=workload.parse_accept("geometric:0.8", 8),
-        device=device or jax.devices("cpu")[0], dtype=dtype, kv_dtype=kv_dtype,
-        contract=contract, window=window, fused_norm=fused_norm)
+        TINY,
+        batch=4,
+        steps=steps,
+        seed=seed,
+        accept=workload.parse_accept("geometric:0.8", 8),
+        device=device or jax.devices("cpu")[0],
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        contract=contract,
+        window=window,
+        fused_norm=fused_norm,
+    )
     return w, w.run(impl, progress=False, measure_update=measure_update)
 
 
@@ -70,7 +90,8 @@ def test_update_share_is_a_share(contract):
     assert r.best_step_without_update_seconds <= r.best_step_seconds
     assert 0.0 <= r.update_share <= 1.0
     assert r.update_seconds_per_step == pytest.approx(
-        r.best_step_seconds - r.best_step_without_update_seconds)
+        r.best_step_seconds - r.best_step_without_update_seconds
+    )
 
 
 def test_the_pools_must_match_the_reference_bit_for_bit(monkeypatch):
@@ -93,9 +114,15 @@ def test_baseline_pipeline_is_reported_and_reads_back():
 
 
 def test_estimate_of_the_baseline():
-    w = workload.Workload(TINY, batch=2, steps=4, seed=0,
-                          accept=workload.parse_accept("fixed:2", 8),
-                          device=jax.devices("cpu")[0], contract="paged")
+    w = workload.Workload(
+        TINY,
+        batch=2,
+        steps=4,
+        seed=0,
+        accept=workload.parse_accept("fixed:2", 8),
+        device=jax.devices("cpu")[0],
+        contract="paged",
+    )
     seconds, per_step = w.estimate_seconds("baseline")
     assert per_step > 0 and seconds >= per_step * w.steps
 
@@ -104,8 +131,13 @@ def test_estimate_of_the_baseline():
 @pytest.mark.parametrize("contract", ["slot", "paged"])
 @pytest.mark.parametrize("kv", ["bf16", "e4m3"])
 def test_gpu_runs_are_bit_exact(contract, kv):
-    _, r = _run(contract, KV_DTYPES[kv], device=gpu_devices()[0], window=16 if
-                contract == "paged" else None, steps=12)
+    _, r = _run(
+        contract,
+        KV_DTYPES[kv],
+        device=gpu_devices()[0],
+        window=16 if contract == "paged" else None,
+        steps=12,
+    )
     assert r.check == "bit-exact" and r.readback.passed, r.readback.failure
 
 
@@ -115,10 +147,16 @@ def test_partial_rope_as_in_qwen35(contract):
     import dataclasses
 
     preset = dataclasses.replace(TINY, rotary_dim=16)
-    w = workload.Workload(preset, batch=3, steps=5, seed=2,
-                          accept=workload.parse_accept("uniform", 8),
-                          device=jax.devices("cpu")[0], kv_dtype="float8_e4m3fn",
-                          contract=contract)
+    w = workload.Workload(
+        preset,
+        batch=3,
+        steps=5,
+        seed=2,
+        accept=workload.parse_accept("uniform", 8),
+        device=jax.devices("cpu")[0],
+        kv_dtype="float8_e4m3fn",
+        contract=contract,
+    )
     r = w.run("kernel", progress=False, measure_update=False)
     assert w.rope.shape == (1, preset.slot_capacity, 16)
     assert r.check == "bit-exact" and r.readback.passed, r.readback.failure

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-
 import warnings
 
 import numpy as np
@@ -27,8 +26,13 @@ warnings.filterwarnings("ignore", "overflow encountered in cast")
 DELTA = ("float16", "bfloat16", "float32")
 POOL = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 # Bits cross to torch as signed views (torch's unsigned 16/32-bit types are only partly supported).
-BITS = {"float16": np.int16, "bfloat16": np.int16, "float32": np.int32,
-        "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+BITS = {
+    "float16": np.int16,
+    "bfloat16": np.int16,
+    "float32": np.int32,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
 UNSIGNED = {np.int16: np.uint16, np.int32: np.uint32, np.uint8: np.uint8}
 
 
@@ -41,8 +45,10 @@ def _values(rng, shape, dtype_name, hostile):
         n = flat.size
         idx = rng.integers(0, n, max(1, n // 97))
         flat[idx[: len(idx) // 3]] = np.nan
-        flat[idx[len(idx) // 3: 2 * len(idx) // 3]] = np.inf
-        flat[idx[2 * len(idx) // 3:]] = rng.choice([1e-40, -3e-39, 6e4, -7e5], len(idx) - 2 * len(idx) // 3)
+        flat[idx[len(idx) // 3 : 2 * len(idx) // 3]] = np.inf
+        flat[idx[2 * len(idx) // 3 :]] = rng.choice(
+            [1e-40, -3e-39, 6e4, -7e5], len(idx) - 2 * len(idx) // 3
+        )
     dt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype_name]
     return x.astype(dt).view(BITS[dtype_name])
 
@@ -57,7 +63,11 @@ def make_case(rng, case):
     contract = "slot" if case % 2 == 0 else "paged"
     delta, pool = DELTA[rng.integers(3)], POOL[rng.integers(5)]
     head_dim = int(rng.choice([128, 64, 256, 96, 16, 8, 7, 40, 130]))
-    rotary_dim = head_dim - head_dim % 2 if rng.random() < 0.6 else 2 * int(rng.integers(0, head_dim // 2 + 1))
+    rotary_dim = (
+        head_dim - head_dim % 2
+        if rng.random() < 0.6
+        else 2 * int(rng.integers(0, head_dim // 2 + 1))
+    )
     heads = int(rng.choice([1, 2, 4, 8]))
     page = int(rng.choice([1, 4, 16, 128]))
     layers = None if rng.random() < 0.7 else int(rng.integers(1, 4))
@@ -66,19 +76,30 @@ def make_case(rng, case):
     v_norm = rng.random() < 0.3
     hostile = rng.random() < 0.5
     fp8 = pool.startswith("float8")
-    kw = dict(v_norm=v_norm, norm_eps=float(rng.choice([1e-6, 1e-5, 0.5])), delta_dtype=delta, pool_dtype=pool)
+    kw = dict(
+        v_norm=v_norm,
+        norm_eps=float(rng.choice([1e-6, 1e-5, 0.5])),
+        delta_dtype=delta,
+        pool_dtype=pool,
+    )
     if contract == "slot":
-        batch, length, pps = int(rng.integers(1, 6)), int(rng.integers(1, 10)), int(rng.integers(1, 4))
+        batch, length, pps = (
+            int(rng.integers(1, 6)),
+            int(rng.integers(1, 10)),
+            int(rng.integers(1, 4)),
+        )
         pages = (batch + int(rng.integers(0, 2))) * pps
         cap = pps * page
         seq = int(rng.integers(0, cap + 1))
         rb = int(rng.choice([1, batch]))
-        ops = [_values(rng, (*lead, batch, length, heads, head_dim), delta, hostile),
-               _values(rng, (*lead, batch, length, heads, head_dim), delta, hostile),
-               _pool(rng, (*lead, 2, pages, page, heads, head_dim), pool),
-               rng.uniform(-1.5, 1.5, (rb, seq, rotary_dim)).astype(np.float32),
-               rng.integers(-length - 2, cap + 3, (batch,)).astype(np.int32),
-               rng.integers(-1, length + 3, (batch,)).astype(np.int32)]
+        ops = [
+            _values(rng, (*lead, batch, length, heads, head_dim), delta, hostile),
+            _values(rng, (*lead, batch, length, heads, head_dim), delta, hostile),
+            _pool(rng, (*lead, 2, pages, page, heads, head_dim), pool),
+            rng.uniform(-1.5, 1.5, (rb, seq, rotary_dim)).astype(np.float32),
+            rng.integers(-length - 2, cap + 3, (batch,)).astype(np.int32),
+            rng.integers(-1, length + 3, (batch,)).astype(np.int32),
+        ]
         if hostile:
             ops[4][0] = np.iinfo(np.int32).max - 1
         kw["pages_per_slot"] = pps
@@ -89,14 +110,18 @@ def make_case(rng, case):
         batch = int(rng.integers(1, 4))
         m = int(rng.integers(1, pages + 1))
         table = np.stack([rng.permutation(pages)[:m] for _ in range(batch)])
-        table = np.stack([table, pages + np.stack([rng.permutation(pages)[:m] for _ in range(batch)])], 1)
+        table = np.stack(
+            [table, pages + np.stack([rng.permutation(pages)[:m] for _ in range(batch)])], 1
+        )
         table = table.astype(np.int32)
         if hostile:
             flat = table.reshape(-1)
             bad = rng.integers(0, flat.size, max(1, flat.size // 5))
-            flat[bad] = rng.choice([-1, pages, 2 * pages, -2**31, 2**31 - 1, 0], len(bad))
+            flat[bad] = rng.choice([-1, pages, 2 * pages, -(2**31), 2**31 - 1, 0], len(bad))
         owners = rng.integers(-1, batch + 1 if hostile else batch, tokens).astype(np.int32)
-        positions = rng.integers(-2 if hostile else 0, (m + (2 if hostile else 0)) * page, tokens).astype(np.int32)
+        positions = rng.integers(
+            -2 if hostile else 0, (m + (2 if hostile else 0)) * page, tokens
+        ).astype(np.int32)
         # Two tokens on one pool row are unspecified (SPEC.md): drop the later ones.
         ring = bool(rng.random() < 0.3)
         seen = set()
@@ -116,11 +141,15 @@ def make_case(rng, case):
             if rows[0] in seen or rows[1] in seen:
                 owners[t] = -1
             seen.update(rows)
-        ops = [_values(rng, (*lead, tokens, heads, head_dim), delta, hostile),
-               _values(rng, (*lead, tokens, heads, head_dim), delta, hostile),
-               _pool(rng, (*lead, 2, pages, page, heads, head_dim), pool),
-               rng.uniform(-1.5, 1.5, (tokens, rotary_dim)).astype(np.float32),
-               positions, owners, table]
+        ops = [
+            _values(rng, (*lead, tokens, heads, head_dim), delta, hostile),
+            _values(rng, (*lead, tokens, heads, head_dim), delta, hostile),
+            _pool(rng, (*lead, 2, pages, page, heads, head_dim), pool),
+            rng.uniform(-1.5, 1.5, (tokens, rotary_dim)).astype(np.float32),
+            positions,
+            owners,
+            table,
+        ]
         kw["ring"] = ring
         scale_heads = heads
     extras = [None, None, None]
@@ -172,11 +201,15 @@ def parity(cases, seed):
         if not np.array_equal(got, want):
             failures += 1
             diff = np.argwhere(got != want)
-            print(f"FAIL case {case}: {contract} {kw} k/v {ops[0].shape} pool {ops[2].shape}: "
-                  f"{len(diff)} elements differ, first at {tuple(diff[0])}: cuda "
-                  f"{int(got[tuple(diff[0])]) & 0xffffffff:#x} cpu {int(want[tuple(diff[0])]) & 0xffffffff:#x}")
-    print(f"parity: {cases - failures}/{cases} cases bit-exact (CUDA vs CPU), "
-          f"{len(paths)} (contract, delta, pool, norm) paths covered")
+            print(
+                f"FAIL case {case}: {contract} {kw} k/v {ops[0].shape} pool {ops[2].shape}: "
+                f"{len(diff)} elements differ, first at {tuple(diff[0])}: cuda "
+                f"{int(got[tuple(diff[0])]) & 0xFFFFFFFF:#x} cpu {int(want[tuple(diff[0])]) & 0xFFFFFFFF:#x}"
+            )
+    print(
+        f"parity: {cases - failures}/{cases} cases bit-exact (CUDA vs CPU), "
+        f"{len(paths)} (contract, delta, pool, norm) paths covered"
+    )
     return failures
 
 
@@ -215,7 +248,9 @@ def timing(old_path=None, only=None):
         pps = max(64 if contract == "paged" else 16, -(-length // page))
         pages = batch * pps
         pool_t = torch.uint8 if pool_name.startswith("float8") else torch.float16
-        per_set = 2 * 2 * batch * length * h * d * 2 + batch * length * h * d * 2 * (1 if pool_t == torch.uint8 else 2)
+        per_set = 2 * 2 * batch * length * h * d * 2 + batch * length * h * d * 2 * (
+            1 if pool_t == torch.uint8 else 2
+        )
         sets = max(2, int(3 * 60e6 // max(per_set, 1)) + 1)
         sets = min(sets, 16)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -232,38 +267,86 @@ def timing(old_path=None, only=None):
         positions = torch.arange(length, dtype=torch.int32, device="cuda").repeat(batch)
         owners = torch.arange(batch, dtype=torch.int32, device="cuda").repeat_interleave(length)
         perm = torch.randperm(pages, device="cuda").int()
-        table = torch.stack([perm.view(batch, pps), pages + torch.randperm(pages, device="cuda").int().view(batch, pps)], 1).contiguous()
+        table = torch.stack(
+            [
+                perm.view(batch, pps),
+                pages + torch.randperm(pages, device="cuda").int().view(batch, pps),
+            ],
+            1,
+        ).contiguous()
         scale = torch.full((h,), 0.05, device="cuda")
         weight = torch.ones(d, device="cuda").half()
         fp8 = pool_t == torch.uint8
-        extras = dict(k_scale=scale if fp8 else None, v_scale=scale if fp8 else None,
-                      k_norm_weight=weight if norm else None)
+        extras = dict(
+            k_scale=scale if fp8 else None,
+            v_scale=scale if fp8 else None,
+            k_norm_weight=weight if norm else None,
+        )
         kw = dict(delta_dtype="float16", pool_dtype=pool_name)
         stream = torch.cuda.Stream()
 
         def one(i):
             k, v, pool = bufs[i % sets]
             if contract == "slot":
-                cuda.launch(k.view(batch, length, h, d), v.view(batch, length, h, d), pool, rope_slot, starts,
-                            lengths, **extras, pages_per_slot=pps, **kw, stream=stream.cuda_stream)
+                cuda.launch(
+                    k.view(batch, length, h, d),
+                    v.view(batch, length, h, d),
+                    pool,
+                    rope_slot,
+                    starts,
+                    lengths,
+                    **extras,
+                    pages_per_slot=pps,
+                    **kw,
+                    stream=stream.cuda_stream,
+                )
             else:
-                cuda.launch_paged(k, v, pool, rope_tok, positions, owners, table, **extras, **kw,
-                                  stream=stream.cuda_stream)
+                cuda.launch_paged(
+                    k,
+                    v,
+                    pool,
+                    rope_tok,
+                    positions,
+                    owners,
+                    table,
+                    **extras,
+                    **kw,
+                    stream=stream.cuda_stream,
+                )
 
         if old is not None and contract == "slot" and not norm and not fp8:
+
             def old_one(i):  # the old launcher on the same buffers
                 k, v, pool = bufs[i % sets]
-                old.launch(k_delta=k.data_ptr(), v_delta=v.data_ptr(), pool=pool.data_ptr(),
-                           rope_cos_sin=rope_slot.data_ptr(), delta_start_positions=starts.data_ptr(),
-                           delta_lengths=lengths.data_ptr(), dtype=0, num_layers=1, batch=batch,
-                           delta_len=length, num_kv_heads=h, head_dim=d, num_pages=pages, page_size=page,
-                           pages_per_slot=pps, rotary_dim=d, rope_batch=1, rope_seq_len=pps * page,
-                           stream=stream.cuda_stream)
+                old.launch(
+                    k_delta=k.data_ptr(),
+                    v_delta=v.data_ptr(),
+                    pool=pool.data_ptr(),
+                    rope_cos_sin=rope_slot.data_ptr(),
+                    delta_start_positions=starts.data_ptr(),
+                    delta_lengths=lengths.data_ptr(),
+                    dtype=0,
+                    num_layers=1,
+                    batch=batch,
+                    delta_len=length,
+                    num_kv_heads=h,
+                    head_dim=d,
+                    num_pages=pages,
+                    page_size=page,
+                    pages_per_slot=pps,
+                    rotary_dim=d,
+                    rope_batch=1,
+                    rope_seq_len=pps * page,
+                    stream=stream.cuda_stream,
+                )
+
             rows.append((name + " (old kernel)", _graph_time(torch, stream, old_one, sets)))
         rows.append((name, _graph_time(torch, stream, one, sets)))
         bufs.clear()  # free the device buffers before the next shape
         torch.cuda.empty_cache()
-    print("timing (CUDA-graph replay of 64 launches over rotating buffers; us per update, median of 15):")
+    print(
+        "timing (CUDA-graph replay of 64 launches over rotating buffers; us per update, median of 15):"
+    )
     for name, us in rows:
         print(f"  {name:<40} {us:8.2f}")
 
@@ -290,15 +373,17 @@ def _graph_time(torch, stream, one, sets):
     return float(np.median(times))
 
 
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-timing", action="store_true")
-    parser.add_argument("--old-module", default=None, help="an older _dflash_cuda*.so to time against")
-    parser.add_argument("--only", default=None, help="time only the shapes whose name contains this")
+    parser.add_argument(
+        "--old-module", default=None, help="an older _dflash_cuda*.so to time against"
+    )
+    parser.add_argument(
+        "--only", default=None, help="time only the shapes whose name contains this"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     failures = parity(args.cases, args.seed) if args.cases else 0

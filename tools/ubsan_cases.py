@@ -74,8 +74,10 @@ class Tally:
 
     def report(self):
         print(f"CASES {self.cases}")
-        print(f"MISMATCHES {len(self.mismatches)}" +
-              (f": {', '.join(self.mismatches)}" if self.mismatches else ""))
+        print(
+            f"MISMATCHES {len(self.mismatches)}"
+            + (f": {', '.join(self.mismatches)}" if self.mismatches else "")
+        )
 
 
 def group_ffi(tally):
@@ -94,22 +96,36 @@ def group_raw(tally):
     raw = load_tests("test_raw_entries")
     for contract in raw.CONTRACTS:
         for variant in raw.VARIANTS:
-            tally.run(f"in_place-{contract}-{variant}",
-                      raw.test_cpu_updates_the_callers_pool_in_place, contract, variant)
+            tally.run(
+                f"in_place-{contract}-{variant}",
+                raw.test_cpu_updates_the_callers_pool_in_place,
+                contract,
+                variant,
+            )
         for layout in raw.BAD_LAYOUTS:
             for pool_dtype in (raw.F16, raw.E4M3):
-                tally.run(f"layout-{contract}-{pool_dtype}-{layout}",
-                          raw.test_cpu_pool_that_is_not_updatable_in_place_raises, contract,
-                          pool_dtype, layout)
-        tally.run(f"read_only_inputs-{contract}", raw.test_cpu_read_only_inputs_are_accepted,
-                  contract)
+                tally.run(
+                    f"layout-{contract}-{pool_dtype}-{layout}",
+                    raw.test_cpu_pool_that_is_not_updatable_in_place_raises,
+                    contract,
+                    pool_dtype,
+                    layout,
+                )
+        tally.run(
+            f"read_only_inputs-{contract}", raw.test_cpu_read_only_inputs_are_accepted, contract
+        )
         for empty in raw.EMPTY[contract]:
-            tally.run(f"empty-{contract}-{empty}", raw.test_cpu_empty_operands_are_valid,
-                      contract, empty)
+            tally.run(
+                f"empty-{contract}-{empty}", raw.test_cpu_empty_operands_are_valid, contract, empty
+            )
         for bad in raw.BAD_CALLS:
             if contract in bad.contracts:
-                tally.run(f"bad-{contract}-{bad.name}",
-                          raw.test_cpu_wrong_argument_names_it_and_leaves_the_pool, contract, bad)
+                tally.run(
+                    f"bad-{contract}-{bad.name}",
+                    raw.test_cpu_wrong_argument_names_it_and_leaves_the_pool,
+                    contract,
+                    bad,
+                )
     tally.run("ring", raw.test_cpu_ring_paged_in_place)
     tally.run("empty_slices", raw.test_cpu_empty_slices_with_strides_are_contiguous)
 
@@ -118,8 +134,12 @@ def group_fuzz(tally):
     fuzz = load_tests("test_fuzz")
     for contract in ("slot", "paged"):
         for seed in fuzz.SEEDS:
-            tally.run(f"fuzz-{contract}-{seed}",
-                      fuzz.test_fuzz_op_and_raw_entry_equal_the_reference, contract, seed)
+            tally.run(
+                f"fuzz-{contract}-{seed}",
+                fuzz.test_fuzz_op_and_raw_entry_equal_the_reference,
+                contract,
+                seed,
+            )
 
 
 def group_bad_shapes(tally):
@@ -149,14 +169,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extension", type=Path, help="the sanitized _dflash_cpu*.so")
     parser.add_argument("--group", choices=sorted(GROUPS))
-    parser.add_argument("--write-plugin-cases", type=Path, metavar="FILE",
-                        help="write the bad-shapes table as --check-shapes lines and exit")
+    parser.add_argument(
+        "--write-plugin-cases",
+        type=Path,
+        metavar="FILE",
+        help="write the bad-shapes table as --check-shapes lines and exit",
+    )
     args = parser.parse_args(argv)
     if args.write_plugin_cases:
         table = load_tests("test_bad_shapes_everywhere")
         args.write_plugin_cases.write_text(
-            "# name|fields|inputs (tests/test_bad_shapes_everywhere.py)\n" +
-            "\n".join(table.plugin_line(r) for r in table.ROWS) + "\n")
+            "# name|fields|inputs (tests/test_bad_shapes_everywhere.py)\n"
+            + "\n".join(table.plugin_line(r) for r in table.ROWS)
+            + "\n"
+        )
         return 0
     if not (args.extension and args.group):
         parser.error("--extension and --group are required (or --write-plugin-cases FILE)")

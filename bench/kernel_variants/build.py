@@ -19,9 +19,14 @@ ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 # What the CUDA kernel library of CMakeLists.txt compiles: the dispatcher, one unit per pool
 # dtype, and the operand checks it links against.
-KERNEL_SOURCES = ("dflash/kv_update_cuda.cu", "dflash/kv_update_cuda_f16.cu",
-                  "dflash/kv_update_cuda_bf16.cu", "dflash/kv_update_cuda_f32.cu",
-                  "dflash/kv_update_cuda_e4m3.cu", "dflash/kv_update_cuda_e5m2.cu")
+KERNEL_SOURCES = (
+    "dflash/kv_update_cuda.cu",
+    "dflash/kv_update_cuda_f16.cu",
+    "dflash/kv_update_cuda_bf16.cu",
+    "dflash/kv_update_cuda_f32.cu",
+    "dflash/kv_update_cuda_e4m3.cu",
+    "dflash/kv_update_cuda_e5m2.cu",
+)
 HOST_SOURCES = ("dflash/operands.cc",)
 KNOBS = ("DFLASH_BLOCK_THREADS", "DFLASH_STREAMING_STORES", "DFLASH_MAX_VEC_BYTES")
 
@@ -45,8 +50,14 @@ def defines(knobs: dict[str, int]) -> list[str]:
     return [f"-D{name}={value}" for name, value in knobs.items()]
 
 
-def build(out: Path, harness: Path, binary: str, knobs: dict[str, int], jobs: int | None = None,
-          arch: str = "sm_90") -> Path:
+def build(
+    out: Path,
+    harness: Path,
+    binary: str,
+    knobs: dict[str, int],
+    jobs: int | None = None,
+    arch: str = "sm_90",
+) -> Path:
     """Objects of the shipped sources under ``out/binary.objs`` (compiled with ``knobs``),
     linked with ``harness`` into ``out/binary``. Raises SystemExit naming a failed compile."""
     objs = out / f"{binary}.objs"

@@ -20,7 +20,9 @@ from build import HERE, KNOBS, build
 def knob(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or name not in KNOBS or not value.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"expected NAME=INT with NAME one of {KNOBS}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=INT with NAME one of {KNOBS}, got {text!r}"
+        )
     return name, int(value)
 
 
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: CPUs)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    target = build(args.out.resolve(), HERE / "decode_probe.cu", "decode_probe", dict(args.knobs),
-                   args.jobs)
+    target = build(
+        args.out.resolve(), HERE / "decode_probe.cu", "decode_probe", dict(args.knobs), args.jobs
+    )
     print(f"built {target}")
     return 0
 

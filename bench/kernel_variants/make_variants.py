@@ -18,8 +18,11 @@ from pathlib import Path
 
 from build import HERE, build
 
-GRID = {"DFLASH_STREAMING_STORES": (1, 0), "DFLASH_BLOCK_THREADS": (128, 256, 512),
-        "DFLASH_MAX_VEC_BYTES": (16, 8)}
+GRID = {
+    "DFLASH_STREAMING_STORES": (1, 0),
+    "DFLASH_BLOCK_THREADS": (128, 256, 512),
+    "DFLASH_MAX_VEC_BYTES": (16, 8),
+}
 
 
 def variants() -> dict[str, dict[str, int]]:

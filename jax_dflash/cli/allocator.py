@@ -38,7 +38,8 @@ class PageAllocator:
         if not self._free:
             raise PoolExhausted(
                 f"page pool exhausted: all {self.num_pages} pages are in use (expected a free "
-                f"page for a new page of a sequence; the pool is too small for this batch)")
+                f"page for a new page of a sequence; the pool is too small for this batch)"
+            )
         page = self._free.pop()
         self._refs[page] = 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
@@ -70,8 +71,10 @@ class PageAllocator:
 
     def _check_held(self, page: int) -> None:
         if not 0 <= page < self.num_pages or self._refs[page] == 0:
-            raise ValueError(f"page: expected an allocated page id in [0, {self.num_pages}), "
-                             f"got {page} (refcount {self._refs[page] if 0 <= page < self.num_pages else 'n/a'})")
+            raise ValueError(
+                f"page: expected an allocated page id in [0, {self.num_pages}), "
+                f"got {page} (refcount {self._refs[page] if 0 <= page < self.num_pages else 'n/a'})"
+            )
 
 
 # ---- the plan of a paged run ----------------------------------------------------------------
@@ -161,9 +164,19 @@ def pool_pages_for(batch: int, table_pages: int, prompt_pages: int) -> int:
     return batch * table_pages + prompt_pages
 
 
-def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, block_size: int,
-                   page_size: int, max_length: int, window: int | None = None,
-                   num_prompts: int | None = None, num_pages: int | None = None) -> PagedPlan:
+def plan_paged_run(
+    rng: np.random.Generator,
+    accept,
+    *,
+    steps: int,
+    batch: int,
+    block_size: int,
+    page_size: int,
+    max_length: int,
+    window: int | None = None,
+    num_prompts: int | None = None,
+    num_pages: int | None = None,
+) -> PagedPlan:
     """The whole paged run, decided on the host (see the module docstring). ``accept`` has
     ``sample(rng, shape, block_size)``; ``num_pages`` defaults to what the run can hold."""
     P = page_size
@@ -177,13 +190,19 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
     if num_pages is None:
         num_pages = pool_pages_for(batch, M, prompt_pages)
     pages = PageAllocator(num_pages)
-    prompts = [Prompt(k, int(n), [pages.alloc() for _ in range(int(n) // P)])
-               for k, n in enumerate(lengths)]
+    prompts = [
+        Prompt(k, int(n), [pages.alloc() for _ in range(int(n) // P)])
+        for k, n in enumerate(lengths)
+    ]
     T = batch * block_size
 
     def empty(n):
-        return Steps(np.full((n, T), -1, np.int32), np.full((n, T), -1, np.int32),
-                     np.full((n, T), -1, np.int32), np.full((n, batch, 2, M), -1, np.int32))
+        return Steps(
+            np.full((n, T), -1, np.int32),
+            np.full((n, T), -1, np.int32),
+            np.full((n, T), -1, np.int32),
+            np.full((n, batch, 2, M), -1, np.int32),
+        )
 
     # Prefill: every prompt's full pages, T tokens a step, at most one prompt per table row.
     queue = [(p, pos) for p in prompts for pos in range(len(p.pages) * P)]
@@ -207,7 +226,10 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
                 prefill.tables[n, row, :, j % M] = (page, page + num_pages)
         for t, (row, prompt, pos) in enumerate(tokens):
             prefill.positions[n, t], prefill.owners[n, t], prefill.streams[n, t] = (
-                pos, row, prompt.id)
+                pos,
+                row,
+                prompt.id,
+            )
 
     decode = empty(steps)
     accepted = np.zeros(steps, np.int64)
@@ -225,8 +247,9 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
             slots[j % M] = pages.share(page)
             shared_refs += 1
         target = int(rng.integers(prompt.length + 1, max_length + 1))
-        seq = Sequence(serial, prompt, num_prompts + serial, target,
-                       len(prompt.pages) * P, slots, set())
+        seq = Sequence(
+            serial, prompt, num_prompts + serial, target, len(prompt.pages) * P, slots, set()
+        )
         serial += 1
         started += 1
         return seq
@@ -266,10 +289,11 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
                 page_for(seq, pos)
             k = b * block_size
             pos = np.arange(first, first + n)
-            decode.positions[i, k:k + n] = pos
-            decode.owners[i, k:k + n] = b
-            decode.streams[i, k:k + n] = np.where(pos < seq.prompt.length, seq.prompt.id,
-                                                  seq.stream)
+            decode.positions[i, k : k + n] = pos
+            decode.owners[i, k : k + n] = b
+            decode.streams[i, k : k + n] = np.where(
+                pos < seq.prompt.length, seq.prompt.id, seq.stream
+            )
             written[i] += n
             seq.length += n
         live = np.array([seq.slots for seq in rows_in_flight], np.int64)  # [B, M]
@@ -288,10 +312,28 @@ def plan_paged_run(rng: np.random.Generator, accept, *, steps: int, batch: int, 
     # The sequences of the last step (those that just finished included: nothing reused
     # their pages yet) with what their pages still hold.
     final = []
-    for b, seq in (last if steps else []):
+    for b, seq in last if steps else []:
         visible = max(0, ((seq.length - 1) // P - M + 1) * P) if ring else 0
-        final.append(FinalSequence(b, seq.prompt.id, seq.prompt.length, seq.stream,
-                                   seq.length, visible))
-    return PagedPlan(batch, block_size, P, M, ring, num_pages, max_length, prompts, prefill,
-                     decode, accepted, written, final, started, finished, pages.peak_in_use,
-                     shared_refs, ring_reuses)
+        final.append(
+            FinalSequence(b, seq.prompt.id, seq.prompt.length, seq.stream, seq.length, visible)
+        )
+    return PagedPlan(
+        batch,
+        block_size,
+        P,
+        M,
+        ring,
+        num_pages,
+        max_length,
+        prompts,
+        prefill,
+        decode,
+        accepted,
+        written,
+        final,
+        started,
+        finished,
+        pages.peak_in_use,
+        shared_refs,
+        ring_reuses,
+    )

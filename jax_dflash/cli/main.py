@@ -43,6 +43,7 @@ class UsageError(Exception):
 
 def _int_in(minimum: int, limit: int | None = None):
     """An argparse type: an integer >= ``minimum`` (and < ``limit``), else a one-line reason."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -52,7 +53,8 @@ def _int_in(minimum: int, limit: int | None = None):
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
         if limit is not None and value >= limit:
             raise argparse.ArgumentTypeError(
-                f"expected an integer < {limit} (2**{limit.bit_length() - 1}), got {text!r}")
+                f"expected an integer < {limit} (2**{limit.bit_length() - 1}), got {text!r}"
+            )
         return value
 
     parse.__name__ = f"integer >= {minimum}"
@@ -69,29 +71,33 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax_dflash.cli.presets import (DEFAULT_PRESET, DTYPE_NAMES, KV_DTYPES, PRESETS,
-                                        presets_help)
+    from jax_dflash.cli.presets import DEFAULT_PRESET, DTYPE_NAMES, KV_DTYPES, PRESETS, presets_help
     from jax_dflash.cli.workload import ACCEPT_HELP
 
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=_Formatter,
-        description=("The DFlash target KV-cache update (one kernel for JAX and TensorRT), "
-                     "exercised the way a DFlash draft model uses it."),
-        epilog=textwrap.dedent(f"""\
+        prog=PROG,
+        formatter_class=_Formatter,
+        description=(
+            "The DFlash target KV-cache update (one kernel for JAX and TensorRT), "
+            "exercised the way a DFlash draft model uses it."
+        ),
+        epilog=textwrap.dedent("""\
             commands:
               run     simulate the draft side of DFlash decoding and check the result
               check   report the JAX backends, the CUDA extension and the TensorRT plugin, and
                       test the op against the NumPy reference on every backend
 
-            """) + presets_help() + (
-            f"\n\nQuick start: `make demo` (= `{PROG} run`), then `{PROG} check`."),
+            """)
+        + presets_help()
+        + (f"\n\nQuick start: `make demo` (= `{PROG} run`), then `{PROG} check`."),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="{run,check}")
     commands.required = True
 
     run = commands.add_parser(
-        "run", formatter_class=_Formatter,
+        "run",
+        formatter_class=_Formatter,
         help="simulate DFlash draft-cache updates and check them against the NumPy reference",
         description=textwrap.dedent("""\
             Simulates the draft side of DFlash decoding as an engine runs it. Each step, every
@@ -122,52 +128,103 @@ def build_parser() -> argparse.ArgumentParser:
             check's fetches; on a busy CPU they are noisy."""),
         epilog=presets_help(),
     )
-    run.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
-                     help=f"draft shape (default: {DEFAULT_PRESET}; list below)")
-    run.add_argument("--contract", choices=CONTRACTS,
-                     help="slot (Edge-LLM 0.10) or paged (0.11) addressing (default: the "
-                          "preset's, slot for all but the sliding-window one)")
-    run.add_argument("--window", type=_positive_int, metavar="N",
-                     help="sliding window of every draft layer, in tokens (a multiple of the "
-                          "page size; paged contract; default: the preset's)")
-    run.add_argument("--backend", choices=BACKENDS, default="default",
-                     help="JAX backend to run on (default: JAX's default backend)")
-    run.add_argument("--steps", type=_positive_int, metavar="N",
-                     help=f"decoding steps, at most {MAX_STEPS} (default: the preset's)")
-    run.add_argument("--batch", type=_positive_int, metavar="B",
-                     help="sequences in flight, at most the preset's slots (default: the "
-                          "preset's)")
-    run.add_argument("--seed", type=_seed, default=0, metavar="S",
-                     help="seed of every random draw, 0 <= S < 2**63 (default: 0)")
-    run.add_argument("--accept", default=DEFAULT_ACCEPT, metavar="DIST",
-                     help=f"accepted lengths per step: {ACCEPT_HELP} (default: {DEFAULT_ACCEPT})")
-    run.add_argument("--dtype", choices=DTYPE_NAMES,
-                     help="delta (compute) dtype, and the pool's unless --kv-dtype (default: "
-                          "the preset's)")
-    run.add_argument("--kv-dtype", choices=list(KV_DTYPES),
-                     help="pool dtype: fp16, bf16, fp32, or FP8 e4m3 / e5m2 with per-head "
-                          "k/v scales calibrated once (default: the delta dtype)")
-    run.add_argument("--fused-norm", action=argparse.BooleanOptionalAction, default=None,
-                     help="the op applies the k-norm (default: on when the op supports it); "
-                          "--no-fused-norm runs a jnp RMSNorm, then the op")
-    run.add_argument("--compare", action="store_true",
-                     help="also run the unfused pipeline a JAX user writes (jnp RMSNorm, jnp "
-                          "RoPE, .at[].set per layer, FP8 by astype after a jnp saturation) "
-                          "and print both; only the kernel must be bit-exact. Says how long "
-                          "it will take before starting it")
-    run.add_argument("--no-check", dest="check", action="store_false",
-                     help="skip the checks (reference and read-back)")
-    run.add_argument("--force", action="store_true",
-                     help="run a GPU-sized preset on a CPU anyway")
-    run.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                     help="write a machine-readable summary to PATH (checked before the run), "
-                          "or to stdout with no PATH or '-' (the table then goes to stderr)")
-    run.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="no progress bar")
+    run.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=DEFAULT_PRESET,
+        help=f"draft shape (default: {DEFAULT_PRESET}; list below)",
+    )
+    run.add_argument(
+        "--contract",
+        choices=CONTRACTS,
+        help="slot (Edge-LLM 0.10) or paged (0.11) addressing (default: the "
+        "preset's, slot for all but the sliding-window one)",
+    )
+    run.add_argument(
+        "--window",
+        type=_positive_int,
+        metavar="N",
+        help="sliding window of every draft layer, in tokens (a multiple of the "
+        "page size; paged contract; default: the preset's)",
+    )
+    run.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="default",
+        help="JAX backend to run on (default: JAX's default backend)",
+    )
+    run.add_argument(
+        "--steps",
+        type=_positive_int,
+        metavar="N",
+        help=f"decoding steps, at most {MAX_STEPS} (default: the preset's)",
+    )
+    run.add_argument(
+        "--batch",
+        type=_positive_int,
+        metavar="B",
+        help="sequences in flight, at most the preset's slots (default: the preset's)",
+    )
+    run.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        metavar="S",
+        help="seed of every random draw, 0 <= S < 2**63 (default: 0)",
+    )
+    run.add_argument(
+        "--accept",
+        default=DEFAULT_ACCEPT,
+        metavar="DIST",
+        help=f"accepted lengths per step: {ACCEPT_HELP} (default: {DEFAULT_ACCEPT})",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        help="delta (compute) dtype, and the pool's unless --kv-dtype (default: the preset's)",
+    )
+    run.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        help="pool dtype: fp16, bf16, fp32, or FP8 e4m3 / e5m2 with per-head "
+        "k/v scales calibrated once (default: the delta dtype)",
+    )
+    run.add_argument(
+        "--fused-norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the op applies the k-norm (default: on when the op supports it); "
+        "--no-fused-norm runs a jnp RMSNorm, then the op",
+    )
+    run.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the unfused pipeline a JAX user writes (jnp RMSNorm, jnp "
+        "RoPE, .at[].set per layer, FP8 by astype after a jnp saturation) "
+        "and print both; only the kernel must be bit-exact. Says how long "
+        "it will take before starting it",
+    )
+    run.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the checks (reference and read-back)",
+    )
+    run.add_argument("--force", action="store_true", help="run a GPU-sized preset on a CPU anyway")
+    run.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write a machine-readable summary to PATH (checked before the run), "
+        "or to stdout with no PATH or '-' (the table then goes to stderr)",
+    )
+    run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     run.set_defaults(func=cmd_run)
 
     check = commands.add_parser(
-        "check", formatter_class=_Formatter,
+        "check",
+        formatter_class=_Formatter,
         help="report backends, extensions, the TensorRT plugin, and run a parity self-test",
         description=textwrap.dedent("""\
             Reports the JAX version, backends and devices; whether the CUDA extension
@@ -181,8 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
             and page ids, ring pages; FP8 pools with per-head scales and the fused norms.
             Exits 1 if any case differs."""),
     )
-    check.add_argument("--seed", type=_seed, default=0, metavar="S",
-                       help="seed of the random cases (default: 0)")
+    check.add_argument(
+        "--seed", type=_seed, default=0, metavar="S", help="seed of the random cases (default: 0)"
+    )
     check.set_defaults(func=cmd_check)
 
     return parser
@@ -191,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _version() -> str:
     try:
         from importlib import metadata
+
         return metadata.version("jax-dflash")
     except Exception:  # noqa: BLE001 - a source tree that was never installed
         return "0+unknown"
@@ -221,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 # ---- run: validation ----------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -236,8 +295,9 @@ def check_json_path(path: str | None) -> None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"--json {path}: folder {folder} does not exist (expected a path "
-                         f"in an existing folder)")
+        raise UsageError(
+            f"--json {path}: folder {folder} does not exist (expected a path in an existing folder)"
+        )
     if os.path.isdir(path):
         raise UsageError(f"--json {path}: is a folder (expected a file path)")
     if os.path.exists(path):
@@ -247,8 +307,9 @@ def check_json_path(path: str | None) -> None:
         raise UsageError(f"--json {path}: folder {folder} is not writable")
 
 
-def estimate_run_bytes(preset, *, contract, batch, steps, window, check, delta_itemsize,
-                       pool_itemsize) -> dict[str, int]:
+def estimate_run_bytes(
+    preset, *, contract, batch, steps, window, check, delta_itemsize, pool_itemsize
+) -> dict[str, int]:
     """Host memory the run needs, by part (its device needs are the pool and the inputs)."""
     from jax_dflash.cli import allocator
 
@@ -259,8 +320,9 @@ def estimate_run_bytes(preset, *, contract, batch, steps, window, check, delta_i
         inputs = (steps + 1) * batch * 4 * 3  # lengths, positions and the schedule's copy
     else:
         m = allocator.table_pages_for(p.page_size, p.pages_per_slot, window)
-        longest_prompt = p.slot_capacity // 2 if window is None else min(p.slot_capacity // 2,
-                                                                         window)
+        longest_prompt = (
+            p.slot_capacity // 2 if window is None else min(p.slot_capacity // 2, window)
+        )
         prompt_pages = max(1, batch // 2) * (max(longest_prompt, p.page_size) // p.page_size)
         pages = allocator.pool_pages_for(batch, m, prompt_pages)
         pool = p.num_layers * 2 * pages * p.page_size * p.num_kv_heads * p.head_dim * pool_itemsize
@@ -284,27 +346,38 @@ def validate_run(args, preset) -> dict:
     if window is not None:
         if contract != "paged":
             source = "--window" if args.window is not None else f"preset {preset.name}'s window"
-            raise UsageError(f"{source} {window} needs --contract paged (sliding windows live "
-                             f"in ring pages of a page table), got --contract {contract}")
+            raise UsageError(
+                f"{source} {window} needs --contract paged (sliding windows live "
+                f"in ring pages of a page table), got --contract {contract}"
+            )
         if window % preset.page_size:
-            raise UsageError(f"--window {window}: expected a positive multiple of the page size "
-                             f"{preset.page_size}")
+            raise UsageError(
+                f"--window {window}: expected a positive multiple of the page size "
+                f"{preset.page_size}"
+            )
     batch = args.batch if args.batch is not None else preset.default_batch
     steps = args.steps if args.steps is not None else preset.default_steps
     if batch > preset.num_slots:
         raise UsageError(
             f"--batch {batch} is larger than the pool's {preset.num_slots} slots of preset "
-            f"{preset.name} (expected --batch <= {preset.num_slots})")
+            f"{preset.name} (expected --batch <= {preset.num_slots})"
+        )
     try:
         accept = parse_accept(args.accept, preset.block_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
     delta = args.dtype or preset.dtype
     pool = KV_DTYPES[args.kv_dtype] if args.kv_dtype else delta
-    parts = estimate_run_bytes(preset, contract=contract, batch=batch, steps=steps,
-                               window=window, check=args.check,
-                               delta_itemsize=dtype_from_name(delta).itemsize,
-                               pool_itemsize=dtype_from_name(pool).itemsize)
+    parts = estimate_run_bytes(
+        preset,
+        contract=contract,
+        batch=batch,
+        steps=steps,
+        window=window,
+        check=args.check,
+        delta_itemsize=dtype_from_name(delta).itemsize,
+        pool_itemsize=dtype_from_name(pool).itemsize,
+    )
     need = sum(parts.values())
     limit = int(_physical_memory() * HOST_MEMORY_SHARE)
     biggest = max(parts, key=parts.get)
@@ -313,15 +386,29 @@ def validate_run(args, preset) -> dict:
             f"--steps {steps} --batch {batch}: the run would need about {human_bytes(need)} of "
             f"host memory (mostly {biggest}: {human_bytes(parts[biggest])}; the limit is "
             f"{human_bytes(limit)}, half of this machine's) and at most {MAX_STEPS} steps are "
-            f"allowed" + ("; --no-check drops the deltas kept for the check"
-                          if biggest == "checked deltas" else ""))
+            f"allowed"
+            + (
+                "; --no-check drops the deltas kept for the check"
+                if biggest == "checked deltas"
+                else ""
+            )
+        )
     if contract == "paged" and steps * batch > MAX_PAGED_SEQUENCE_STEPS:
         raise UsageError(
             f"--steps {steps} --batch {batch}: the paged plan simulates every sequence's every "
             f"step on the host (about {steps * batch * 15e-6:.0f} s here); expected steps x "
-            f"batch <= {MAX_PAGED_SEQUENCE_STEPS}")
-    return dict(contract=contract, window=window, batch=batch, steps=steps, accept=accept,
-                delta_dtype=delta, pool_dtype=pool, estimated_host_bytes=need)
+            f"batch <= {MAX_PAGED_SEQUENCE_STEPS}"
+        )
+    return dict(
+        contract=contract,
+        window=window,
+        batch=batch,
+        steps=steps,
+        accept=accept,
+        delta_dtype=delta,
+        pool_dtype=pool,
+        estimated_host_bytes=need,
+    )
 
 
 def select_device(backend: str):
@@ -337,10 +424,13 @@ def select_device(backend: str):
         except RuntimeError:
             raise UsageError(
                 f"--backend {backend}: JAX has no {backend} device here (JAX's default backend "
-                f"is {jax.default_backend()})") from None
+                f"is {jax.default_backend()})"
+            ) from None
     if device.platform not in ("cpu", "gpu", "cuda"):
-        raise UsageError(f"--backend {backend}: the op runs on cpu and CUDA GPUs, JAX's device "
-                         f"here is {device.platform}")
+        raise UsageError(
+            f"--backend {backend}: the op runs on cpu and CUDA GPUs, JAX's device "
+            f"here is {device.platform}"
+        )
     return device
 
 
@@ -349,6 +439,7 @@ def op_supports(name: str) -> bool:
     import inspect
 
     import jax_dflash
+
     return name in inspect.signature(jax_dflash.target_kv_cache_update).parameters
 
 
@@ -363,25 +454,35 @@ def check_runtime(args, settings, preset, device) -> bool:
     pool = settings["pool_dtype"]
     if pool in FP8_NAMES:
         if not hasattr(jnp, pool):
-            raise UsageError(f"--kv-dtype {args.kv_dtype}: this JAX ({jax.__version__}) has no "
-                             f"jnp.{pool}; FP8 pools need a JAX with FP8 dtypes")
+            raise UsageError(
+                f"--kv-dtype {args.kv_dtype}: this JAX ({jax.__version__}) has no "
+                f"jnp.{pool}; FP8 pools need a JAX with FP8 dtypes"
+            )
         if not op_supports("k_scale"):
-            raise UsageError(f"--kv-dtype {args.kv_dtype}: the installed jax_dflash op takes no "
-                             f"k_scale/v_scale (FP8 pools need them)")
+            raise UsageError(
+                f"--kv-dtype {args.kv_dtype}: the installed jax_dflash op takes no "
+                f"k_scale/v_scale (FP8 pools need them)"
+            )
     supported = op_supports("k_norm_weight")
     fused = supported if args.fused_norm is None else args.fused_norm
     if fused and not supported:
-        raise UsageError("--fused-norm: the installed jax_dflash op takes no k_norm_weight; "
-                         "use --no-fused-norm")
+        raise UsageError(
+            "--fused-norm: the installed jax_dflash op takes no k_norm_weight; use --no-fused-norm"
+        )
     if preset.gpu_sized and device.platform == "cpu" and not args.force:
         tokens = settings["batch"] * preset.block_size
-        flops = 2 * tokens * preset.hidden_size * (
-            preset.feature_size + 2 * preset.num_layers * preset.num_kv_heads * preset.head_dim)
+        flops = (
+            2
+            * tokens
+            * preset.hidden_size
+            * (preset.feature_size + 2 * preset.num_layers * preset.num_kv_heads * preset.head_dim)
+        )
         pool_bytes = preset.pool_bytes(pool)
         raise UsageError(
             f"preset {preset.name} is GPU-sized (pool {human_bytes(pool_bytes)}, "
             f"{flops / 1e9:.0f} GFLOP per step): on a CPU it would take minutes; pass --force "
-            f"to run it anyway")
+            f"to run it anyway"
+        )
     return fused
 
 
@@ -400,39 +501,63 @@ def cmd_run(args) -> int:
 
     to_stdout_json = args.json == "-"
     out = sys.stderr if to_stdout_json else sys.stdout
-    workload = Workload(preset, batch=settings["batch"], steps=settings["steps"],
-                        seed=args.seed, accept=settings["accept"], device=device,
-                        dtype=settings["delta_dtype"], kv_dtype=settings["pool_dtype"],
-                        contract=settings["contract"], window=settings["window"],
-                        fused_norm=fused)
+    workload = Workload(
+        preset,
+        batch=settings["batch"],
+        steps=settings["steps"],
+        seed=args.seed,
+        accept=settings["accept"],
+        device=device,
+        dtype=settings["delta_dtype"],
+        kv_dtype=settings["pool_dtype"],
+        contract=settings["contract"],
+        window=settings["window"],
+        fused_norm=fused,
+    )
     print(_run_header(workload, device), file=out, flush=True)
 
-    results = [workload.run("kernel", check=args.check, check_readback=args.check,
-                            progress=args.progress)]
+    results = [
+        workload.run("kernel", check=args.check, check_readback=args.check, progress=args.progress)
+    ]
     if args.compare:
         seconds, per_step = workload.estimate_seconds("baseline")
-        print(f"jnp baseline: about {seconds:.0f} s to run ({per_step * 1e3:.2f} ms per step, "
-              f"from a few timed steps; compilation included)", file=out, flush=True)
-        results.append(workload.run("baseline", check=args.check, check_readback=args.check,
-                                    progress=args.progress))
+        print(
+            f"jnp baseline: about {seconds:.0f} s to run ({per_step * 1e3:.2f} ms per step, "
+            f"from a few timed steps; compilation included)",
+            file=out,
+            flush=True,
+        )
+        results.append(
+            workload.run(
+                "baseline", check=args.check, check_readback=args.check, progress=args.progress
+            )
+        )
     print(file=out)
     print(_results_table(results, workload), file=out)
     for r in results:
         if r.readback is not None:
             rb = r.readback
             verdict = "passed" if rb.passed else f"FAILED: {rb.failure}"
-            print(f"read-back ({r.label}): {rb.sequences} sequences, {rb.tokens} tokens, "
-                  f"{rb.queries} queries; worst score / output difference "
-                  f"{rb.worst_score_ratio:.3g} / {rb.worst_output_ratio:.3g} of the rounding "
-                  f"bound: {verdict}", file=out)
+            print(
+                f"read-back ({r.label}): {rb.sequences} sequences, {rb.tokens} tokens, "
+                f"{rb.queries} queries; worst score / output difference "
+                f"{rb.worst_score_ratio:.3g} / {rb.worst_output_ratio:.3g} of the rounding "
+                f"bound: {verdict}",
+                file=out,
+            )
     failed = [r for r in results if r.failed]
     for r in failed:
         if r.check == "differs" and r.bit_exact_required:
-            print(f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
-                  f"{r.mismatched_elements} of {r.checked_elements} elements", file=sys.stderr)
+            print(
+                f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
+                f"{r.mismatched_elements} of {r.checked_elements} elements",
+                file=sys.stderr,
+            )
         if r.readback is not None and not r.readback.passed:
-            print(f"{PROG}: check FAILED: read-back ({r.label}): {r.readback.failure}",
-                  file=sys.stderr)
+            print(
+                f"{PROG}: check FAILED: read-back ({r.label}): {r.readback.failure}",
+                file=sys.stderr,
+            )
 
     if args.json is not None:
         text = json.dumps(_run_summary(workload, device, results), indent=2)
@@ -479,20 +604,26 @@ def _run_header(w, device) -> str:
             f"  slot contract: batch {w.batch} of {p.num_slots} slots of {p.slot_capacity} "
             f"tokens, {w.steps} steps, accept {w.accept.describe()}: {w.accepted_tokens} tokens "
             f"accepted (mean {mean:.2f} per sequence and step), {s.stopped} of {w.batch} "
-            f"sequences reached the slot capacity and stopped")
+            f"sequences reached the slot capacity and stopped"
+        )
     else:
         plan = w.plan
-        window = (f", window {w.window} tokens in {plan.table_pages} ring pages"
-                  if plan.ring else f", table of {plan.table_pages} pages")
+        window = (
+            f", window {w.window} tokens in {plan.table_pages} ring pages"
+            if plan.ring
+            else f", table of {plan.table_pages} pages"
+        )
         lines.append(
             f"  paged contract: {w.batch} sequences in flight{window}; {len(plan.prompts)} "
-            f"prompts prefilled into shared pages ({w.prefill_steps} untimed steps)")
+            f"prompts prefilled into shared pages ({w.prefill_steps} untimed steps)"
+        )
         lines.append(
             f"  {w.steps} steps, accept {w.accept.describe()}: {plan.accepted_tokens} tokens "
             f"accepted, {w.written_tokens} written; {plan.sequences_started} sequences started, "
             f"{plan.sequences_finished} finished; {plan.shared_page_references} shared prompt "
             f"page references, peak {plan.peak_pages_in_use} of {plan.num_pages} pages in use"
-            + (f", {plan.ring_page_reuses} ring pages overwritten" if plan.ring else ""))
+            + (f", {plan.ring_page_reuses} ring pages overwritten" if plan.ring else "")
+        )
     return "\n".join(lines)
 
 
@@ -506,27 +637,40 @@ def _check_text(r) -> str:
     if r.check == "bit-exact":
         return "bit-exact vs reference"
     prefix = "FAILED: " if (r.check == "differs" and r.bit_exact_required) else ""
-    return (f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
-            f"(max {r.max_ulp} ulp)")
+    return (
+        f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
+        f"(max {r.max_ulp} ulp)"
+    )
 
 
 def _results_table(results, w) -> str:
-    header = ("implementation", "steps/s", "accepted tok/s", "step ms", "update ms",
-              "update share", "update GB/s", "compile s", "check")
+    header = (
+        "implementation",
+        "steps/s",
+        "accepted tok/s",
+        "step ms",
+        "update ms",
+        "update share",
+        "update GB/s",
+        "compile s",
+        "check",
+    )
     rows = [header]
     for r in results:
         share = r.update_share
-        rows.append((
-            r.label,
-            f"{r.steps_per_s:.1f}",
-            f"{r.accepted_tokens_per_s:.0f}",
-            f"{r.timing.step_seconds * 1e3:.3f}",
-            _fmt(r.update_seconds_per_step and r.update_seconds_per_step * 1e3, ".3f"),
-            _fmt(share and share * 100, ".1f") + ("%" if share is not None else ""),
-            _fmt(r.update_gb_per_s, ".3f"),
-            f"{r.timing.compile_seconds:.2f}",
-            _check_text(r),
-        ))
+        rows.append(
+            (
+                r.label,
+                f"{r.steps_per_s:.1f}",
+                f"{r.accepted_tokens_per_s:.0f}",
+                f"{r.timing.step_seconds * 1e3:.3f}",
+                _fmt(r.update_seconds_per_step and r.update_seconds_per_step * 1e3, ".3f"),
+                _fmt(share and share * 100, ".1f") + ("%" if share is not None else ""),
+                _fmt(r.update_gb_per_s, ".3f"),
+                f"{r.timing.compile_seconds:.2f}",
+                _check_text(r),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = []
     for n, row in enumerate(rows):
@@ -536,9 +680,11 @@ def _results_table(results, w) -> str:
         lines.append("  ".join(cells))
         if n == 0:
             lines.append("  ".join("-" * wd for wd in widths))
-    lines.append(f"(update: the best step time minus the best time of the same jitted step "
-                 f"without the update, over the run and replays of both; it moves "
-                 f"{w.update_bytes / 1e6:.2f} MB per run)")
+    lines.append(
+        f"(update: the best step time minus the best time of the same jitted step "
+        f"without the update, over the run and replays of both; it moves "
+        f"{w.update_bytes / 1e6:.2f} MB per run)"
+    )
     return "\n".join(lines)
 
 
@@ -557,14 +703,22 @@ def _run_summary(w, device, results) -> dict:
         "window": w.window,
         "fused_norm": w.fused_norm,
         "shape": {
-            "layers": p.num_layers, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim,
-            "rotary_dim": p.rope_dim, "hidden_size": p.hidden_size,
+            "layers": p.num_layers,
+            "num_kv_heads": p.num_kv_heads,
+            "head_dim": p.head_dim,
+            "rotary_dim": p.rope_dim,
+            "hidden_size": p.hidden_size,
             "feature_size": p.feature_size,
-            "block_size": p.block_size, "page_size": p.page_size,
-            "pages_per_slot": p.pages_per_slot, "slots": p.num_slots,
-            "slot_capacity": p.slot_capacity, "pool_shape": list(w.pool_shape),
-            "pool_bytes": w.pool_bytes(), "dtype": w.dtype_name,
-            "delta_dtype": w.delta_dtype_name, "pool_dtype": w.pool_dtype_name,
+            "block_size": p.block_size,
+            "page_size": p.page_size,
+            "pages_per_slot": p.pages_per_slot,
+            "slots": p.num_slots,
+            "slot_capacity": p.slot_capacity,
+            "pool_shape": list(w.pool_shape),
+            "pool_bytes": w.pool_bytes(),
+            "dtype": w.dtype_name,
+            "delta_dtype": w.delta_dtype_name,
+            "pool_dtype": w.pool_dtype_name,
         },
         "pool_bytes_by_dtype": _pool_memory(w),
         "batch": w.batch,
@@ -574,20 +728,28 @@ def _run_summary(w, device, results) -> dict:
         "accepted_tokens": w.accepted_tokens,
         "written_tokens": w.written_tokens,
         "results": [r.as_dict() for r in results],
-        "check_passed": (None if all(r.check == "skipped" for r in results)
-                         else not any(r.failed for r in results)),
+        "check_passed": (
+            None
+            if all(r.check == "skipped" for r in results)
+            else not any(r.failed for r in results)
+        ),
     }
     if w.plan is None:
         s = w.schedule
         active = int(np.count_nonzero(s.lengths))
-        summary.update(capacity_policy="stop",
-                       mean_accepted_length=w.accepted_tokens / active if active else 0.0,
-                       sequences_stopped=s.stopped)
+        summary.update(
+            capacity_policy="stop",
+            mean_accepted_length=w.accepted_tokens / active if active else 0.0,
+            sequences_stopped=s.stopped,
+        )
     else:
         plan = w.plan
         summary["paged"] = {
-            "num_pages": plan.num_pages, "table_pages": plan.table_pages, "ring": plan.ring,
-            "prompts": len(plan.prompts), "prefill_steps": w.prefill_steps,
+            "num_pages": plan.num_pages,
+            "table_pages": plan.table_pages,
+            "ring": plan.ring,
+            "prompts": len(plan.prompts),
+            "prefill_steps": w.prefill_steps,
             "sequences_started": plan.sequences_started,
             "sequences_finished": plan.sequences_finished,
             "shared_page_references": plan.shared_page_references,
@@ -646,12 +808,14 @@ def _tensorrt_report() -> tuple[str, str]:
             runtime_module = importlib.import_module(name)
             break
         except Exception as e:  # noqa: BLE001 - a missing CUDA library raises OSError too
-            errors.append(f"{name}: {type(e).__name__}" if not isinstance(e, ImportError)
-                          else None)
+            errors.append(f"{name}: {type(e).__name__}" if not isinstance(e, ImportError) else None)
     if runtime_module is None:
         extra = "; ".join(e for e in errors if e)
-        return library, "not installed (none of tensorrt, tensorrt_lean, tensorrt_lean_bindings imports" + (
-            f"; {extra})" if extra else ")")
+        return (
+            library,
+            "not installed (none of tensorrt, tensorrt_lean, tensorrt_lean_bindings imports"
+            + (f"; {extra})" if extra else ")"),
+        )
     runtime = f"{runtime_module.__name__} {getattr(runtime_module, '__version__', '?')}"
     if path is None:
         return library, f"{runtime} installed; no plugin library to load"
@@ -665,8 +829,9 @@ def _tensorrt_report() -> tuple[str, str]:
         except Exception:  # noqa: BLE001
             creator = None
         found = "found" if creator is not None else "NOT found"
-        return library, (f"{runtime} loaded the plugin library; creator "
-                         f"DFlashTargetKVCacheUpdate v1 {found}")
+        return library, (
+            f"{runtime} loaded the plugin library; creator DFlashTargetKVCacheUpdate v1 {found}"
+        )
     except Exception as e:  # noqa: BLE001
         return library, f"{runtime} could not load it: {type(e).__name__}: {e}"
 
@@ -692,52 +857,128 @@ def parity_cases(rng: np.random.Generator, dtype: np.dtype) -> list[tuple[str, s
     # straddling the slot's end, near INT32_MAX and INT32_MIN, plain; lengths: past L, zero,
     # negative.
     b, length, h, d, page, pps = 6, 5, 2, 16, 4, 3  # capacity 12
-    cases.append(("slot: unbatched, hostile positions", "slot", (
-        normal(b, length, h, d), normal(b, length, h, d), normal(2, 7 * pps, page, h, d),
-        rope(1, 9, 8), i32([-2, 9, int32_max - 2, 3, int32_min, 0]), i32([5, 9, 4, 0, 5, -1]),
-    ), {"pages_per_slot": pps}))
+    cases.append(
+        (
+            "slot: unbatched, hostile positions",
+            "slot",
+            (
+                normal(b, length, h, d),
+                normal(b, length, h, d),
+                normal(2, 7 * pps, page, h, d),
+                rope(1, 9, 8),
+                i32([-2, 9, int32_max - 2, 3, int32_min, 0]),
+                i32([5, 9, 4, 0, 5, -1]),
+            ),
+            {"pages_per_slot": pps},
+        )
+    )
     # Layer-batched with per-layer positions and per-sequence RoPE.
     layers, b, length, h, d, page, pps = 3, 2, 4, 3, 8, 2, 4  # capacity 8
-    cases.append(("slot: layer-batched, per-layer positions, per-sequence RoPE", "slot", (
-        normal(layers, b, length, h, d), normal(layers, b, length, h, d),
-        normal(layers, 2, b * pps, page, h, d), rope(b, page * pps, d),
-        rng.integers(-3, 11, (layers, b)).astype(np.int32),
-        rng.integers(-1, length + 3, (layers, b)).astype(np.int32),
-    ), {"pages_per_slot": pps}))
+    cases.append(
+        (
+            "slot: layer-batched, per-layer positions, per-sequence RoPE",
+            "slot",
+            (
+                normal(layers, b, length, h, d),
+                normal(layers, b, length, h, d),
+                normal(layers, 2, b * pps, page, h, d),
+                rope(b, page * pps, d),
+                rng.integers(-3, 11, (layers, b)).astype(np.int32),
+                rng.integers(-1, length + 3, (layers, b)).astype(np.int32),
+            ),
+            {"pages_per_slot": pps},
+        )
+    )
     # Odd head dim, no rotation, one token per page; the second sequence runs off its slot.
     b, length, h, d, page, pps = 2, 3, 1, 7, 1, 5
-    cases.append(("slot: odd head dim, no RoPE, page size 1", "slot", (
-        normal(b, length, h, d), normal(b, length, h, d), normal(2, b * pps, page, h, d),
-        rope(1, 5, 0), i32([0, 3]), i32([3, 3]),
-    ), {"pages_per_slot": pps}))
-    slot = testing.make_problem(rng, batch=3, delta_len=4, heads=2, head_dim=16, page_size=4,
-                                pages_per_slot=3, dtype=dtype, layers=2,
-                                pool_dtype="float8_e5m2", k_norm=True, scale_shape=(2, 2))
-    cases.append(("slot: layer-batched, FP8 e5m2 pool, fused k-norm", "slot", slot.args(),
-                  slot.kwargs()))
-    paged = testing.make_paged_problem(rng, tokens=12, batch=3, heads=2, head_dim=16,
-                                       rotary_dim=8, num_pages=10, page_size=4, table_pages=3,
-                                       dtype=dtype, layers=2, ring=True)
-    cases.append(("paged: layer-batched, ring, hostile tokens and table", "paged",
-                  paged.args(), paged.kwargs()))
-    paged = testing.make_paged_problem(rng, tokens=10, batch=2, heads=2, head_dim=16,
-                                       num_pages=6, page_size=4, table_pages=3, dtype=dtype,
-                                       pool_dtype="float8_e4m3fn", k_norm=True, v_norm=True)
-    cases.append(("paged: FP8 e4m3 pool, fused k- and v-norm", "paged", paged.args(),
-                  paged.kwargs()))
+    cases.append(
+        (
+            "slot: odd head dim, no RoPE, page size 1",
+            "slot",
+            (
+                normal(b, length, h, d),
+                normal(b, length, h, d),
+                normal(2, b * pps, page, h, d),
+                rope(1, 5, 0),
+                i32([0, 3]),
+                i32([3, 3]),
+            ),
+            {"pages_per_slot": pps},
+        )
+    )
+    slot = testing.make_problem(
+        rng,
+        batch=3,
+        delta_len=4,
+        heads=2,
+        head_dim=16,
+        page_size=4,
+        pages_per_slot=3,
+        dtype=dtype,
+        layers=2,
+        pool_dtype="float8_e5m2",
+        k_norm=True,
+        scale_shape=(2, 2),
+    )
+    cases.append(
+        ("slot: layer-batched, FP8 e5m2 pool, fused k-norm", "slot", slot.args(), slot.kwargs())
+    )
+    paged = testing.make_paged_problem(
+        rng,
+        tokens=12,
+        batch=3,
+        heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        num_pages=10,
+        page_size=4,
+        table_pages=3,
+        dtype=dtype,
+        layers=2,
+        ring=True,
+    )
+    cases.append(
+        (
+            "paged: layer-batched, ring, hostile tokens and table",
+            "paged",
+            paged.args(),
+            paged.kwargs(),
+        )
+    )
+    paged = testing.make_paged_problem(
+        rng,
+        tokens=10,
+        batch=2,
+        heads=2,
+        head_dim=16,
+        num_pages=6,
+        page_size=4,
+        table_pages=3,
+        dtype=dtype,
+        pool_dtype="float8_e4m3fn",
+        k_norm=True,
+        v_norm=True,
+    )
+    cases.append(
+        ("paged: FP8 e4m3 pool, fused k- and v-norm", "paged", paged.args(), paged.kwargs())
+    )
     return cases
 
 
 _STATIC = ("pages_per_slot", "ring", "norm_eps", "v_norm")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_op(contract: str):
     import jax
 
     import jax_dflash
-    op = (jax_dflash.target_kv_cache_update if contract == "slot"
-          else jax_dflash.target_kv_cache_update_paged)
+
+    op = (
+        jax_dflash.target_kv_cache_update
+        if contract == "slot"
+        else jax_dflash.target_kv_cache_update_paged
+    )
     static = [n for n in _STATIC if n != ("ring" if contract == "slot" else "pages_per_slot")]
     return jax.jit(op, static_argnames=static)
 
@@ -753,21 +994,26 @@ def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]
     rng = np.random.default_rng(seed)
     passed, failures = 0, []
     for name, contract, operands, keywords in parity_cases(rng, dtype):
-        ref = (reference.target_kv_cache_update if contract == "slot"
-               else reference.target_kv_cache_update_paged)
+        ref = (
+            reference.target_kv_cache_update
+            if contract == "slot"
+            else reference.target_kv_cache_update_paged
+        )
         expected = ref(*operands, **keywords)
         try:
             args = [jax.device_put(x, device) for x in operands]
-            kw = {k: (v if k in _STATIC else jax.device_put(v, device))
-                  for k, v in keywords.items()}
+            kw = {
+                k: (v if k in _STATIC else jax.device_put(v, device)) for k, v in keywords.items()
+            }
             actual = np.asarray(_jitted_op(contract)(*args, **kw))
         except Exception as e:  # noqa: BLE001 - reported as a failed case
             failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
         mismatches, max_ulp = compare_bits(actual, expected)
         if mismatches:
-            failures.append(f"{name}: {mismatches} of {expected.size} elements differ "
-                            f"(max {max_ulp} ulp)")
+            failures.append(
+                f"{name}: {mismatches} of {expected.size} elements differ (max {max_ulp} ulp)"
+            )
         else:
             passed += 1
     return passed, failures

@@ -15,7 +15,8 @@ RoPE, FP8 rounding by ``astype`` after a jnp saturation, and one ``.at[].set`` p
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ class Geometry:
 
 def random_weights(rng: np.random.Generator, g: Geometry, dtype) -> dict[str, np.ndarray]:
     """Host weights with unit-scale outputs (fan-in scaled normals); norm weights near 1."""
+
     def normal(shape, fan_in):
         return (rng.standard_normal(shape, np.float32) / np.sqrt(fan_in)).astype(dtype)
 
@@ -121,9 +123,11 @@ def calibrate_scales(w: DraftWeights, g: Geometry, pool_dtype: str):
     k, v = project(w, streams, jnp.arange(n, dtype=jnp.int32), g)
     k = k_normed(w, k).astype(jnp.float32)
     half = g.rotary_dim // 2
-    pair = jnp.sqrt(k[..., :half] ** 2 + k[..., half:g.rotary_dim] ** 2)
-    k_amax = jnp.maximum(jnp.max(pair, axis=(1, 3)),
-                         jnp.max(jnp.abs(k[..., g.rotary_dim:]), axis=(1, 3), initial=0.0))
+    pair = jnp.sqrt(k[..., :half] ** 2 + k[..., half : g.rotary_dim] ** 2)
+    k_amax = jnp.maximum(
+        jnp.max(pair, axis=(1, 3)),
+        jnp.max(jnp.abs(k[..., g.rotary_dim :]), axis=(1, 3), initial=0.0),
+    )
     v_amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=(1, 3))
     top = FP8_MAX[pool_dtype] / FP8_HEADROOM
 
@@ -192,12 +196,20 @@ def kernel_update(spec: StepSpec) -> Callable:
             positions, lengths = addr
             shape = (spec.geometry.layers, spec.batch, spec.block_size, *k.shape[2:])
             return jax_dflash.target_kv_cache_update(
-                k.reshape(shape), v.reshape(shape), pools, consts.rope, positions, lengths,
-                pages_per_slot=spec.pages_per_slot, **extra)
+                k.reshape(shape),
+                v.reshape(shape),
+                pools,
+                consts.rope,
+                positions,
+                lengths,
+                pages_per_slot=spec.pages_per_slot,
+                **extra,
+            )
         positions, owners, table = addr
         rope = jax_dflash.gather_rope(consts.rope, positions, owners)
         return jax_dflash.target_kv_cache_update_paged(
-            k, v, pools, rope, positions, owners, table, ring=spec.ring, **extra)
+            k, v, pools, rope, positions, owners, table, ring=spec.ring, **extra
+        )
 
     return update
 
@@ -232,7 +244,7 @@ def baseline_update(spec: StepSpec) -> Callable:
             t = jnp.arange(spec.block_size, dtype=jnp.int32)
             pos = (positions[:, None] + t[None, :]).reshape(-1)
             cap = spec.pages_per_slot * page_size
-            valid = ((t[None, :] < lengths[:, None]).reshape(-1) & (pos >= 0) & (pos < cap))
+            valid = (t[None, :] < lengths[:, None]).reshape(-1) & (pos >= 0) & (pos < cap)
             slot = jnp.repeat(jnp.arange(spec.batch, dtype=jnp.int32), spec.block_size)
             k_row = v_row = jnp.where(valid, slot * cap + pos, num_pages * page_size)
         else:

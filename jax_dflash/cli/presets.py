@@ -54,7 +54,8 @@ import numpy as np
 
 try:
     from ml_dtypes import bfloat16 as _bfloat16
-    from ml_dtypes import float8_e4m3fn as _e4m3, float8_e5m2 as _e5m2
+    from ml_dtypes import float8_e4m3fn as _e4m3
+    from ml_dtypes import float8_e5m2 as _e5m2
 except ImportError:  # pragma: no cover - jax always brings ml_dtypes
     _bfloat16 = _e4m3 = _e5m2 = None
 
@@ -108,8 +109,14 @@ class Preset:
 
     def pool_shape(self) -> tuple[int, ...]:
         """The layer-batched pool: ``[layers, 2, numPages, P, H, D]``."""
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads,
-                self.head_dim)
+        return (
+            self.num_layers,
+            2,
+            self.num_pages,
+            self.page_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     def pool_bytes(self, dtype: str | None = None) -> int:
         itemsize = dtype_from_name(dtype or self.dtype).itemsize
@@ -140,15 +147,19 @@ def dtype_from_name(name: str) -> np.dtype:
         return np.dtype(_e5m2)
     if name in ("float16", "float32"):
         return np.dtype(name)
-    raise ValueError(f"dtype: expected one of {', '.join(DTYPE_NAMES + FP8_NAMES)}, "
-                     f"got {name!r}")
+    raise ValueError(f"dtype: expected one of {', '.join(DTYPE_NAMES + FP8_NAMES)}, got {name!r}")
 
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # delta dtypes (and 16/32-bit pools)
 FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
 # --kv-dtype: the pool's dtype by its short name.
-KV_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32",
-             "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+KV_DTYPES = {
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+}
 
 
 def human_bytes(n: int) -> str:
@@ -163,75 +174,173 @@ _human_bytes = human_bytes
 
 _QWEN3_4B_SOURCE = "z-lab/Qwen3-4B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
 _QWEN3_8B_SOURCE = "z-lab/Qwen3-8B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
-_LLAMA_SOURCE = ("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat model card (block 10); layers and "
-                 "KV geometry ASSUMED from Llama-3.1-8B (see jax_dflash/cli/presets.py)")
-_KIMI_SOURCE = ("z-lab/Kimi-K2.5-DFlash: hidden 7168 from the Kimi K2 target; layers, KV "
-                "geometry and block ASSUMED (see jax_dflash/cli/presets.py)")
-_QWEN35_SOURCE = ("Qwen3.5-27B target geometry (4 KV heads, D 256, RoPE on 64); draft layers "
-                  "and block ASSUMED (see jax_dflash/cli/presets.py)")
-_DFLASH2_SOURCE = ("DFlash2-style sliding-window draft (block 8, 2048-token windows); Qwen3-8B "
-                   "draft geometry ASSUMED (see jax_dflash/cli/presets.py)")
+_LLAMA_SOURCE = (
+    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat model card (block 10); layers and "
+    "KV geometry ASSUMED from Llama-3.1-8B (see jax_dflash/cli/presets.py)"
+)
+_KIMI_SOURCE = (
+    "z-lab/Kimi-K2.5-DFlash: hidden 7168 from the Kimi K2 target; layers, KV "
+    "geometry and block ASSUMED (see jax_dflash/cli/presets.py)"
+)
+_QWEN35_SOURCE = (
+    "Qwen3.5-27B target geometry (4 KV heads, D 256, RoPE on 64); draft layers "
+    "and block ASSUMED (see jax_dflash/cli/presets.py)"
+)
+_DFLASH2_SOURCE = (
+    "DFlash2-style sliding-window draft (block 8, 2048-token windows); Qwen3-8B "
+    "draft geometry ASSUMED (see jax_dflash/cli/presets.py)"
+)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
         Preset(
-            name="tiny", summary="test-sized: a few milliseconds per step on one CPU core",
-            num_layers=2, num_kv_heads=2, head_dim=32, hidden_size=64, block_size=8,
-            page_size=8, pages_per_slot=8, num_slots=4, rope_theta=1e6, dtype="bfloat16",
-            default_batch=4, default_steps=8, source="made up for tests", target_layers=2,
+            name="tiny",
+            summary="test-sized: a few milliseconds per step on one CPU core",
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=32,
+            hidden_size=64,
+            block_size=8,
+            page_size=8,
+            pages_per_slot=8,
+            num_slots=4,
+            rope_theta=1e6,
+            dtype="bfloat16",
+            default_batch=4,
+            default_steps=8,
+            source="made up for tests",
+            target_layers=2,
         ),
         Preset(
             name="small",
             summary="a DFlash-shaped draft (5 layers, block 16) scaled down for CPUs",
-            num_layers=5, num_kv_heads=4, head_dim=64, hidden_size=256, block_size=16,
-            page_size=16, pages_per_slot=64, num_slots=16, rope_theta=1e6, dtype="bfloat16",
-            default_batch=8, default_steps=160,
+            num_layers=5,
+            num_kv_heads=4,
+            head_dim=64,
+            hidden_size=256,
+            block_size=16,
+            page_size=16,
+            pages_per_slot=64,
+            num_slots=16,
+            rope_theta=1e6,
+            dtype="bfloat16",
+            default_batch=8,
+            default_steps=160,
             source="the Qwen3 DFlash drafts' layer count and block size, narrowed",
             target_layers=2,
         ),
         # GPU presets: 64 slots of 2048 tokens (16 pages of 128) per layer.
         Preset(
-            name="qwen3-4b-b16", summary="z-lab/Qwen3-4B-DFlash-b16 (GPU-sized)",
-            num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=2560, block_size=16,
-            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e6, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_QWEN3_4B_SOURCE, gpu_sized=True,
+            name="qwen3-4b-b16",
+            summary="z-lab/Qwen3-4B-DFlash-b16 (GPU-sized)",
+            num_layers=5,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=2560,
+            block_size=16,
+            page_size=128,
+            pages_per_slot=16,
+            num_slots=64,
+            rope_theta=1e6,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=200,
+            source=_QWEN3_4B_SOURCE,
+            gpu_sized=True,
         ),
         Preset(
-            name="qwen3-8b-b16", summary="z-lab/Qwen3-8B-DFlash-b16 (GPU-sized)",
-            num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=16,
-            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e6, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_QWEN3_8B_SOURCE, gpu_sized=True,
+            name="qwen3-8b-b16",
+            summary="z-lab/Qwen3-8B-DFlash-b16 (GPU-sized)",
+            num_layers=5,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            block_size=16,
+            page_size=128,
+            pages_per_slot=16,
+            num_slots=64,
+            rope_theta=1e6,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=200,
+            source=_QWEN3_8B_SOURCE,
+            gpu_sized=True,
         ),
         Preset(
             name="llama3.1-8b-b10",
             summary="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (GPU-sized; partly assumed)",
-            num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=10,
-            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=5e5, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_LLAMA_SOURCE, gpu_sized=True,
+            num_layers=5,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            block_size=10,
+            page_size=128,
+            pages_per_slot=16,
+            num_slots=64,
+            rope_theta=5e5,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=200,
+            source=_LLAMA_SOURCE,
+            gpu_sized=True,
         ),
         Preset(
             name="kimi-k2.5-dflash",
             summary="z-lab/Kimi-K2.5-DFlash (GPU-sized; geometry partly assumed)",
-            num_layers=6, num_kv_heads=8, head_dim=128, hidden_size=7168, block_size=8,
-            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=5e4, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_KIMI_SOURCE, gpu_sized=True,
+            num_layers=6,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=7168,
+            block_size=8,
+            page_size=128,
+            pages_per_slot=16,
+            num_slots=64,
+            rope_theta=5e4,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=200,
+            source=_KIMI_SOURCE,
+            gpu_sized=True,
         ),
         Preset(
             name="qwen3.5-27b",
             summary="a Qwen3.5-27B DFlash draft (GPU-sized; layers and block assumed)",
-            num_layers=5, num_kv_heads=4, head_dim=256, hidden_size=5120, block_size=16,
-            page_size=128, pages_per_slot=16, num_slots=64, rope_theta=1e7, dtype="bfloat16",
-            default_batch=32, default_steps=200, source=_QWEN35_SOURCE, rotary_dim=64,
+            num_layers=5,
+            num_kv_heads=4,
+            head_dim=256,
+            hidden_size=5120,
+            block_size=16,
+            page_size=128,
+            pages_per_slot=16,
+            num_slots=64,
+            rope_theta=1e7,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=200,
+            source=_QWEN35_SOURCE,
+            rotary_dim=64,
             gpu_sized=True,
         ),
         Preset(
             name="dflash2-b8-w2048",
             summary="DFlash2-style: block 8, 2048-token sliding windows (GPU-sized; paged)",
-            num_layers=5, num_kv_heads=8, head_dim=128, hidden_size=4096, block_size=8,
-            page_size=128, pages_per_slot=64, num_slots=32, rope_theta=1e6, dtype="bfloat16",
-            default_batch=32, default_steps=400, source=_DFLASH2_SOURCE, window=2048,
-            default_contract="paged", gpu_sized=True,
+            num_layers=5,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            block_size=8,
+            page_size=128,
+            pages_per_slot=64,
+            num_slots=32,
+            rope_theta=1e6,
+            dtype="bfloat16",
+            default_batch=32,
+            default_steps=400,
+            source=_DFLASH2_SOURCE,
+            window=2048,
+            default_contract="paged",
+            gpu_sized=True,
         ),
     )
 }

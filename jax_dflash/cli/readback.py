@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,8 +71,14 @@ def paged_view(label, table_row, positions, streams, page_size, num_pages, ring)
     i = pos // page_size
     if ring:
         i = i % table_row.shape[1]
-    return SequenceView(label, pos, np.asarray(streams), table_row[0, i].astype(np.int64),
-                        table_row[1, i].astype(np.int64) - num_pages, pos % page_size)
+    return SequenceView(
+        label,
+        pos,
+        np.asarray(streams),
+        table_row[0, i].astype(np.int64),
+        table_row[1, i].astype(np.int64) - num_pages,
+        pos % page_size,
+    )
 
 
 @dataclasses.dataclass
@@ -113,9 +119,19 @@ def _attention(q, k, v, mask):
     return scores, p, jnp.einsum("qhn,nhd->qhd", p, v)
 
 
-def check_sequences(pools, views: list[SequenceView], recompute: Callable, *, delta_dtype,
-                    rotary_dim: int, k_scale=None, v_scale=None, rng: np.random.Generator,
-                    random_queries: int = 4, probes: int = 8) -> ReadbackResult:
+def check_sequences(
+    pools,
+    views: list[SequenceView],
+    recompute: Callable,
+    *,
+    delta_dtype,
+    rotary_dim: int,
+    k_scale=None,
+    v_scale=None,
+    rng: np.random.Generator,
+    random_queries: int = 4,
+    probes: int = 8,
+) -> ReadbackResult:
     """Read-back check of ``views`` over the layer-batched ``pools`` (device array).
 
     ``recompute(streams, positions, at_least)`` returns float32 ``(normed_keys, keys, values)``, each
@@ -138,19 +154,33 @@ def check_sequences(pools, views: list[SequenceView], recompute: Callable, *, de
         layers, n_padded, heads, head_dim = k_ref.shape
         mask = np.arange(n_padded) < n
         q_random = rng.standard_normal((layers, random_queries, heads, head_dim), np.float32)
-        picks = np.stack([rng.choice(n, size=probes, replace=n < probes)
-                          for _ in range(layers)])
-        kp, vp, rows = (put(np.pad(a, (0, n_padded - n)).astype(np.int32))
-                        for a in (view.k_pages, view.v_pages, view.rows))
+        picks = np.stack([rng.choice(n, size=probes, replace=n < probes) for _ in range(layers)])
+        kp, vp, rows = (
+            put(np.pad(a, (0, n_padded - n)).astype(np.int32))
+            for a in (view.k_pages, view.v_pages, view.rows)
+        )
         scales = None if k_scale is None else (put(k_scale), put(v_scale))
         rs, ro, where_s, where_o = _check_view(
-            pools, kp, vp, rows, scales, x, k_ref, v_ref, put(q_random),
-            put(picks), put(mask), rotary_dim=rotary_dim,
-            u_delta=unit_roundoff(delta_dtype), pool_dtype=jnp.dtype(pools.dtype))
+            pools,
+            kp,
+            vp,
+            rows,
+            scales,
+            x,
+            k_ref,
+            v_ref,
+            put(q_random),
+            put(picks),
+            put(mask),
+            rotary_dim=rotary_dim,
+            u_delta=unit_roundoff(delta_dtype),
+            pool_dtype=jnp.dtype(pools.dtype),
+        )
         rs, ro = np.asarray(rs), np.asarray(ro)  # per layer
         for layer in range(layers):
-            if (rs[layer] > 1 or ro[layer] > 1 or not np.isfinite(rs[layer] + ro[layer])) \
-                    and failure is None:
+            if (
+                rs[layer] > 1 or ro[layer] > 1 or not np.isfinite(rs[layer] + ro[layer])
+            ) and failure is None:
                 bad_s = not rs[layer] <= 1
                 if bad_s:
                     _, h, t = (int(i) for i in np.asarray(where_s)[layer])
@@ -158,20 +188,36 @@ def check_sequences(pools, views: list[SequenceView], recompute: Callable, *, de
                 else:
                     _, h = (int(i) for i in np.asarray(where_o)[layer])
                     where = f"head {h}"
-                failure = (f"{view.label}, layer {layer}: attention "
-                           f"{'scores' if bad_s else 'outputs'} over the pool differ from the "
-                           f"recomputed ones beyond the rounding bound ({where}; "
-                           f"{max(rs[layer], ro[layer]):.3g} x the bound)")
+                failure = (
+                    f"{view.label}, layer {layer}: attention "
+                    f"{'scores' if bad_s else 'outputs'} over the pool differ from the "
+                    f"recomputed ones beyond the rounding bound ({where}; "
+                    f"{max(rs[layer], ro[layer]):.3g} x the bound)"
+                )
         worst_s, worst_o = max(worst_s, float(rs.max())), max(worst_o, float(ro.max()))
         queries += layers * (random_queries + picks.shape[1])
         tokens += n
-    return ReadbackResult(failure is None, len(views), tokens, queries, worst_s, worst_o,
-                          failure)
+    return ReadbackResult(failure is None, len(views), tokens, queries, worst_s, worst_o, failure)
 
 
 @functools.partial(jax.jit, static_argnames=("rotary_dim", "u_delta", "pool_dtype"))
-def _check_view(pools, kp, vp, rows, scales, x, k_ref, v_ref, q_random, picks, mask, *,
-                rotary_dim, u_delta, pool_dtype):
+def _check_view(
+    pools,
+    kp,
+    vp,
+    rows,
+    scales,
+    x,
+    k_ref,
+    v_ref,
+    q_random,
+    picks,
+    mask,
+    *,
+    rotary_dim,
+    u_delta,
+    pool_dtype,
+):
     """Per layer: the worst score and output differences relative to their bounds, and where
     the worst ones are (``[query, head, token]`` / ``[query, head]``)."""
     k_stored = pools[:, 0, kp, rows].astype(jnp.float32)  # [layers, n, H, D]
@@ -192,7 +238,8 @@ def _check_view(pools, kp, vp, rows, scales, x, k_ref, v_ref, q_random, picks, m
     # Padding tokens: zero keys, values and bounds, and no attention weight (below).
     keep = mask[None, :, None, None]
     k_stored, v_stored, k_ref, v_ref, ek, ev = (
-        jnp.where(keep, a, 0.0) for a in (k_stored, v_stored, k_ref, v_ref, ek, ev))
+        jnp.where(keep, a, 0.0) for a in (k_stored, v_stored, k_ref, v_ref, ek, ev)
+    )
     layer = functools.partial(_check_layer, mask=mask)
     return jax.vmap(layer)(k_stored, v_stored, k_ref, v_ref, ek, ev, q_random, picks)
 
@@ -207,8 +254,10 @@ def _check_layer(k_stored, v_stored, k_ref, v_ref, ek, ev, q_random, picks, *, m
     s_ref, p_ref, o_ref = _attention(q, k_ref, v_ref, mask)
     s, _, o = _attention(q, k_stored, v_stored, mask)
     aq = jnp.abs(q)
-    b = (jnp.einsum("qhd,nhd->qhn", aq, ek)
-         + 2 * head_dim * F32_U * jnp.einsum("qhd,nhd->qhn", aq, jnp.abs(k_ref))) / root_d
+    b = (
+        jnp.einsum("qhd,nhd->qhn", aq, ek)
+        + 2 * head_dim * F32_U * jnp.einsum("qhd,nhd->qhn", aq, jnp.abs(k_ref))
+    ) / root_d
     b_mean = (p_ref * b).sum(-1, keepdims=True)
     pw = jnp.swapaxes(p_ref, 1, 2)[..., None]  # [Q, n, H, 1]
     bw = jnp.swapaxes(b + b_mean, 1, 2)[..., None]

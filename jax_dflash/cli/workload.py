@@ -92,8 +92,10 @@ class AcceptDistribution:
         return out.astype(np.int32)
 
 
-ACCEPT_HELP = ("uniform | geometric:P (each draft accepted with probability P until the first "
-               "rejection; length = 1 + accepted drafts) | fixed:N")
+ACCEPT_HELP = (
+    "uniform | geometric:P (each draft accepted with probability P until the first "
+    "rejection; length = 1 + accepted drafts) | fixed:N"
+)
 
 
 def parse_accept(spec: str, block_size: int) -> AcceptDistribution:
@@ -116,7 +118,8 @@ def parse_accept(spec: str, block_size: int) -> AcceptDistribution:
             n = 0
         if not 1 <= n <= block_size:
             raise ValueError(
-                f"--accept fixed:N expects 1 <= N <= block size {block_size}, got {spec!r}")
+                f"--accept fixed:N expects 1 <= N <= block size {block_size}, got {spec!r}"
+            )
         return AcceptDistribution("fixed", n)
     raise ValueError(f"--accept expects {ACCEPT_HELP}; got {spec!r}")
 
@@ -185,8 +188,9 @@ def rope_table(capacity: int, rotary_dim: int, theta: float) -> np.ndarray:
 class ProgressBar:
     """A plain text bar on stderr: redrawn in place on a terminal, a few lines otherwise."""
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True, stream=None,
-                 width: int = 28):
+    def __init__(
+        self, total: int, label: str, *, enabled: bool = True, stream=None, width: int = 28
+    ):
         self.total, self.label, self.width = total, label, width
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -215,8 +219,10 @@ class ProgressBar:
     def _line(self, done: int, now: float) -> str:
         filled = self.width * done // max(self.total, 1)
         rate = done / max(now - self.start, 1e-9)
-        return (f"{self.label:<28} [{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{done}/{self.total} steps {rate:8.1f} steps/s")
+        return (
+            f"{self.label:<28} [{'#' * filled}{'.' * (self.width - filled)}] "
+            f"{done}/{self.total} steps {rate:8.1f} steps/s"
+        )
 
 
 # ---- collecting the deltas for the check --------------------------------------------------------
@@ -265,8 +271,8 @@ def slot_deltas(steps: dict, schedule, block_size: int):
         for b, n in enumerate(schedule.lengths[i]):
             if n > 0:
                 o = offsets[b]
-                k_all[:, b, o:o + n] = k[:, b, :n]
-                v_all[:, b, o:o + n] = v[:, b, :n]
+                k_all[:, b, o : o + n] = k[:, b, :n]
+                v_all[:, b, o : o + n] = v[:, b, :n]
     return k_all, v_all
 
 
@@ -335,6 +341,7 @@ def compare_bits(actual: np.ndarray, expected: np.ndarray) -> tuple[int, int]:
 
 def _recompute(weights, rope, streams, positions, *, geometry, tokens_per_step):
     """See :meth:`Workload.recompute`."""
+
     def chunk(sp):
         return pipeline.project(weights, sp[0], sp[1], geometry)
 
@@ -458,9 +465,21 @@ LABELS = {"kernel": "dflash kernel", "baseline": "jnp baseline"}
 class Workload:
     """The host-side plan and data of one ``jax-dflash run`` (see the module docstring)."""
 
-    def __init__(self, preset: Preset, *, batch: int, steps: int, seed: int, accept,
-                 device: jax.Device, dtype: str | None = None, kv_dtype: str | None = None,
-                 contract: str = "slot", window: int | None = None, fused_norm: bool = True):
+    def __init__(
+        self,
+        preset: Preset,
+        *,
+        batch: int,
+        steps: int,
+        seed: int,
+        accept,
+        device: jax.Device,
+        dtype: str | None = None,
+        kv_dtype: str | None = None,
+        contract: str = "slot",
+        window: int | None = None,
+        fused_norm: bool = True,
+    ):
         self.preset = preset
         self.batch, self.steps, self.seed, self.accept = batch, steps, seed, accept
         self.device = device
@@ -472,27 +491,53 @@ class Workload:
         self.dtype = self.pool_dtype = dtype_from_name(self.pool_dtype_name)
         self.fp8 = self.pool_dtype_name in FP8_NAMES
         p = preset
-        self.geometry = pipeline.Geometry(p.num_layers, p.num_kv_heads, p.head_dim, p.rope_dim,
-                                          p.feature_size, p.hidden_size)
+        self.geometry = pipeline.Geometry(
+            p.num_layers, p.num_kv_heads, p.head_dim, p.rope_dim, p.feature_size, p.hidden_size
+        )
         rng = np.random.default_rng(seed)
         self.schedule = self.plan = None
         if contract == "slot":
-            self.schedule = make_schedule(rng, accept, steps=steps, batch=batch,
-                                          block_size=p.block_size, capacity=p.slot_capacity)
+            self.schedule = make_schedule(
+                rng,
+                accept,
+                steps=steps,
+                batch=batch,
+                block_size=p.block_size,
+                capacity=p.slot_capacity,
+            )
             self.pool_shape = p.pool_shape()
         else:
             self.plan = allocator.plan_paged_run(
-                rng, accept, steps=steps, batch=batch, block_size=p.block_size,
-                page_size=p.page_size, max_length=p.slot_capacity, window=window)
-            self.pool_shape = (p.num_layers, 2, self.plan.num_pages, p.page_size,
-                               p.num_kv_heads, p.head_dim)
+                rng,
+                accept,
+                steps=steps,
+                batch=batch,
+                block_size=p.block_size,
+                page_size=p.page_size,
+                max_length=p.slot_capacity,
+                window=window,
+            )
+            self.pool_shape = (
+                p.num_layers,
+                2,
+                self.plan.num_pages,
+                p.page_size,
+                p.num_kv_heads,
+                p.head_dim,
+            )
         self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
         self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta)
         self._host_weights = pipeline.random_weights(rng, self.geometry, self.delta_dtype)
         self.spec = pipeline.StepSpec(
-            contract, self.geometry, batch, p.block_size,
+            contract,
+            self.geometry,
+            batch,
+            p.block_size,
             pages_per_slot=p.pages_per_slot if contract == "slot" else None,
-            ring=window is not None, fused_norm=fused_norm, fp8=self.fp8)
+            ring=window is not None,
+            fused_norm=fused_norm,
+            fp8=self.fp8,
+        )
         self._consts: pipeline.Constants | None = None
         self._compiled: dict = {}
 
@@ -522,8 +567,10 @@ class Workload:
         """Bytes the update must move in the decode steps: per written token and layer, read
         its key and value, write both into the pool, and read its RoPE row (float32)."""
         p = self.preset
-        per_token = (2 * p.num_kv_heads * p.head_dim
-                     * (self.delta_dtype.itemsize + self.pool_dtype.itemsize) + 4 * p.rope_dim)
+        per_token = (
+            2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + self.pool_dtype.itemsize)
+            + 4 * p.rope_dim
+        )
         return self.written_tokens * p.num_layers * per_token
 
     def pool_bytes(self, dtype: np.dtype | None = None) -> int:
@@ -538,17 +585,23 @@ class Workload:
         put = lambda x: jax.device_put(x, self.device)  # noqa: E731
         w = self._host_weights
         weights = pipeline.DraftWeights(
-            put(w["fc"]), put(w["hidden_norm"]), put(w["kv_proj"]), put(w["k_norm"]),
-            put(np.uint32(self.seed % 2**32)))
+            put(w["fc"]),
+            put(w["hidden_norm"]),
+            put(w["kv_proj"]),
+            put(w["k_norm"]),
+            put(np.uint32(self.seed % 2**32)),
+        )
         k_scale = v_scale = None
         if self.fp8:
             with jax.default_device(self.device):
                 k_scale, v_scale = jax.jit(pipeline.calibrate_scales, static_argnums=(1, 2))(
-                    weights, self.geometry, self.pool_dtype_name)
+                    weights, self.geometry, self.pool_dtype_name
+                )
         lengths = positions = owners = streams = tables = None
         if self.plan is None:
-            lengths = put(np.concatenate(
-                [self.schedule.lengths, np.zeros((1, self.batch), np.int32)]))
+            lengths = put(
+                np.concatenate([self.schedule.lengths, np.zeros((1, self.batch), np.int32)])
+            )
         else:
             pre, dec = self.plan.prefill, self.plan.decode
 
@@ -559,8 +612,9 @@ class Workload:
 
             positions, owners = stack("positions", -1), stack("owners", -1)
             streams, tables = stack("streams", -1), stack("tables", -1)
-        self._consts = pipeline.Constants(weights, put(self.rope), k_scale, v_scale, lengths,
-                                          positions, owners, streams, tables)
+        self._consts = pipeline.Constants(
+            weights, put(self.rope), k_scale, v_scale, lengths, positions, owners, streams, tables
+        )
         return self._consts
 
     def scales_host(self):
@@ -581,8 +635,11 @@ class Workload:
             step = pipeline.make_step(self.spec, impl, with_update=with_update)
             pools = jax.device_put(self.initial_pool, self.device)
             start = time.perf_counter()
-            compiled = jax.jit(step, donate_argnums=0).lower(
-                self._state(pools, 0), self.consts()).compile()
+            compiled = (
+                jax.jit(step, donate_argnums=0)
+                .lower(self._state(pools, 0), self.consts())
+                .compile()
+            )
             self._compiled[key] = (compiled, time.perf_counter() - start)
             del pools
         return self._compiled[key]
@@ -630,8 +687,15 @@ class Workload:
         total_steps = self.prefill_steps + self.steps * (1 + 2 * rounds)
         return compile_s + per_step * total_steps, per_step
 
-    def run(self, impl: str, *, check: bool = True, measure_update: bool = True,
-            progress: bool = True, check_readback: bool = True) -> ImplResult:
+    def run(
+        self,
+        impl: str,
+        *,
+        check: bool = True,
+        measure_update: bool = True,
+        progress: bool = True,
+        check_readback: bool = True,
+    ) -> ImplResult:
         """The timed, checked run of one implementation; then (``measure_update``) replays of
         the decode steps with and without the update, for the update's share."""
         label = LABELS[impl]
@@ -644,16 +708,17 @@ class Workload:
         pools = self._warm_up(compiled, state[0])
         state = self._state(pools, self.prefill_steps)
         bar = ProgressBar(self.steps, label, enabled=progress)
-        state, seconds = self._loop(compiled, state, self.prefill_steps, self.steps,
-                                    collector=collector, bar=bar)
+        state, seconds = self._loop(
+            compiled, state, self.prefill_steps, self.steps, collector=collector, bar=bar
+        )
         timing = Timing(self.steps, seconds, compile_seconds)
         if self.plan is None:
             final_positions = np.asarray(state[2])
             expected_positions = self.schedule.starts + self.schedule.totals
             if not np.array_equal(final_positions, expected_positions):
                 raise AssertionError(  # a bug of this simulation, not of the op
-                    f"positions after the run: expected {expected_positions}, "
-                    f"got {final_positions}")
+                    f"positions after the run: expected {expected_positions}, got {final_positions}"
+                )
         pools = state[0]
         del state
         actual = None
@@ -667,13 +732,16 @@ class Workload:
             low, high = SHARE_ROUNDS
             rounds = int(np.clip(np.ceil(SHARE_SECONDS / max(seconds, 1e-9)), low, high))
             for _ in range(rounds):
-                state, s = self._loop(without, self._state(pools, self.prefill_steps),
-                                      self.prefill_steps, self.steps)
+                state, s = self._loop(
+                    without, self._state(pools, self.prefill_steps), self.prefill_steps, self.steps
+                )
                 pools = state[0]
-                best_without = s / self.steps if best_without is None else min(
-                    best_without, s / self.steps)
-                state, s = self._loop(compiled, self._state(pools, self.prefill_steps),
-                                      self.prefill_steps, self.steps)
+                best_without = (
+                    s / self.steps if best_without is None else min(best_without, s / self.steps)
+                )
+                state, s = self._loop(
+                    compiled, self._state(pools, self.prefill_steps), self.prefill_steps, self.steps
+                )
                 pools = state[0]
                 best = min(best, s / self.steps)
             best_without = min(best_without, best)
@@ -686,8 +754,20 @@ class Workload:
             mismatches, max_ulp = compare_bits(actual, expected)
             elements = expected.size
             verdict = "bit-exact" if mismatches == 0 else "differs"
-        return ImplResult(impl, label, timing, self.accepted_tokens, self.update_bytes,
-                          best, best_without, verdict, mismatches, max_ulp, elements, rb)
+        return ImplResult(
+            impl,
+            label,
+            timing,
+            self.accepted_tokens,
+            self.update_bytes,
+            best,
+            best_without,
+            verdict,
+            mismatches,
+            max_ulp,
+            elements,
+            rb,
+        )
 
     def deltas(self, impl: str = "kernel") -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """The deltas every step (prefill included) gives the update, as the check collects
@@ -716,8 +796,15 @@ class Workload:
         if self.plan is None:
             k, v = slot_deltas(steps, self.schedule, self.preset.block_size)
             return reference.target_kv_cache_update(
-                k, v, self.initial_pool, self.rope, self.schedule.starts, self.schedule.totals,
-                pages_per_slot=self.preset.pages_per_slot, **extras)
+                k,
+                v,
+                self.initial_pool,
+                self.rope,
+                self.schedule.starts,
+                self.schedule.totals,
+                pages_per_slot=self.preset.pages_per_slot,
+                **extras,
+            )
         pool = self.initial_pool
         B = self.batch
         for group in paged_replay_groups(self.plan, range(self.prefill_steps + self.steps)):
@@ -731,9 +818,16 @@ class Workload:
                 vs.append(steps[i][1])
             pos, own = np.concatenate(pos), np.concatenate(own)
             pool = reference.target_kv_cache_update_paged(
-                np.concatenate(ks, axis=1), np.concatenate(vs, axis=1), pool,
-                gather_rope_host(self.rope, pos, own), pos, own, np.concatenate(tables),
-                ring=self.plan.ring, **extras)
+                np.concatenate(ks, axis=1),
+                np.concatenate(vs, axis=1),
+                pool,
+                gather_rope_host(self.rope, pos, own),
+                pos,
+                own,
+                np.concatenate(tables),
+                ring=self.plan.ring,
+                **extras,
+            )
         return pool
 
     def readback_views(self) -> list[readback.SequenceView]:
@@ -749,9 +843,17 @@ class Workload:
             live = np.flatnonzero(s.totals > 0)
             for b in rng.permutation(live)[:READBACK_SEQUENCES]:
                 b = int(b)
-                views.append(readback.slot_view(
-                    f"sequence {b}", b, int(s.starts[b]), int(s.starts[b] + s.totals[b]),
-                    p.pages_per_slot, p.page_size, b))
+                views.append(
+                    readback.slot_view(
+                        f"sequence {b}",
+                        b,
+                        int(s.starts[b]),
+                        int(s.starts[b] + s.totals[b]),
+                        p.pages_per_slot,
+                        p.page_size,
+                        b,
+                    )
+                )
             return views
         final = self.plan.final
         table = self.plan.decode.tables[-1]
@@ -759,9 +861,17 @@ class Workload:
             f = final[int(n)]
             pos = np.arange(f.visible_start, f.length)
             streams = np.where(pos < f.prompt_length, f.prompt_id, f.stream)
-            views.append(readback.paged_view(
-                f"sequence in table row {f.row}", table[f.row], pos, streams, p.page_size,
-                self.plan.num_pages, self.plan.ring))
+            views.append(
+                readback.paged_view(
+                    f"sequence in table row {f.row}",
+                    table[f.row],
+                    pos,
+                    streams,
+                    p.page_size,
+                    self.plan.num_pages,
+                    self.plan.ring,
+                )
+            )
         return views
 
     def recompute(self, streams, positions, at_least: int = 0):
@@ -776,16 +886,26 @@ class Workload:
         s = np.concatenate([np.asarray(streams, np.int32), np.zeros(pad, np.int32)])
         q = np.concatenate([np.asarray(positions, np.int32), np.zeros(pad, np.int32)])
         if "recompute" not in self._compiled:
-            self._compiled["recompute"] = jax.jit(functools.partial(
-                _recompute, geometry=self.geometry, tokens_per_step=T))
+            self._compiled["recompute"] = jax.jit(
+                functools.partial(_recompute, geometry=self.geometry, tokens_per_step=T)
+            )
         consts = self.consts()
-        return self._compiled["recompute"](consts.weights, consts.rope,
-                                           jax.device_put(s, self.device),
-                                           jax.device_put(q, self.device))
+        return self._compiled["recompute"](
+            consts.weights,
+            consts.rope,
+            jax.device_put(s, self.device),
+            jax.device_put(q, self.device),
+        )
 
     def readback(self, pools) -> readback.ReadbackResult:
         k_scale, v_scale = self.scales_host()
         return readback.check_sequences(
-            pools, self.readback_views(), self.recompute, delta_dtype=self.delta_dtype,
-            rotary_dim=self.geometry.rotary_dim, k_scale=k_scale, v_scale=v_scale,
-            rng=np.random.default_rng([self.seed, 2]))
+            pools,
+            self.readback_views(),
+            self.recompute,
+            delta_dtype=self.delta_dtype,
+            rotary_dim=self.geometry.rotary_dim,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            rng=np.random.default_rng([self.seed, 2]),
+        )

@@ -72,8 +72,16 @@ class _Aval:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
 
-def _node_for(eqn, names: tuple[str, ...], *, paged: bool, fp8_pool: bool, inputs: list[str],
-              output: str, name: str):
+def _node_for(
+    eqn,
+    names: tuple[str, ...],
+    *,
+    paged: bool,
+    fp8_pool: bool,
+    inputs: list[str],
+    output: str,
+    name: str,
+):
     """The ONNX node of one update equation, after the plugin's build-time checks."""
     params = eqn.params
     avals = [var.aval for var in eqn.invars]
@@ -86,46 +94,65 @@ def _node_for(eqn, names: tuple[str, ...], *, paged: bool, fp8_pool: bool, input
         )
     k_norm = bool(params.get("k_norm", False))
     # The plugin takes scales of shape [1] or [H]; a [] scale is exported reshaped to [1].
-    checked = [_Aval((1,), a.dtype) if n in dflash_onnx.SCALE_INPUTS and not a.shape else a
-               for n, a in zip(names, avals)]
+    checked = [
+        _Aval((1,), a.dtype) if n in dflash_onnx.SCALE_INPUTS and not a.shape else a
+        for n, a in zip(names, avals)
+    ]
     try:
-        dflash_onnx.check_plugin_operands(paged, checked, k_norm=k_norm,
-                                          pages_per_slot=params.get("pages_per_slot"))
+        dflash_onnx.check_plugin_operands(
+            paged, checked, k_norm=k_norm, pages_per_slot=params.get("pages_per_slot")
+        )
     except (TypeError, ValueError) as e:
-        raise type(e)(f"jax_dflash.interop.export: the update cannot be a TensorRT plugin node: "
-                      f"{e}") from e
+        raise type(e)(
+            f"jax_dflash.interop.export: the update cannot be a TensorRT plugin node: {e}"
+        ) from e
     v_norm = bool(params.get("v_norm", False))
     # norm_eps is written only when a norm uses it.
-    norm_eps = (params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS) if k_norm or v_norm
-                else dflash_onnx.DEFAULT_NORM_EPS)
+    norm_eps = (
+        params.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS)
+        if k_norm or v_norm
+        else dflash_onnx.DEFAULT_NORM_EPS
+    )
     options = dict(fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps, name=name)
     if paged:
-        return dflash_onnx.make_paged_update_node(inputs, output,
-                                                  ring=bool(params.get("ring", False)), **options)
-    return dflash_onnx.make_update_node(inputs, output, pages_per_slot=params["pages_per_slot"],
-                                        **options)
+        return dflash_onnx.make_paged_update_node(
+            inputs, output, ring=bool(params.get("ring", False)), **options
+        )
+    return dflash_onnx.make_update_node(
+        inputs, output, pages_per_slot=params["pages_per_slot"], **options
+    )
 
 
 def _lower(ctx: Any, eqn: Any, *, paged: bool) -> None:
     _, ir, _ = _jax2onnx()
     pool_aval = eqn.invars[2].aval
     fp8_pool = np.dtype(pool_aval.dtype).name in dflash_onnx.FP8_POOL_DTYPES
-    names = dflash_onnx.node_inputs(paged, fp8_pool=fp8_pool,
-                                    k_norm=bool(eqn.params.get("k_norm", False)))
+    names = dflash_onnx.node_inputs(
+        paged, fp8_pool=fp8_pool, k_norm=bool(eqn.params.get("k_norm", False))
+    )
     if len(names) != len(eqn.invars):
         raise ValueError(
             f"jax_dflash.interop.export: expected {len(names)} operands {list(names)}, got "
             f"{len(eqn.invars)}"
         )
-    inputs = [ctx.get_value_for_var(var, name_hint=ctx.fresh_name(name))
-              for var, name in zip(eqn.invars, names)]
-    out_spec = ctx.get_value_for_var(eqn.outvars[0],
-                                     name_hint=ctx.fresh_name(dflash_onnx.OUTPUT_NAME))
+    inputs = [
+        ctx.get_value_for_var(var, name_hint=ctx.fresh_name(name))
+        for var, name in zip(eqn.invars, names)
+    ]
+    out_spec = ctx.get_value_for_var(
+        eqn.outvars[0], name_hint=ctx.fresh_name(dflash_onnx.OUTPUT_NAME)
+    )
     output_name = out_spec.name or ctx.fresh_name(dflash_onnx.OUTPUT_NAME)
     # Checked before any node is added; the node is onnx.py's, copied: one source for both.
-    node = _node_for(eqn, names, paged=paged, fp8_pool=fp8_pool,
-                     inputs=[v.name or "" for v in inputs], output=output_name,
-                     name=ctx.fresh_name(dflash_onnx.PLUGIN_NAME))
+    node = _node_for(
+        eqn,
+        names,
+        paged=paged,
+        fp8_pool=fp8_pool,
+        inputs=[v.name or "" for v in inputs],
+        output=output_name,
+        name=ctx.fresh_name(dflash_onnx.PLUGIN_NAME),
+    )
     for i, (name, var) in enumerate(zip(names, eqn.invars)):
         if name in dflash_onnx.SCALE_INPUTS and not var.aval.shape:
             inputs[i] = _as_vector(ctx, ir, inputs[i], name)
@@ -163,8 +190,10 @@ def register_jax2onnx_plugin() -> None:
     """Registers the lowerings of both update primitives with jax2onnx (once)."""
     _, _, plugin_system = _jax2onnx()
 
-    for primitive, paged in ((target_kv_cache_update_p, False),
-                             (target_kv_cache_update_paged_p, True)):
+    for primitive, paged in (
+        (target_kv_cache_update_p, False),
+        (target_kv_cache_update_paged_p, True),
+    ):
 
         @plugin_system.register_primitive(
             jaxpr_primitive=primitive.name,

@@ -43,10 +43,23 @@ EDGE_LLM_DOMAIN = "trt_edgellm"  # the domain of Edge-LLM's own exported plugin 
 EDGE_LLM_DOMAIN_VERSION = 23  # the paged node's since_version in that domain
 OUTPUT_NAME = "present_key_value"
 
-SLOT_INPUTS = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions",
-               "delta_lengths")
-PAGED_INPUTS = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_positions",
-                "delta_token_to_sequence", "kv_page_table")
+SLOT_INPUTS = (
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_start_positions",
+    "delta_lengths",
+)
+PAGED_INPUTS = (
+    "k_delta",
+    "v_delta",
+    "past_key_value",
+    "rope_cos_sin",
+    "delta_positions",
+    "delta_token_to_sequence",
+    "kv_page_table",
+)
 SCALE_INPUTS = ("k_scale", "v_scale")
 NORM_WEIGHT_INPUT = "k_norm_weight"
 
@@ -56,8 +69,12 @@ DEFAULT_NORM_EPS = 1e-6
 DELTA_DTYPES = ("float16", "bfloat16", "float32")
 TRT_POOL_DTYPES = (*DELTA_DTYPES, "float8_e4m3fn")  # TensorRT 10 has e4m3 only (kFP8)
 FP8_POOL_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-_ONNX_TYPES = {"float16": "FLOAT16", "bfloat16": "BFLOAT16", "float32": "FLOAT",
-               "float8_e4m3fn": "FLOAT8E4M3FN"}
+_ONNX_TYPES = {
+    "float16": "FLOAT16",
+    "bfloat16": "BFLOAT16",
+    "float32": "FLOAT",
+    "float8_e4m3fn": "FLOAT8E4M3FN",
+}
 
 
 def _onnx():
@@ -98,8 +115,9 @@ def check_flag(value, name: str) -> bool:
 
 def check_norm_eps(value, name: str = "norm_eps") -> float:
     """A finite float32 > 0 (a FLOAT32 plugin field); returned as the float32 value."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
-                                                                      np.integer)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.floating, np.integer)
+    ):
         raise TypeError(f"{name}: expected a float > 0, got {type(value).__name__} {value!r}")
     eps = float(np.float32(value))
     if not (math.isfinite(eps) and eps > 0):
@@ -109,8 +127,9 @@ def check_norm_eps(value, name: str = "norm_eps") -> float:
 
 def _flags(*, ring, k_norm, v_norm, norm_eps) -> tuple[bool, bool, bool, float | None]:
     """Checked flags, and the eps to write (None when no norm is on)."""
-    ring, k_norm, v_norm = (check_flag(v, n) for v, n in
-                            ((ring, "ring"), (k_norm, "k_norm"), (v_norm, "v_norm")))
+    ring, k_norm, v_norm = (
+        check_flag(v, n) for v, n in ((ring, "ring"), (k_norm, "k_norm"), (v_norm, "v_norm"))
+    )
     eps = check_norm_eps(norm_eps)
     if not (k_norm or v_norm):
         if eps != float(np.float32(DEFAULT_NORM_EPS)):
@@ -131,7 +150,8 @@ def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
     inputs = list(expected if inputs is None else inputs)
     if len(inputs) != len(expected):
         raise ValueError(
-            f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}")
+            f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}"
+        )
     return inputs
 
 
@@ -160,17 +180,25 @@ def make_update_node(
     """
     onnx = _onnx()
     _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
-    inputs = _input_list(inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"),
-                                             k_norm=k_norm))
+    inputs = _input_list(
+        inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"), k_norm=k_norm)
+    )
     attributes = dict(
         plugin_version=PLUGIN_VERSION,
         plugin_namespace=_namespace(plugin_namespace),
-        pages_per_slot=check_int32_attribute(_shapes.check_pages_per_slot(pages_per_slot),
-                                             "pages_per_slot", minimum=1),
+        pages_per_slot=check_int32_attribute(
+            _shapes.check_pages_per_slot(pages_per_slot), "pages_per_slot", minimum=1
+        ),
     )
     attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
-    return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
-                                 name=name or PLUGIN_NAME, domain=PLUGIN_DOMAIN, **attributes)
+    return onnx.helper.make_node(
+        PLUGIN_NAME,
+        inputs=inputs,
+        outputs=[output],
+        name=name or PLUGIN_NAME,
+        domain=PLUGIN_DOMAIN,
+        **attributes,
+    )
 
 
 def _namespace(plugin_namespace) -> str:
@@ -195,8 +223,9 @@ def _extension_attributes(ring: bool, k_norm: bool, v_norm: bool, eps: float | N
     return attributes
 
 
-def uses_edge_llm_node(*, ring=False, fp8_pool=False, k_norm=False, v_norm=False,
-                       plugin_namespace="") -> bool:
+def uses_edge_llm_node(
+    *, ring=False, fp8_pool=False, k_norm=False, v_norm=False, plugin_namespace=""
+) -> bool:
     """Whether a paged update is spelled as Edge-LLM 0.11's field-less ``trt_edgellm`` node."""
     return not (ring or fp8_pool or k_norm or v_norm) and plugin_namespace == ""
 
@@ -229,14 +258,30 @@ def make_paged_update_node(
     fp8_pool = check_flag(fp8_pool, "fp8_pool")
     plugin_namespace = _namespace(plugin_namespace)
     inputs = _input_list(inputs, node_inputs(True, fp8_pool=fp8_pool, k_norm=k_norm))
-    if uses_edge_llm_node(ring=ring, fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm,
-                          plugin_namespace=plugin_namespace):
-        return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
-                                     name=name or PLUGIN_NAME, domain=EDGE_LLM_DOMAIN)
+    if uses_edge_llm_node(
+        ring=ring,
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        plugin_namespace=plugin_namespace,
+    ):
+        return onnx.helper.make_node(
+            PLUGIN_NAME,
+            inputs=inputs,
+            outputs=[output],
+            name=name or PLUGIN_NAME,
+            domain=EDGE_LLM_DOMAIN,
+        )
     attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=plugin_namespace)
     attributes.update(_extension_attributes(ring, k_norm, v_norm, eps))
-    return onnx.helper.make_node(PLUGIN_NAME, inputs=inputs, outputs=[output],
-                                 name=name or PLUGIN_NAME, domain=PLUGIN_DOMAIN, **attributes)
+    return onnx.helper.make_node(
+        PLUGIN_NAME,
+        inputs=inputs,
+        outputs=[output],
+        name=name or PLUGIN_NAME,
+        domain=PLUGIN_DOMAIN,
+        **attributes,
+    )
 
 
 def domain_version(domain: str) -> int:
@@ -255,8 +300,9 @@ def _dims(x) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape)
 
 
-def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = False,
-                          pages_per_slot: int | None = None):
+def check_plugin_operands(
+    paged: bool, operands: Sequence, *, k_norm: bool = False, pages_per_slot: int | None = None
+):
     """Checks operands (anything with .shape and .dtype) against the plugin's rules.
 
     ``operands`` are the node's inputs in order (base, then k_scale, v_scale for an FP8 pool,
@@ -269,9 +315,11 @@ def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = Fal
     base = PAGED_INPUTS if paged else SLOT_INPUTS
     operands = list(operands)
     if len(operands) < len(base):
-        missing = list(base[len(operands):])
-        raise ValueError(f"{missing[0]}: expected {len(base)} base inputs {list(base)}, "
-                         f"got {len(operands)} (missing {missing})")
+        missing = list(base[len(operands) :])
+        raise ValueError(
+            f"{missing[0]}: expected {len(base)} base inputs {list(base)}, "
+            f"got {len(operands)} (missing {missing})"
+        )
     pool = operands[2]
     pool_dtype = _dtype_name(pool)
     if pool_dtype == "float8_e5m2":
@@ -281,23 +329,30 @@ def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = Fal
         )
     if pool_dtype not in TRT_POOL_DTYPES:
         raise TypeError(
-            f"past_key_value: expected dtype one of {list(TRT_POOL_DTYPES)}, got {pool_dtype}")
+            f"past_key_value: expected dtype one of {list(TRT_POOL_DTYPES)}, got {pool_dtype}"
+        )
     fp8_pool = pool_dtype in FP8_POOL_DTYPES
     expected = node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
     if len(operands) != len(expected):
-        why = (f"a {pool_dtype} pool "
-               + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
-               + (", and k_norm = 1 takes k_norm_weight" if k_norm else ", and k_norm is off"))
+        why = (
+            f"a {pool_dtype} pool "
+            + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
+            + (", and k_norm = 1 takes k_norm_weight" if k_norm else ", and k_norm is off")
+        )
         if len(operands) < len(expected):
-            raise ValueError(f"{expected[len(operands)]}: expected {len(expected)} inputs "
-                             f"{list(expected)} ({why}), got {len(operands)}")
-        raise ValueError(f"inputs: expected {len(expected)} inputs {list(expected)} ({why}), got "
-                         f"{len(operands)}")
+            raise ValueError(
+                f"{expected[len(operands)]}: expected {len(expected)} inputs "
+                f"{list(expected)} ({why}), got {len(operands)}"
+            )
+        raise ValueError(
+            f"inputs: expected {len(expected)} inputs {list(expected)} ({why}), got {len(operands)}"
+        )
 
     for name, x in zip(base[:2], operands[:2]):
         if _dtype_name(x) not in DELTA_DTYPES:
             raise TypeError(
-                f"{name}: expected dtype one of {list(DELTA_DTYPES)}, got {_dtype_name(x)}")
+                f"{name}: expected dtype one of {list(DELTA_DTYPES)}, got {_dtype_name(x)}"
+            )
     delta_rank = 3 if paged else 4
     if len(_dims(operands[0])) != delta_rank or len(_dims(pool)) != 5:
         layout = "[T, H, D]" if paged else "[B, L, H, D]"
@@ -312,21 +367,22 @@ def check_plugin_operands(paged: bool, operands: Sequence, *, k_norm: bool = Fal
             f"(TensorRT's contract), got shape {_dims(pool)}"
         )
     heads = _dims(pool)[3]
-    extras = dict(zip(expected[len(base):], operands[len(base):]))
+    extras = dict(zip(expected[len(base) :], operands[len(base) :]))
     for name in SCALE_INPUTS:
         if name in extras:
             scale = extras[name]
             if _dims(scale) not in ((1,), (heads,)):
                 raise ValueError(
-                    f"{name}: expected shape [1] or [H] = [{heads}], got {list(_dims(scale))}")
+                    f"{name}: expected shape [1] or [H] = [{heads}], got {list(_dims(scale))}"
+                )
             if _dims(scale) == (1,):
                 extras[name] = _Aval((), scale.dtype)  # per tensor
 
     if paged:
-        return _shapes.check_update_paged(*operands[:len(base)], **extras)
+        return _shapes.check_update_paged(*operands[: len(base)], **extras)
     if pages_per_slot is None:
         raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
-    return _shapes.check_update(*operands[:len(base)], pages_per_slot, **extras)
+    return _shapes.check_update(*operands[: len(base)], pages_per_slot, **extras)
 
 
 class _Aval:
@@ -343,7 +399,8 @@ def _dim(value, what: str):
     if isinstance(value, str):
         if not value:
             raise ValueError(
-                f"{what}: expected a positive int or a non-empty symbolic name, got ''")
+                f"{what}: expected a positive int or a non-empty symbolic name, got ''"
+            )
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{what}: expected an int >= 0 or a symbolic name (str), got {value!r}")
@@ -376,16 +433,19 @@ def _check_rotary(rotary, dim):
         raise ValueError(f"rotary_dim: expected an even int <= head_dim = {dim}, got {rotary}")
 
 
-def _extra_value_infos(helper, TensorProto, *, fp8_pool, k_norm, per_head_scales, heads, dim,
-                       delta_elem):
+def _extra_value_infos(
+    helper, TensorProto, *, fp8_pool, k_norm, per_head_scales, heads, dim, delta_elem
+):
     infos = []
     if fp8_pool:
         scale_shape = [heads] if per_head_scales else [1]
-        infos += [helper.make_tensor_value_info(n, TensorProto.FLOAT, scale_shape)
-                  for n in SCALE_INPUTS]
+        infos += [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, scale_shape) for n in SCALE_INPUTS
+        ]
     elif per_head_scales:
         raise ValueError(
-            "per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales")
+            "per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales"
+        )
     if k_norm:
         infos.append(helper.make_tensor_value_info(NORM_WEIGHT_INPUT, delta_elem, [dim]))
     return infos
@@ -395,8 +455,10 @@ def _model(helper, node, graph_name, inputs, output, opset):
     graph = helper.make_graph([node], graph_name, inputs, [output])
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", opset),
-                       helper.make_opsetid(node.domain, domain_version(node.domain))],
+        opset_imports=[
+            helper.make_opsetid("", opset),
+            helper.make_opsetid(node.domain, domain_version(node.domain)),
+        ],
         producer_name="jax_dflash",
     )
     # The oldest IR version that carries the opset: what TensorRT's (older) parser reads best.
@@ -445,8 +507,14 @@ def make_update_model(
     dtype, pool_dtype = _dtypes(dtype, pool_dtype)
     _check_page_size(page_size)
     fp8_pool = pool_dtype == "float8_e4m3fn"
-    node = make_update_node(pages_per_slot=pages_per_slot, fp8_pool=fp8_pool, k_norm=k_norm,
-                            v_norm=v_norm, norm_eps=norm_eps, plugin_namespace=plugin_namespace)
+    node = make_update_node(
+        pages_per_slot=pages_per_slot,
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=norm_eps,
+        plugin_namespace=plugin_namespace,
+    )
     pages_per_slot = int(pages_per_slot)
     heads, dim = _dim(num_kv_heads, "num_kv_heads"), _dim(head_dim, "head_dim")
     pages, rotary = _dim(num_pages, "num_pages"), _dim(rotary_dim, "rotary_dim")
@@ -483,9 +551,16 @@ def make_update_model(
         "delta_lengths": (TensorProto.INT32, [b]),
     }
     inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in SLOT_INPUTS]
-    inputs += _extra_value_infos(helper, TensorProto, fp8_pool=fp8_pool, k_norm=bool(k_norm),
-                                 per_head_scales=check_flag(per_head_scales, "per_head_scales"),
-                                 heads=heads, dim=dim, delta_elem=elem)
+    inputs += _extra_value_infos(
+        helper,
+        TensorProto,
+        fp8_pool=fp8_pool,
+        k_norm=bool(k_norm),
+        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+        heads=heads,
+        dim=dim,
+        delta_elem=elem,
+    )
     output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
     return _model(helper, node, graph_name, inputs, output, opset)
 
@@ -530,15 +605,22 @@ def make_paged_update_model(
     dtype, pool_dtype = _dtypes(dtype, pool_dtype)
     _check_page_size(page_size)
     fp8_pool = pool_dtype == "float8_e4m3fn"
-    node = make_paged_update_node(ring=ring, fp8_pool=fp8_pool, k_norm=k_norm, v_norm=v_norm,
-                                  norm_eps=norm_eps, plugin_namespace=plugin_namespace)
+    node = make_paged_update_node(
+        ring=ring,
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=norm_eps,
+        plugin_namespace=plugin_namespace,
+    )
     heads, dim = _dim(num_kv_heads, "num_kv_heads"), _dim(head_dim, "head_dim")
     pages, rotary = _dim(num_pages, "num_pages"), _dim(rotary_dim, "rotary_dim")
     t, b = _dim(tokens, "tokens"), _dim(batch, "batch")
     m = _dim(max_pages_per_sequence, "max_pages_per_sequence")
     if isinstance(m, int) and m == 0:
-        raise ValueError("max_pages_per_sequence: expected an int >= 1 (M, the page table's "
-                         "last dim), got 0")
+        raise ValueError(
+            "max_pages_per_sequence: expected an int >= 1 (M, the page table's last dim), got 0"
+        )
     if isinstance(m, int) and isinstance(pages, int) and m > pages:
         raise ValueError(
             f"max_pages_per_sequence: expected at most num_pages = {pages} (M <= N), got {m}"
@@ -558,9 +640,16 @@ def make_paged_update_model(
         "kv_page_table": (TensorProto.INT32, [b, 2, m]),
     }
     inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in PAGED_INPUTS]
-    inputs += _extra_value_infos(helper, TensorProto, fp8_pool=fp8_pool, k_norm=bool(k_norm),
-                                 per_head_scales=check_flag(per_head_scales, "per_head_scales"),
-                                 heads=heads, dim=dim, delta_elem=elem)
+    inputs += _extra_value_infos(
+        helper,
+        TensorProto,
+        fp8_pool=fp8_pool,
+        k_norm=bool(k_norm),
+        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+        heads=heads,
+        dim=dim,
+        delta_elem=elem,
+    )
     output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
     return _model(helper, node, graph_name, inputs, output, opset)
 
@@ -579,11 +668,14 @@ def make_node_model(node, operands: Sequence, *, opset: int = 17, graph_name: st
         raise ValueError(
             f"operands: expected one per node input {list(node.input)}, got {len(operands)}"
         )
+
     def elem(x):
         return helper.np_dtype_to_tensor_dtype(np.dtype(x.dtype))
 
-    inputs = [helper.make_tensor_value_info(name, elem(x), list(_dims(x)))
-              for name, x in zip(node.input, operands)]
+    inputs = [
+        helper.make_tensor_value_info(name, elem(x), list(_dims(x)))
+        for name, x in zip(node.input, operands)
+    ]
     pool = operands[2]
     output = helper.make_tensor_value_info(node.output[0], elem(pool), list(_dims(pool)))
     return _model(helper, node, graph_name, inputs, output, opset)

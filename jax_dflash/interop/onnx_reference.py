@@ -47,10 +47,21 @@ def _contiguous(*arrays):
     return [None if a is None else np.require(a, requirements=("C", "W")) for a in arrays]
 
 
-def run_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions,
-                      delta_lengths, *, pages_per_slot: int, k_scale=None, v_scale=None,
-                      k_norm_weight=None, v_norm: bool = False,
-                      norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS) -> np.ndarray:
+def run_update_kernel(
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_start_positions,
+    delta_lengths,
+    *,
+    pages_per_slot: int,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    v_norm: bool = False,
+    norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+) -> np.ndarray:
     """The slot contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
     Operands as :func:`jax_dflash.target_kv_cache_update` (unbatched or layer-batched), checked
@@ -59,24 +70,64 @@ def run_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_star
     from jax_dflash._shapes import check_update
 
     k, v, pool, rope, starts, lengths, k_scale, v_scale, weight = _contiguous(
-        k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths,
-        k_scale, v_scale, k_norm_weight)
-    shape = check_update(k, v, pool, rope, starts, lengths, pages_per_slot, k_scale=k_scale,
-                         v_scale=v_scale, k_norm_weight=weight)
+        k_delta,
+        v_delta,
+        past_key_value,
+        rope_cos_sin,
+        delta_start_positions,
+        delta_lengths,
+        k_scale,
+        v_scale,
+        k_norm_weight,
+    )
+    shape = check_update(
+        k,
+        v,
+        pool,
+        rope,
+        starts,
+        lengths,
+        pages_per_slot,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_norm_weight=weight,
+    )
     present = pool.copy()
     _ext.extension("cpu").target_kv_cache_update(
-        _bits(k), _bits(v), _bits(present), rope, starts, lengths, k_scale, v_scale,
+        _bits(k),
+        _bits(v),
+        _bits(present),
+        rope,
+        starts,
+        lengths,
+        k_scale,
+        v_scale,
         None if weight is None else _bits(weight),
-        pages_per_slot=shape.pages_per_slot, v_norm=bool(v_norm), norm_eps=float(norm_eps),
-        delta_dtype=k.dtype.name, pool_dtype=pool.dtype.name,
+        pages_per_slot=shape.pages_per_slot,
+        v_norm=bool(v_norm),
+        norm_eps=float(norm_eps),
+        delta_dtype=k.dtype.name,
+        pool_dtype=pool.dtype.name,
     )
     return present
 
 
-def run_paged_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions,
-                            delta_token_to_sequence, kv_page_table, *, ring: bool = False,
-                            k_scale=None, v_scale=None, k_norm_weight=None, v_norm: bool = False,
-                            norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS) -> np.ndarray:
+def run_paged_update_kernel(
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    delta_positions,
+    delta_token_to_sequence,
+    kv_page_table,
+    *,
+    ring: bool = False,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    v_norm: bool = False,
+    norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+) -> np.ndarray:
     """The paged contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
     Operands as :func:`jax_dflash.target_kv_cache_update_paged` (unbatched or layer-batched),
@@ -85,16 +136,46 @@ def run_paged_update_kernel(k_delta, v_delta, past_key_value, rope_cos_sin, delt
     from jax_dflash._shapes import check_update_paged
 
     k, v, pool, rope, positions, owners, table, k_scale, v_scale, weight = _contiguous(
-        k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, delta_token_to_sequence,
-        kv_page_table, k_scale, v_scale, k_norm_weight)
-    check_update_paged(k, v, pool, rope, positions, owners, table, k_scale=k_scale,
-                       v_scale=v_scale, k_norm_weight=weight)
+        k_delta,
+        v_delta,
+        past_key_value,
+        rope_cos_sin,
+        delta_positions,
+        delta_token_to_sequence,
+        kv_page_table,
+        k_scale,
+        v_scale,
+        k_norm_weight,
+    )
+    check_update_paged(
+        k,
+        v,
+        pool,
+        rope,
+        positions,
+        owners,
+        table,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_norm_weight=weight,
+    )
     present = pool.copy()
     _ext.extension("cpu").target_kv_cache_update_paged(
-        _bits(k), _bits(v), _bits(present), rope, positions, owners, table, k_scale, v_scale,
+        _bits(k),
+        _bits(v),
+        _bits(present),
+        rope,
+        positions,
+        owners,
+        table,
+        k_scale,
+        v_scale,
         None if weight is None else _bits(weight),
-        ring=bool(ring), v_norm=bool(v_norm), norm_eps=float(norm_eps),
-        delta_dtype=k.dtype.name, pool_dtype=pool.dtype.name,
+        ring=bool(ring),
+        v_norm=bool(v_norm),
+        norm_eps=float(norm_eps),
+        delta_dtype=k.dtype.name,
+        pool_dtype=pool.dtype.name,
     )
     return present
 
@@ -135,14 +216,16 @@ def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
         if attribute.type != _ATTRIBUTE_TYPES[name]:
             wanted = AttributeProto.AttributeType.Name(_ATTRIBUTE_TYPES[name])
             raise TypeError(
-                f"{name}: expected an attribute of type {wanted}, got {_attribute_text(attribute)}")
+                f"{name}: expected an attribute of type {wanted}, got {_attribute_text(attribute)}"
+            )
         value = onnx.helper.get_attribute_value(attribute)
         values[name] = value.decode() if isinstance(value, bytes) else value
 
     version = values.get("plugin_version", dflash_onnx.PLUGIN_VERSION)  # the parser's default
     if version != dflash_onnx.PLUGIN_VERSION:
         raise ValueError(
-            f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}")
+            f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}"
+        )
     for flag in ("ring", "k_norm", "v_norm"):
         if flag in values:
             if values[flag] not in (0, 1):
@@ -152,7 +235,8 @@ def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
         values["norm_eps"] = dflash_onnx.check_norm_eps(values["norm_eps"])
     if "pages_per_slot" in values:
         values["pages_per_slot"] = dflash_onnx.check_int32_attribute(
-            values["pages_per_slot"], "pages_per_slot", minimum=1)
+            values["pages_per_slot"], "pages_per_slot", minimum=1
+        )
     return values
 
 
@@ -212,8 +296,9 @@ class _TargetKVCacheUpdate(OpRun):
                     f"{dflash_onnx.INT32_MAX}]) on the slot-contract node, got none"
                 )
         k_norm = attributes.get("k_norm", False)
-        dflash_onnx.check_plugin_operands(paged, inputs, k_norm=k_norm,
-                                          pages_per_slot=attributes.get("pages_per_slot"))
+        dflash_onnx.check_plugin_operands(
+            paged, inputs, k_norm=k_norm, pages_per_slot=attributes.get("pages_per_slot")
+        )
 
         base = len(dflash_onnx.PAGED_INPUTS if paged else dflash_onnx.SLOT_INPUTS)
         extras = inputs[base:]
@@ -222,27 +307,42 @@ class _TargetKVCacheUpdate(OpRun):
             k_scale, v_scale = (s.reshape(()) if s.shape == (1,) else s for s in extras[:2])
         if k_norm:
             weight = extras[-1]
-        options = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight,
-                       v_norm=attributes.get("v_norm", False),
-                       norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS))
+        options = dict(
+            k_scale=k_scale,
+            v_scale=v_scale,
+            k_norm_weight=weight,
+            v_norm=attributes.get("v_norm", False),
+            norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
+        )
         if paged:
-            return run_paged_update_kernel(*inputs[:base], ring=attributes.get("ring", False),
-                                           **options)
-        return run_update_kernel(*inputs[:base], pages_per_slot=attributes["pages_per_slot"],
-                                 **options)
+            return run_paged_update_kernel(
+                *inputs[:base], ring=attributes.get("ring", False), **options
+            )
+        return run_update_kernel(
+            *inputs[:base], pages_per_slot=attributes["pages_per_slot"], **options
+        )
 
 
 def _node_class(qualname: str, domain: str, edge_llm: bool) -> type:
     # ReferenceEvaluator matches a class by (op_domain, class name): the name is the op type.
-    return type(dflash_onnx.PLUGIN_NAME, (_TargetKVCacheUpdate,),
-                {"op_domain": domain, "edge_llm": edge_llm, "__module__": __name__,
-                 "__qualname__": qualname})
+    return type(
+        dflash_onnx.PLUGIN_NAME,
+        (_TargetKVCacheUpdate,),
+        {
+            "op_domain": domain,
+            "edge_llm": edge_llm,
+            "__module__": __name__,
+            "__qualname__": qualname,
+        },
+    )
 
 
-DFlashTargetKVCacheUpdate = _node_class("DFlashTargetKVCacheUpdate", dflash_onnx.PLUGIN_DOMAIN,
-                                        edge_llm=False)
-EdgeLLMTargetKVCacheUpdate = _node_class("EdgeLLMTargetKVCacheUpdate",
-                                         dflash_onnx.EDGE_LLM_DOMAIN, edge_llm=True)
+DFlashTargetKVCacheUpdate = _node_class(
+    "DFlashTargetKVCacheUpdate", dflash_onnx.PLUGIN_DOMAIN, edge_llm=False
+)
+EdgeLLMTargetKVCacheUpdate = _node_class(
+    "EdgeLLMTargetKVCacheUpdate", dflash_onnx.EDGE_LLM_DOMAIN, edge_llm=True
+)
 NODE_CLASSES = (DFlashTargetKVCacheUpdate, EdgeLLMTargetKVCacheUpdate)
 
 

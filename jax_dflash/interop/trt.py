@@ -17,7 +17,7 @@ import os
 import threading
 from pathlib import Path
 
-from jax_dflash._ext import contract_harness_path, trt_plugin_library_path
+from jax_dflash._ext import trt_plugin_library_path
 
 _loaded_lock = threading.Lock()
 _registry_handles: dict[int, object] = {}  # id(registry) -> handle from load_library
@@ -144,7 +144,9 @@ def build_engine(
         profile = builder.create_optimization_profile()
         for name, bounds in input_shapes.items():
             if len(bounds) != 3:
-                raise ValueError(f"input_shapes[{name!r}]: expected (min, opt, max), got {bounds!r}")
+                raise ValueError(
+                    f"input_shapes[{name!r}]: expected (min, opt, max), got {bounds!r}"
+                )
             profile.set_shape(name, *[tuple(int(d) for d in shape) for shape in bounds])
         config.add_optimization_profile(profile)
 
