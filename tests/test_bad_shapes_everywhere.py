@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from test_ffi_abi import run_in_children  # the crash-tolerant child runner (tests/ is on the path)
+from helpers.children import run_in_children
 
 ALL_PATHS = ("python", "op", "ffi", "plugin")
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"

@@ -7,8 +7,8 @@ import numpy as np
 
 import jax_dflash
 from conftest import assert_bits_equal, make_paged_problem, make_problem
+from helpers.ops import expected
 from jax_dflash import ops
-from test_ops import expected
 
 
 def _calls(problem, op, times):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,10 +19,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers.children import run_in_children
+
 SLOT_TARGET = "dflash_target_kv_cache_update"
 PAGED_TARGET = "dflash_target_kv_cache_update_paged"
 OK = "ok"  # the call must succeed and equal the reference over the whole pool
-CHILD_TIMEOUT_S = 420
 
 
 # ---- one call: named operands, results, attributes --------------------------------------------
@@ -727,54 +726,6 @@ def _child(platform: str, ids: list[str]) -> None:
     for case_id in ids:
         print(json.dumps({"start": case_id}), flush=True)
         print(json.dumps(_run_case(by_id[case_id], platform)), flush=True)
-
-
-def run_in_children(platform: str, ids: list[str], script: Path, timeout=CHILD_TIMEOUT_S):
-    """Runs ``ids`` in as few children as crashes allow: ``{id: result}``; a case during which
-    the child died gets ``{"status": "crash", ...}``."""
-    results, pending = {}, list(ids)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
-    while pending:
-        try:
-            done = subprocess.run(
-                [sys.executable, str(script), platform, *pending],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=env,
-            )
-            stdout, stderr, rc = done.stdout, done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            rc = "timeout"
-        started = None
-        for line in stdout.splitlines():
-            if not line.startswith("{"):
-                continue
-            record = json.loads(line)
-            if "start" in record:
-                started = record["start"]
-            else:
-                results[record["id"]] = record
-                started = None
-        finished = [i for i in pending if i in results]
-        crashed = (
-            started
-            if started is not None
-            else (pending[len(finished)] if len(finished) < len(pending) else None)
-        )
-        if crashed is not None and crashed not in results:
-            results[crashed] = {
-                "id": crashed,
-                "status": "crash",
-                "returncode": rc,
-                "stderr": stderr[-3000:],
-            }
-        pending = [i for i in pending if i not in results]
-    return results
 
 
 # ---- the tests -----------------------------------------------------------------------------------

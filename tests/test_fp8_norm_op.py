@@ -21,8 +21,8 @@ from conftest import (
     make_paged_problem,
     make_problem,
 )
+from helpers.ops import expected, jitted_op, run_op
 from jax_dflash import reference
-from test_ops import expected, jitted_op, run_op
 
 E4M3, E5M2 = FP8_DTYPES
 # Largest finite magnitude's byte (saturation) and the NaN byte of each FP8 format.

@@ -1,5 +1,5 @@
 """The slot op against the NumPy reference, on every available backend (CPU always; CUDA on a
-GPU). ``run_op``/``expected`` serve the other op test modules too."""
+GPU)."""
 
 from __future__ import annotations
 
@@ -17,56 +17,13 @@ from conftest import (
     DTYPES,
     FP8_DTYPES,
     POOL_DTYPES,
-    PagedProblem,
     Problem,
     assert_bits_equal,
     device_of,
     make_problem,
 )
+from helpers.ops import expected, jitted_op, run_op  # noqa: F401
 from jax_dflash import reference
-
-
-def _split_kwargs(problem):
-    """(static keywords, names of the array keywords, the arrays) of a problem's kwargs()."""
-    kwargs = problem.kwargs()
-    names = tuple(sorted(k for k, v in kwargs.items() if isinstance(v, np.ndarray)))
-    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
-    return static, names, [kwargs[n] for n in names]
-
-
-@functools.cache
-def _jitted(paged, static, array_names, donate):
-    op = jax_dflash.target_kv_cache_update_paged if paged else jax_dflash.target_kv_cache_update
-    base = 7 if paged else 6
-
-    def fn(*operands):
-        extras = dict(zip(array_names, operands[base:]))
-        return op(*operands[:base], **dict(static), **extras)
-
-    return jax.jit(fn, donate_argnums=(2,) if donate else ())
-
-
-def jitted_op(problem: Problem | PagedProblem, donate: bool = True):
-    """``(jitted function, its operands)`` for a problem: the extras travel as operands."""
-    static, names, arrays = _split_kwargs(problem)
-    return (
-        _jitted(isinstance(problem, PagedProblem), static, names, donate),
-        [*problem.args(), *arrays],
-    )
-
-
-def run_op(problem: Problem | PagedProblem, backend: str, donate: bool = True):
-    device = device_of(backend)
-    fn, operands = jitted_op(problem, donate)
-    out = fn(*[jax.device_put(a, device) for a in operands])
-    assert out.devices() == {device}
-    return np.asarray(out)
-
-
-def expected(problem: Problem | PagedProblem):
-    if isinstance(problem, PagedProblem):
-        return reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
-    return reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

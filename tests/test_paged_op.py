@@ -23,8 +23,8 @@ from conftest import (
     make_paged_problem,
     make_problem,
 )
+from helpers.ops import expected, jitted_op, run_op
 from jax_dflash import reference
-from test_ops import expected, jitted_op, run_op
 
 PAGED_TARGET = 'custom_call_target="dflash_target_kv_cache_update_paged"'
 

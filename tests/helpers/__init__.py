@@ -1,0 +1,1 @@
+"""Test plumbing shared by several test modules (not tests themselves)."""

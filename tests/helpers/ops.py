@@ -1,0 +1,59 @@
+"""Running the op on a problem and computing what it must give: shared by the op test modules."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+import jax_dflash
+from jax_dflash import reference
+from jax_dflash.testing import PagedProblem, Problem
+
+
+def device_of(backend: str):
+    return jax.devices(backend)[0]
+
+
+def _split_kwargs(problem):
+    """(static keywords, names of the array keywords, the arrays) of a problem's kwargs()."""
+    kwargs = problem.kwargs()
+    names = tuple(sorted(k for k, v in kwargs.items() if isinstance(v, np.ndarray)))
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    return static, names, [kwargs[n] for n in names]
+
+
+@functools.cache
+def _jitted(paged, static, array_names, donate):
+    op = jax_dflash.target_kv_cache_update_paged if paged else jax_dflash.target_kv_cache_update
+    base = 7 if paged else 6
+
+    def fn(*operands):
+        extras = dict(zip(array_names, operands[base:]))
+        return op(*operands[:base], **dict(static), **extras)
+
+    return jax.jit(fn, donate_argnums=(2,) if donate else ())
+
+
+def jitted_op(problem: Problem | PagedProblem, donate: bool = True):
+    """``(jitted function, its operands)`` for a problem: the extras travel as operands."""
+    static, names, arrays = _split_kwargs(problem)
+    return (
+        _jitted(isinstance(problem, PagedProblem), static, names, donate),
+        [*problem.args(), *arrays],
+    )
+
+
+def run_op(problem: Problem | PagedProblem, backend: str, donate: bool = True):
+    device = device_of(backend)
+    fn, operands = jitted_op(problem, donate)
+    out = fn(*[jax.device_put(a, device) for a in operands])
+    assert out.devices() == {device}
+    return np.asarray(out)
+
+
+def expected(problem: Problem | PagedProblem):
+    if isinstance(problem, PagedProblem):
+        return reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
+    return reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
