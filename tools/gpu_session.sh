@@ -77,10 +77,10 @@ stage_parity() {
 # dtype, fused norm against the unfused pipeline), each run checked against the reference.
 stage_workload() {
   local preset=${WORKLOAD_PRESET:-qwen3-8b-b16} status=0
-  for args in "--kv-dtype fp16" "--kv-dtype e4m3" "--kv-dtype fp16 --contract paged" \
-              "--kv-dtype e4m3 --contract paged" "--kv-dtype fp16 --compare"; do
+  for args in "--kv-dtype fp16" "--kv-dtype e4m3" "--kv-dtype fp16 --compare" \
+              "--kv-dtype fp16 --contract paged" "--kv-dtype e4m3 --contract paged"; do
     # shellcheck disable=SC2086 # args is a list of words on purpose
-    "$PY" -m jax_dflash run --preset "$preset" --backend gpu --no-progress $args \
+    "$PY" -m jax_dflash run --preset "$preset" --backend gpu --no-progress --steps "${WORKLOAD_STEPS:-100}" $args \
       --json "$OUT/workload_$(echo "$args" | tr -c 'a-z0-9' '_').json" || status=1
   done
   return $status
