@@ -66,28 +66,13 @@ struct E5M2 {
 template <typename T>
 inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
 
-// Pairs of channels through the packed conversions (one instruction for two values): widening
-// a delta vector, and the fused norms' round trips through the delta dtype. The round trips skip
-// the canonical NaN: a NaN stays a NaN through the rest of the arithmetic and is made canonical
-// when stored.
+// Widening a delta vector, and the fused norms' round trips through the delta dtype, two channels
+// per packed conversion (on values: no reinterpreted memory). The round trips skip the canonical
+// NaN: a NaN stays a NaN through the rest of the arithmetic and is made canonical when stored.
 template <typename Delta, int VEC>
 __device__ __forceinline__ void decode_pack(typename Delta::Bits const (&bits)[VEC], float (&out)[VEC]) {
-  if constexpr (std::is_same_v<Delta, F16> && VEC % 2 == 0) {
 #pragma unroll
-    for (int i = 0; i < VEC; i += 2) {
-      float2 const f = __half22float2(*reinterpret_cast<__half2 const*>(&bits[i]));
-      out[i] = f.x, out[i + 1] = f.y;
-    }
-  } else if constexpr (std::is_same_v<Delta, BF16> && VEC % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < VEC; i += 2) {
-      float2 const f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&bits[i]));
-      out[i] = f.x, out[i + 1] = f.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = Delta::decode(bits[i]);
-  }
+  for (int i = 0; i < VEC; ++i) out[i] = Delta::decode(bits[i]);
 }
 
 // x[i] and x[i + 1] rounded to the delta dtype and widened again.
@@ -211,24 +196,15 @@ __device__ __forceinline__ float head_inverse_rms(KVUpdateParams const& p, Geome
 template <typename Delta, int VEC>
 __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const (*weight)[VEC]) {
   float w[VEC];
-  if (!std::is_same_v<Delta, F16> && weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
+  if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
   if constexpr (VEC % 2 == 0 && !std::is_same_v<Delta, F32>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
-      if constexpr (std::is_same_v<Delta, F16>) {
-        // float16: u * w as one float16 multiply (correctly rounded, subnormals kept) is the
-        // float32 product rounded to float16, the spec's arithmetic.
-        __half2 u = __float22half2_rn(make_float2(a, b));
-        if (weight != nullptr) u = __hmul2_rn(u, *reinterpret_cast<__half2 const*>(&(*weight)[i]));
-        float2 const f = __half22float2(u);
-        a = f.x, b = f.y;
-      } else {
+      round_pair<Delta>(a, b);
+      if (weight != nullptr) {
+        a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
         round_pair<Delta>(a, b);
-        if (weight != nullptr) {
-          a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
-          round_pair<Delta>(a, b);
-        }
       }
       x[i] = a, x[i + 1] = b;
     }
