@@ -653,11 +653,34 @@ def test_cuda_updates_the_callers_pool_in_place(library, contract, variant):
     problem = build(contract, 41, **_variant(contract, variant))
     host = problem.past_key_value.copy()
     call = _on_device(lib, raw_call(contract, problem, bits(host)[0]))
+    # A jax.Array is immutable, so the entry refuses one as the pool (test below): jax inputs
+    # update a torch pool here.
+    pool_lib = ARRAY_LIBRARIES["torch"]() if library == "jax" else lib
+    if library == "jax":
+        call.args[2] = pool_lib.to_device(bits(host)[0])
     device_pool = call.args[2]
     assert call.run(_cuda_module()) is None
     lib.synchronize()
-    got = lib.to_host(device_pool).view(host.dtype)
+    got = pool_lib.to_host(device_pool).view(host.dtype)
     assert_bits_equal(got, expected_pool(contract, problem))
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_cuda_jax_array_pool_is_refused(contract):
+    """Writing into a jax.Array's buffer would change a value JAX still holds."""
+    reason = _cuda_reason()
+    if reason:
+        pytest.skip(reason)
+    lib = ARRAY_LIBRARIES["jax"]()
+    problem = build(contract, 45)
+    call = _on_device(lib, raw_call(contract, problem, bits(problem.past_key_value.copy())[0]))
+    with pytest.raises(ValueError) as err:
+        call.run(_cuda_module())
+    assert "past_key_value" in str(err.value) and "jax.Array" in str(err.value), str(err.value)
+    lib.synchronize()
+    assert_bits_equal(
+        lib.to_host(call.args[2]).view(problem.past_key_value.dtype), problem.past_key_value
+    )
 
 
 @pytest.mark.parametrize("contract", CONTRACTS)
@@ -715,3 +738,16 @@ def test_cuda_wrong_arguments_name_them(library, contract):
         with pytest.raises(bad.error) as err:
             call.run(_cuda_module())
         _assert_names(err.value, bad.words)
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_cpu_jax_array_pool_is_refused(contract):
+    """A jax.Array is immutable: the in-place entry refuses it as the pool, naming it."""
+    import jax.numpy as jnp
+
+    problem = build(contract, 46)
+    call = raw_call(contract, problem, problem.past_key_value.copy())
+    call.args[2] = jnp.asarray(problem.past_key_value)
+    with pytest.raises(ValueError) as err:
+        call.run(_cpu())
+    assert "past_key_value" in str(err.value) and "jax.Array" in str(err.value), str(err.value)

@@ -70,7 +70,8 @@ struct KeptArrays {
 template <typename Device, typename Array>
 TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   std::string const name = spec.name;
-  if (spec.writable && nb::hasattr(spec.object, "flags") &&
+  // NumPy says whether an array is writable (cupy's flags do not carry the field).
+  if (spec.writable && nb::hasattr(spec.object, "flags") && nb::hasattr(spec.object.attr("flags"), "writeable") &&
       !nb::cast<bool>(spec.object.attr("flags").attr("writeable")))
     throw nb::value_error((name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
   // A jax.Array is immutable: writing into its buffer would change a value JAX still holds.
