@@ -128,6 +128,24 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   return desc;
 }
 
+// The attributes of a raw call of each contract (k_norm follows from k_norm_weight).
+inline UpdateAttrs slot_attrs(int64_t pages_per_slot, bool v_norm, float norm_eps) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kSlot;
+  attrs.pages_per_slot = pages_per_slot;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  return attrs;
+}
+inline UpdateAttrs paged_attrs(bool ring, bool v_norm, float norm_eps) {
+  UpdateAttrs attrs;
+  attrs.contract = Contract::kPaged;
+  attrs.ring = ring;
+  attrs.v_norm = v_norm;
+  attrs.norm_eps = norm_eps;
+  return attrs;
+}
+
 // The whole call: base operands (SPEC.md's order), then the present extras; raises on any
 // invalid operand, attribute or parameter. delta_dtype names k, v and the weight; pool_dtype
 // the pool ("" = the arrays' own dtypes).

@@ -60,11 +60,7 @@ void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::ha
                  nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale, nb::handle v_scale,
                  nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm, float norm_eps,
                  std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
-  UpdateAttrs attrs;
-  attrs.contract = Contract::kSlot;
-  attrs.pages_per_slot = pages_per_slot;
-  attrs.v_norm = v_norm;
-  attrs.norm_eps = norm_eps;
+  UpdateAttrs const attrs = slot_attrs(pages_per_slot, v_norm, norm_eps);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale,
@@ -76,11 +72,7 @@ void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::h
                   nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
                   nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
                   float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
-  UpdateAttrs attrs;
-  attrs.contract = Contract::kPaged;
-  attrs.ring = ring;
-  attrs.v_norm = v_norm;
-  attrs.norm_eps = norm_eps;
+  UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},

@@ -35,6 +35,7 @@ import numpy as np
 from jax_dflash import reference
 from jax_dflash.cli import allocator, pipeline, readback
 from jax_dflash.cli.presets import FP8_NAMES, Preset, dtype_from_name
+from jax_dflash.testing import compare_bits  # noqa: F401  (the run's check; also this module's API)
 
 K_NORM_EPS = pipeline.NORM_EPS
 # Steps allowed in flight before the loop waits for an older one: keeps the device busy while
@@ -314,29 +315,6 @@ def _step_arrays(plan: allocator.PagedPlan, i: int):
     s = plan.prefill if i < n_pre else plan.decode
     j = i if i < n_pre else i - n_pre
     return s.positions[j], s.owners[j], s.tables[j]
-
-
-ULP_SAMPLE = 1 << 20
-
-
-def compare_bits(actual: np.ndarray, expected: np.ndarray) -> tuple[int, int]:
-    """``(elements whose bits differ, the largest difference in ulps)``: -0.0 != 0.0, and the
-    ulp distance counts representable values between the two (across zero too). The ulps are
-    taken over the first ``ULP_SAMPLE`` differing elements (a failed check need not be fast,
-    but it should not need gigabytes either)."""
-    bits = np.dtype(f"int{8 * expected.dtype.itemsize}")
-    a, e = actual.view(bits).reshape(-1), expected.view(bits).reshape(-1)
-    differ = np.flatnonzero(a != e)
-    count = differ.size
-    if not count:
-        return 0, 0
-    differ = differ[:ULP_SAMPLE]
-    a, e = a[differ].astype(np.int64), e[differ].astype(np.int64)
-    sign = np.int64(1) << (8 * expected.dtype.itemsize - 1)
-    # Sign-magnitude to a monotonic integer line: negative values count down from zero.
-    a = np.where(a < 0, -(a & (sign - 1)), a)
-    e = np.where(e < 0, -(e & (sign - 1)), e)
-    return count, int(np.abs(a - e).max())
 
 
 def _recompute(weights, rope, streams, positions, *, geometry, tokens_per_step):
