@@ -462,10 +462,10 @@ def test_to_onnx_leaves_jax2onnx_plugins_as_they_were():
 
 
 def _harness_or_skip():
-    """The contract harness of trt_plugin/, found and run by tests/test_trt_plugin.py's driver."""
+    """The contract harness of trt_plugin/, found and run by tests/helpers/trt_harness.py."""
     if not gpu_devices():
         pytest.skip("no GPU backend in this JAX: the TensorRT enqueue parity runs on the H200")
-    import test_trt_plugin as trt_harness
+    from helpers import trt_harness
 
     return trt_harness, trt_harness._built(trt.contract_harness_path)
 

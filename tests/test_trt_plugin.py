@@ -15,23 +15,32 @@ build directory's ``trt_plugin/dflash_trt_contract_harness``).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers.trt_harness import (  # noqa: F401
+    DELTA_TYPED,
+    DTYPES,
+    HARNESS_OVERRIDE,
+    POOL_TYPED,
+    REPO,
+    _built,
+    _harness_path,
+    _load_case,
+    _load_dump,
+    _op_arguments,
+    _run_harness,
+)
 from jax_dflash import _shapes, reference
 from jax_dflash.interop import trt
 from jax_dflash.testing import assert_bits_equal, gpu_devices
 
-REPO = Path(__file__).resolve().parent.parent
-HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
 # Groups of checks each mode must report (the harness lists them in "required_groups" too).
 CPU_GROUPS = {
     "slot_contract",
@@ -43,53 +52,6 @@ CPU_GROUPS = {
     "registration",
 }
 GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged"}
-DTYPES = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-}
-DELTA_TYPED = ("k_delta", "v_delta", "k_norm_weight")  # stored in the delta dtype
-POOL_TYPED = ("past_key_value", "present_key_value")  # stored in the pool dtype
-
-
-def _cuda_toolkit_present() -> bool:
-    return bool(
-        shutil.which("nvcc")
-        or os.environ.get("CUDACXX")
-        or Path("/usr/local/cuda/bin/nvcc").exists()
-    )
-
-
-def _trt_headers_present() -> bool:
-    return bool(
-        os.environ.get("TENSORRT_ROOT")
-        or (REPO / ".deps/tensorrt/include/NvInferRuntime.h").exists()
-    )
-
-
-def _built(path_function):
-    try:
-        return path_function()
-    except FileNotFoundError as e:
-        if _cuda_toolkit_present() and _trt_headers_present():
-            pytest.fail(
-                f"the TensorRT plugin should have been built (CUDA and TensorRT headers "
-                f"are present): {e}"
-            )
-        pytest.skip(
-            f"the TensorRT plugin was not built here (needs a CUDA toolkit and TensorRT "
-            f"headers): {e}"
-        )
-
-
-def _harness_path() -> str:
-    override = os.environ.get(HARNESS_OVERRIDE)
-    if override:
-        if not Path(override).is_file():
-            raise FileNotFoundError(f"{HARNESS_OVERRIDE}={override!r}: expected a file, found none")
-        return str(Path(override).resolve())
-    return trt.contract_harness_path()
 
 
 @pytest.fixture(scope="module")
@@ -100,37 +62,6 @@ def plugin_library():
 @pytest.fixture(scope="module")
 def harness():
     return _built(_harness_path)
-
-
-def _run_harness(harness, *args, timeout=300, report=None):
-    """Runs the harness with ``--report`` and returns the report (a dict); fails on any failed
-    check, naming each with its detail."""
-    report = (
-        Path(report)
-        if report is not None
-        else Path(os.environ.get("TMPDIR", "/tmp"))
-        / f"dflash_trt_report_{os.getpid()}_{id(args)}.json"
-    )
-    result = subprocess.run(
-        [harness, "--report", str(report), *args], capture_output=True, text=True, timeout=timeout
-    )
-    try:
-        data = json.loads(report.read_text())
-    except (OSError, ValueError) as e:
-        pytest.fail(
-            f"harness exited {result.returncode} without a readable report ({e}); "
-            f"stdout tail:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-        )
-    finally:
-        report.unlink(missing_ok=True)
-    failed = [c for c in data["checks"] if not c["passed"]]
-    assert result.returncode == 0 and not failed and data["summary"]["failed"] == 0, (
-        f"harness exited {result.returncode}; failed checks:\n"
-        + "\n".join(f"  [{c['group']}] {c['name']}: {c['detail']}" for c in failed[:40])
-        + f"\nstderr:\n{result.stderr[-3000:]}"
-    )
-    assert data["summary"]["passed"] == len(data["checks"]) > 0
-    return data
 
 
 def _assert_groups(report, groups):
@@ -449,47 +380,6 @@ def test_depends_on_no_tensorrt_library(plugin_library):
 def _gpu_or_skip():
     if not gpu_devices():
         pytest.skip("no GPU backend in this JAX: the plugin's GPU parity runs on the H200")
-
-
-def _load_dump(entry, directory=None):
-    """The dumped inputs (by name) and the plugin's pool, in their real dtypes."""
-    directory = Path(entry["dir"] if directory is None else directory)
-
-    def load(name):
-        array = np.load(directory / f"{name}.npy")
-        if name in DELTA_TYPED:
-            return array.view(DTYPES[entry["delta_dtype"]])
-        if name in POOL_TYPED:
-            return array.view(DTYPES[entry["pool_dtype"]])
-        return array
-
-    return {name: load(name) for name in entry["inputs"]}, load(entry["output"])
-
-
-def _load_case(directory: Path):
-    """(meta, arrays by name) of one dump directory, as ``_load_dump`` reads it."""
-    meta = json.loads((Path(directory) / "meta.json").read_text())
-    arrays, pool = _load_dump(meta, directory)
-    return meta, {**arrays, meta["output"]: pool}
-
-
-def _op_arguments(entry, arrays):
-    names = entry["inputs"]
-    base = 6 if entry["contract"] == "slot" else 7
-    args = [arrays[n] for n in names[:base]]
-    kwargs = {"norm_eps": entry["norm_eps"], "v_norm": entry["v_norm"]}
-    if entry["contract"] == "slot":
-        kwargs["pages_per_slot"] = entry["pages_per_slot"]
-    else:
-        kwargs["ring"] = entry["ring"]
-    if "k_scale" in arrays:
-        # TensorRT's per-tensor scale is [1]; the JAX op's is [].
-        for name in ("k_scale", "v_scale"):
-            scale = arrays[name]
-            kwargs[name] = scale.reshape(()) if entry["scale_heads"] == 1 else scale
-    if entry["k_norm"]:
-        kwargs["k_norm_weight"] = arrays["k_norm_weight"]
-    return args, kwargs
 
 
 def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, tmp_path):
