@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The headers `make build` fetches (once) for the TensorRT plugin; see BUILD.md.
 TRT_HEADERS := .deps/tensorrt/include
-# A list from pyproject.toml, e.g. $(call pyproject,build-system,requires), shell-quoted.
-pyproject = $$($(PY) -c 'import shlex, tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
-  print(" ".join(map(shlex.quote, t["$(1)"]["$(2)"])))')
+# Writes a list of pyproject.toml as a requirements file, e.g.
+# $(call pyproject,build-system,requires,FILE) (one requirement a line: no shell quoting).
+pyproject = $(PY) -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
+  print("\n".join(t["$(1)"]["$(2)"]))' > $(3)
 
 .PHONY: venv build test lint demo clean
 
@@ -15,7 +16,8 @@ $(VENV)/.deps-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The editable build runs without build isolation: its requirements go into the venv first.
-	$(PIP) install -q $(call pyproject,build-system,requires) cmake ninja
+	$(call pyproject,build-system,requires,$(VENV)/build-requires.txt)
+	$(PIP) install -q -r $(VENV)/build-requires.txt cmake ninja
 	# The package with its dependencies and extras, as pyproject.toml declares them.
 	$(PIP) install -q --no-build-isolation -e ".[test,onnx,export,dev]"
 	# jax2onnx without its declared dependencies (flax, orbax, onnxruntime, ...), which the export
