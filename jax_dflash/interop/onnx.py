@@ -550,18 +550,23 @@ def make_update_model(
         "delta_start_positions": (TensorProto.INT32, [b]),
         "delta_lengths": (TensorProto.INT32, [b]),
     }
-    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in SLOT_INPUTS]
-    inputs += _extra_value_infos(
-        helper,
-        TensorProto,
+    extras = dict(
         fp8_pool=fp8_pool,
         k_norm=bool(k_norm),
-        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
         heads=heads,
         dim=dim,
         delta_elem=elem,
+        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
     )
-    output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
+    return _typed_model(helper, TensorProto, node, SLOT_INPUTS, shapes, extras, graph_name, opset)
+
+
+def _typed_model(helper, TensorProto, node, names, shapes, extras, graph_name, opset):
+    """The one-node model of ``node``: its inputs ``names`` typed by ``shapes`` (name -> (element
+    type, dims), the pool's among them), the extras, and the output typed as the pool."""
+    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in names]
+    inputs += _extra_value_infos(helper, TensorProto, **extras)
+    output = helper.make_tensor_value_info(OUTPUT_NAME, *shapes["past_key_value"])
     return _model(helper, node, graph_name, inputs, output, opset)
 
 
@@ -639,19 +644,15 @@ def make_paged_update_model(
         "delta_token_to_sequence": (TensorProto.INT32, [t]),
         "kv_page_table": (TensorProto.INT32, [b, 2, m]),
     }
-    inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in PAGED_INPUTS]
-    inputs += _extra_value_infos(
-        helper,
-        TensorProto,
+    extras = dict(
         fp8_pool=fp8_pool,
         k_norm=bool(k_norm),
-        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
         heads=heads,
         dim=dim,
         delta_elem=elem,
+        per_head_scales=check_flag(per_head_scales, "per_head_scales"),
     )
-    output = helper.make_tensor_value_info(OUTPUT_NAME, pool_elem, pool_shape)
-    return _model(helper, node, graph_name, inputs, output, opset)
+    return _typed_model(helper, TensorProto, node, PAGED_INPUTS, shapes, extras, graph_name, opset)
 
 
 def make_node_model(node, operands: Sequence, *, opset: int = 17, graph_name: str = "update"):
