@@ -30,12 +30,11 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8(uint16_t const* x, bool
 __attribute__((target("avx2,f16c"))) inline void store8(uint16_t* y, __m256 v, bool bf16) {
   __m128i out;
   if (!bf16) {
-    // NaN lanes become the canonical float16 NaN (numerics.h), as the scalar and CUDA code do.
-    __m256i const nan32 = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    __m128i const nan16 =
-        _mm_packs_epi32(_mm256_castsi256_si128(nan32), _mm256_extracti128_si256(nan32, 1));
-    out = _mm_blendv_epi8(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT),
-                          _mm_set1_epi16(short(kFloat16NaN)), nan16);
+    out = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    // NaN lanes (a float16 NaN out of a float32 NaN) become the canonical float16 NaN
+    // (numerics.h), as the scalar and CUDA code do: three instructions on the 16-bit lanes.
+    __m128i const nan16 = _mm_cmpgt_epi16(_mm_and_si128(out, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x7c00));
+    out = _mm_blendv_epi8(out, _mm_set1_epi16(short(kFloat16NaN)), nan16);
   } else {
     __m256i const u = _mm256_castps_si256(v);
     __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -214,8 +213,13 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
 class IeeeSubnormals {
  public:
 #if DFLASH_X86
-  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
-  ~IeeeSubnormals() { _mm_setcsr(saved_); }
+  // MXCSR is written only when a flush bit is set (a write is slow; outside XLA neither is).
+  IeeeSubnormals() : saved_(_mm_getcsr()) {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_ & ~kFlushBits);
+  }
+  ~IeeeSubnormals() {
+    if (saved_ & kFlushBits) _mm_setcsr(saved_);
+  }
 
  private:
   static constexpr unsigned kFlushBits = 0x8040u;  // FTZ (bit 15) | DAZ (bit 6)

@@ -104,35 +104,36 @@ char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count)
 
 std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t count, DType given,
                                 DType delta_dtype, DType pool_dtype) {
-  std::string const name = operand_name(attrs, index, count);
+  // The messages are built only on failure: this runs for every operand of every call.
+  auto name = [&] { return std::string(operand_name(attrs, index, count)); };
   int32_t const base = base_operand_count(attrs.contract);
   int32_t const scales = scale_operands(attrs, count);
   auto expect = [&](DType wanted, char const* why) -> std::string {
     if (given == wanted) return {};
-    return name + ": expected dtype " + dtype_name(wanted) + why + ", got " + dtype_name(given);
+    return name() + ": expected dtype " + dtype_name(wanted) + why + ", got " + dtype_name(given);
   };
   if (index == kKDelta) {
     if (is_delta_dtype(given)) return {};
-    return name + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
+    return name() + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
   }
   if (index == kVDelta) return expect(delta_dtype, " (k_delta's: k and v must agree)");
   if (index == kPool || index == count) {
     if (!is_pool_dtype(given))
-      return name + ": expected dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got " +
+      return name() + ": expected dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got " +
              dtype_name(given);
     if (index == count && given != pool_dtype)
       return expect(pool_dtype, " (past_key_value's: the output is the pool)");
     if (is_fp8(given) && scales != 2)
-      return name + ": an FP8 pool (" + dtype_name(given) + ") needs the k_scale and v_scale operands";
+      return name() + ": an FP8 pool (" + dtype_name(given) + ") needs the k_scale and v_scale operands";
     if (!is_fp8(given) && scales == 2)
-      return name + ": k_scale and v_scale are given, so an FP8 pool is expected, got " + dtype_name(given);
+      return name() + ": k_scale and v_scale are given, so an FP8 pool is expected, got " + dtype_name(given);
     return {};
   }
   if (index == kRope) return expect(DType::kFloat32, "");
   if (index < base) return expect(DType::kInt32, "");
   if (scales == 2 && index < base + 2) return expect(DType::kFloat32, "");
   if (attrs.k_norm && index == count - 1) return expect(delta_dtype, " (k_delta's)");
-  return name + ": unexpected operand " + std::to_string(index) + " of " + std::to_string(count);
+  return name() + ": unexpected operand " + std::to_string(index) + " of " + std::to_string(count);
 }
 
 std::string check_params(KVUpdateParams const& p) {
@@ -256,10 +257,10 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   // k_delta / v_delta: [layers?, B, L, H, D] (slot) or [layers?, T, H, D] (paged).
   TensorDesc const& k = c.op(kKDelta);
   int32_t const delta_rank = (slot ? 4 : 3) + lead;
-  char const* const delta_txt = slot ? "B, L, H, D]" : "T, H, D]";
-  std::string const delta_layout = std::string(layered ? "[layers, " : "[") + delta_txt;
   if (k.rank != delta_rank)
-    return c.fail_shape(kKDelta, "rank " + str(delta_rank) + " " + delta_layout), c.error();
+    return c.fail_shape(kKDelta, "rank " + str(delta_rank) + " " + (layered ? "[layers, " : "[") +
+                                     (slot ? "B, L, H, D]" : "T, H, D]")),
+           c.error();
   TensorDesc const& v = c.op(kVDelta);
   bool v_same = v.rank == k.rank;
   for (int32_t i = 0; v_same && i < k.rank; ++i) v_same = same(v.dims[i], k.dims[i]);

@@ -4,6 +4,7 @@
 // returned to XLA, never a crash or a write outside the result.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -107,18 +108,18 @@ inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
   if (rets.size() != 1)
     return invalid(contract, "expected 1 result (present_key_value, the pool updated in place), got " +
                                  std::to_string(rets.size()) + " results");
-  std::vector<TensorDesc> operands;
+  std::array<TensorDesc, 10> operands;  // at most 7 base operands + 3 extras (checked above)
   for (size_t i = 0; i < args.size(); ++i) {
     auto buffer = args.get<ffi::AnyBuffer>(i);
     if (!buffer.has_value()) return invalid(contract, "operand " + std::to_string(i) + " is not an array");
     if (i == 2) pool->emplace(*buffer);
-    operands.push_back(describe(*buffer));
+    operands[i] = describe(*buffer);
   }
   auto out = rets.get<ffi::AnyBuffer>(0);
   if (!out.has_value()) return invalid(contract, "present_key_value: the result is not an array");
   result->emplace(**out);
   if (std::string e = check_result(describe(**result), operands[2]); !e.empty()) return invalid(contract, e);
-  if (std::string e = params_from_operands(operands.data(), int32_t(operands.size()), a, p, /*need_data=*/true);
+  if (std::string e = params_from_operands(operands.data(), int32_t(args.size()), a, p, /*need_data=*/true);
       !e.empty())
     return invalid(contract, e);
   p->pool = (*result)->untyped_data();
