@@ -209,6 +209,36 @@ def _layer_slice(x, per_layer, layer):
     return None if x is None else (x[layer] if per_layer else x)
 
 
+def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v_norm, eps):
+    """A new pool: ``update_layer`` applied to each layer's operands (the layer-batched form
+    slices every operand that carries a leading layers axis, one more dim than ``base_ranks``;
+    the extras likewise). ``static`` follows the base operands."""
+    pool = args[2]
+    out = pool.copy()
+    layered = pool.ndim == 6
+    ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
+    for layer in range(pool.shape[0] if layered else 1):
+
+        def at(x, per_layer):
+            return _layer_slice(x, layered and per_layer, layer)
+
+        operands = [at(x, x.ndim > rank) for x, rank in zip(args, base_ranks)]
+        operands[2] = out[layer] if layered else out
+        with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
+            update_layer(
+                *operands,
+                *static,
+                pool_dtype=pool.dtype,
+                rotary_dim=rotary_dim,
+                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
+                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+                k_norm_weight=at(w, w is not None and w.ndim == 2),
+                v_norm=bool(v_norm),
+                eps=eps,
+            )
+    return out
+
+
 def _options(v_norm, norm_eps, ring=False):
     _shapes.check_bool_attr("v_norm", v_norm)
     _shapes.check_bool_attr("ring", ring)
@@ -285,33 +315,16 @@ def target_kv_cache_update(
     extras = _extras(k_scale, v_scale, k_norm_weight)
     _shapes.check_update(*args, pages_per_slot, **extras)
     eps = _options(v_norm, norm_eps)
-    k, v, pool, rope, starts, lengths = args
-    out = pool.copy()
-    layered = pool.ndim == 6
-    for layer in range(pool.shape[0] if layered else 1):
-
-        def at(x, per_layer):
-            return _layer_slice(x, layered and per_layer, layer)
-
-        ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
-        with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
-            _slot_layer(
-                at(k, True),
-                at(v, True),
-                out[layer] if layered else out,
-                at(rope, rope.ndim == 4),
-                at(starts, starts.ndim == 2),
-                at(lengths, lengths.ndim == 2),
-                pages_per_slot,
-                pool_dtype=pool.dtype,
-                rotary_dim=rope.shape[-1],
-                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
-                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-                k_norm_weight=at(w, w is not None and w.ndim == 2),
-                v_norm=bool(v_norm),
-                eps=eps,
-            )
-    return out
+    return _each_layer(
+        _slot_layer,
+        args,
+        base_ranks=(4, 4, 5, 3, 1, 1),
+        extras=extras,
+        static=(pages_per_slot,),
+        rotary_dim=args[3].shape[-1],
+        v_norm=v_norm,
+        eps=eps,
+    )
 
 
 # ---- the paged contract -------------------------------------------------------------------------
@@ -371,31 +384,13 @@ def target_kv_cache_update_paged(
     extras = _extras(k_scale, v_scale, k_norm_weight)
     _shapes.check_update_paged(*args, **extras)
     eps = _options(v_norm, norm_eps, ring)
-    k, v, pool, rope, positions, owners, table = args
-    out = pool.copy()
-    layered = pool.ndim == 6
-    for layer in range(pool.shape[0] if layered else 1):
-
-        def at(x, per_layer):
-            return _layer_slice(x, layered and per_layer, layer)
-
-        ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
-        with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
-            _paged_layer(
-                at(k, True),
-                at(v, True),
-                out[layer] if layered else out,
-                at(rope, rope.ndim == 3),
-                at(positions, positions.ndim == 2),
-                at(owners, owners.ndim == 2),
-                at(table, table.ndim == 4),
-                bool(ring),
-                pool_dtype=pool.dtype,
-                rotary_dim=rope.shape[-1],
-                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
-                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
-                k_norm_weight=at(w, w is not None and w.ndim == 2),
-                v_norm=bool(v_norm),
-                eps=eps,
-            )
-    return out
+    return _each_layer(
+        _paged_layer,
+        args,
+        base_ranks=(3, 3, 5, 2, 1, 1, 3),
+        extras=extras,
+        static=(bool(ring),),
+        rotary_dim=args[3].shape[-1],
+        v_norm=v_norm,
+        eps=eps,
+    )
