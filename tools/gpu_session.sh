@@ -55,8 +55,19 @@ stage_extras() {
   wheels=$(ls .whl/tensorrt_lean_cu13_*.whl .whl/jax2onnx-*.whl .whl/onnx_ir-*.whl 2>/dev/null)
   if [ -z "$wheels" ]; then echo "no extra wheels carried"; return 0; fi
   # shellcheck disable=SC2086
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/extras $wheels &&
-    PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c 'import tensorrt_lean_bindings as t; print("tensorrt_lean_bindings", t.__version__)'
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/extras $wheels || return 1
+  # What each carried wheel gives, importable from /tmp/extras.
+  local wheel module status=0
+  for wheel in $wheels; do
+    case "$wheel" in
+      *tensorrt_lean_cu13_bindings*) module=tensorrt_lean_bindings ;;
+      *jax2onnx*) module=jax2onnx ;;
+      *onnx_ir*) module=onnx_ir ;;
+      *) continue ;;
+    esac
+    PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import $module; print('$module', getattr($module, '__version__', '(no version)'))" || status=1
+  done
+  return $status
 }
 
 stage_test() {

@@ -1,9 +1,9 @@
 """Compiles the shipped CUDA sources (csrc/dflash) with tuning macros set by -D, plus a harness.
 
 The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
-(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES): a variant is the shipped
-code compiled with other values, never an edited copy of it. Used by make_variants.py and
-make_probe.py.
+(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_NORM_MIN_BLOCKS):
+a variant is the shipped code compiled with other values, never an edited copy of it. Used by
+make_variants.py and make_probe.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ KERNEL_SOURCES = (
     "dflash/kv_update_cuda_e5m2.cu",
 )
 HOST_SOURCES = ("dflash/operands.cc",)
-KNOBS = ("DFLASH_BLOCK_THREADS", "DFLASH_STREAMING_STORES", "DFLASH_MAX_VEC_BYTES")
+KNOBS = (
+    "DFLASH_BLOCK_THREADS",
+    "DFLASH_STREAMING_STORES",
+    "DFLASH_MAX_VEC_BYTES",
+    "DFLASH_NORM_MIN_BLOCKS",
+)
 
 
 def nvcc() -> str:

@@ -73,17 +73,38 @@ inline dflash::KVUpdateParams checked(std::vector<dflash::TensorDesc> const& ope
 }
 
 // Slot contract, layers = 1 or more: k/v [(layers,) B, L, H, D], pool [(layers,) 2, B * pps, P, H, D].
+// The dtypes and extras of an update: fp16 deltas and pool by default; an FP8 pool takes per-head
+// scales [H], the fused k-norm a weight [D] in the delta dtype.
+struct Flavor {
+  dflash::DType delta = dflash::DType::kFloat16;
+  dflash::DType pool = dflash::DType::kFloat16;
+  float const* scales = nullptr;       // k_scale = v_scale = these [H] (FP8 pools)
+  void const* k_norm_weight = nullptr;  // fused k-norm when set
+};
+
+inline void add_extras(std::vector<dflash::TensorDesc>& ops, dflash::UpdateAttrs& attrs, Flavor const& f) {
+  using dflash::DType;
+  if (f.pool == DType::kFloat8E4M3 || f.pool == DType::kFloat8E5M2) {
+    ops.push_back(desc(DType::kFloat32, {H}, f.scales));
+    ops.push_back(desc(DType::kFloat32, {H}, f.scales));
+  }
+  if (f.k_norm_weight != nullptr) {
+    ops.push_back(desc(f.delta, {D}, f.k_norm_weight));
+    attrs.k_norm = true;
+  }
+}
+
 inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, void const* k, void const* v, void* pool,
-                                          float const* rope, int rope_len, int const* starts, int const* lengths) {
+                                          float const* rope, int rope_len, int const* starts, int const* lengths,
+                                          Flavor const& f = {}) {
   using dflash::DType;
   int64_t const N = int64_t(B) * pps;
   std::vector<dflash::TensorDesc> ops;
   if (layers > 1) {
-    ops = {desc(DType::kFloat16, {layers, B, L, H, D}, k), desc(DType::kFloat16, {layers, B, L, H, D}, v),
-           desc(DType::kFloat16, {layers, 2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {layers, B, L, H, D}, k), desc(f.delta, {layers, B, L, H, D}, v),
+           desc(f.pool, {layers, 2, N, P, H, D}, pool)};
   } else {
-    ops = {desc(DType::kFloat16, {B, L, H, D}, k), desc(DType::kFloat16, {B, L, H, D}, v),
-           desc(DType::kFloat16, {2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {B, L, H, D}, k), desc(f.delta, {B, L, H, D}, v), desc(f.pool, {2, N, P, H, D}, pool)};
   }
   ops.push_back(desc(DType::kFloat32, {1, rope_len, R}, rope));
   ops.push_back(desc(DType::kInt32, {B}, starts));
@@ -91,21 +112,21 @@ inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, voi
   dflash::UpdateAttrs attrs;
   attrs.contract = dflash::Contract::kSlot;
   attrs.pages_per_slot = pps;
+  add_extras(ops, attrs, f);
   return checked(ops, attrs);
 }
 
 // Paged contract: k/v [(layers,) T, H, D], pool [(layers,) 2, N, P, H, D], rope [T, R], table [B, 2, M].
 inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int N, void const* k, void const* v,
                                            void* pool, float const* rope, int const* positions, int const* owners,
-                                           int const* table) {
+                                           int const* table, Flavor const& f = {}) {
   using dflash::DType;
   std::vector<dflash::TensorDesc> ops;
   if (layers > 1) {
-    ops = {desc(DType::kFloat16, {layers, T, H, D}, k), desc(DType::kFloat16, {layers, T, H, D}, v),
-           desc(DType::kFloat16, {layers, 2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {layers, T, H, D}, k), desc(f.delta, {layers, T, H, D}, v),
+           desc(f.pool, {layers, 2, N, P, H, D}, pool)};
   } else {
-    ops = {desc(DType::kFloat16, {T, H, D}, k), desc(DType::kFloat16, {T, H, D}, v),
-           desc(DType::kFloat16, {2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {T, H, D}, k), desc(f.delta, {T, H, D}, v), desc(f.pool, {2, N, P, H, D}, pool)};
   }
   ops.push_back(desc(DType::kFloat32, {T, R}, rope));
   ops.push_back(desc(DType::kInt32, {T}, positions));
@@ -113,6 +134,7 @@ inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int 
   ops.push_back(desc(DType::kInt32, {B, 2, M}, table));
   dflash::UpdateAttrs attrs;
   attrs.contract = dflash::Contract::kPaged;
+  add_extras(ops, attrs, f);
   return checked(ops, attrs);
 }
 

@@ -1,15 +1,18 @@
 // Times one build of the shipped kernel (make_variants.py compiles csrc/dflash with its tuning
-// macros set by -D, then links this harness): both contracts, fp16 H=8 D=128 R=128 P=128, the
-// benchmark's shapes, 20 launches per CUDA graph rotating among input sets (8, or 2 where 8
-// would exceed 200 MB), median of 30 replays. One line per contract and shape.
+// macros set by -D, then links this harness): both contracts at H=8 D=128 R=128 P=128, in fp16,
+// with the fused k-norm, in bf16 and into an e4m3 pool; the benchmark's shapes, 20 launches per
+// CUDA graph rotating among input sets (8, or 2 where 8 would exceed 200 MB), median of 30
+// replays. One line per row and shape.
 #include "harness.h"
 
-// The knobs this binary was built with (make_variants.py passes all three).
+// The knobs this binary was built with (make_variants.py passes all four).
 #define DFLASH_STR2(x) #x
 #define DFLASH_STR(x) DFLASH_STR2(x)
-#if defined(DFLASH_BLOCK_THREADS) && defined(DFLASH_STREAMING_STORES) && defined(DFLASH_MAX_VEC_BYTES)
+#if defined(DFLASH_BLOCK_THREADS) && defined(DFLASH_STREAMING_STORES) && defined(DFLASH_MAX_VEC_BYTES) && \
+    defined(DFLASH_NORM_MIN_BLOCKS)
 #define KNOBS "DFLASH_BLOCK_THREADS=" DFLASH_STR(DFLASH_BLOCK_THREADS) " DFLASH_STREAMING_STORES=" \
-  DFLASH_STR(DFLASH_STREAMING_STORES) " DFLASH_MAX_VEC_BYTES=" DFLASH_STR(DFLASH_MAX_VEC_BYTES)
+  DFLASH_STR(DFLASH_STREAMING_STORES) " DFLASH_MAX_VEC_BYTES=" DFLASH_STR(DFLASH_MAX_VEC_BYTES) \
+  " DFLASH_NORM_MIN_BLOCKS=" DFLASH_STR(DFLASH_NORM_MIN_BLOCKS)
 #else
 #define KNOBS "the shipped defaults"
 #endif
@@ -23,6 +26,9 @@ int main() {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::mt19937 rng(1);
+  float* scales = device_copy(std::vector<float>(H, 1.0f));
+  // 1.0 in fp16 bits; the bf16 rows read the same bits as 2^-7 (timing does not depend on values).
+  uint16_t* weight = device_copy(std::vector<uint16_t>(D, 0x3C00));
   for (auto const& c : cases) {
     int const B = c[0], L = c[1], layers = c[2], T = B * L, N = B * M;
     size_t const delta = size_t(layers) * T * H * D, pool = size_t(layers) * 2 * N * P * H * D;
@@ -55,16 +61,41 @@ int main() {
     CK(cudaMalloc(&rope, size_t(cap) * R * 4));
     CK(cudaMemset(rope, 0, size_t(cap) * R * 4));
     CK(cudaDeviceSynchronize());
-    float const slot_us = time_graph(st, [&](int i) {
-      int j = i % sets;
-      launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths), st);
-    }, reps, false, 30, 1);
-    float const paged_us = time_graph(st, [&](int i) {
-      int j = i % sets;
-      launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[j], positions[j], owners, table), st);
-    }, reps, false, 30, 1);
-    std::printf("slot  B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", B, L, layers, slot_us, bytes / slot_us / 1e3);
-    std::printf("paged B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", B, L, layers, paged_us, bytes / paged_us / 1e3);
+    // The rows: fp16 both contracts, then the paged contract with the fused k-norm, bf16 deltas and
+    // pool, an e4m3 pool (per-head scales), and the slot contract with the k-norm.
+    struct Row {
+      char const* name;
+      bool paged;
+      Flavor flavor;
+    };
+    using dflash::DType;
+    Flavor const bf16{DType::kBFloat16, DType::kBFloat16};
+    Flavor const e4m3{DType::kFloat16, DType::kFloat8E4M3, scales};
+    Row const rows[] = {
+        {"slot ", false, {}},
+        {"paged", true, {}},
+        {"paged knorm", true, {DType::kFloat16, DType::kFloat16, nullptr, weight}},
+        {"slot  knorm", false, {DType::kFloat16, DType::kFloat16, nullptr, weight}},
+        {"slot  bf16", false, bf16},
+        {"paged bf16", true, bf16},
+        {"paged bf16 knorm", true, {DType::kBFloat16, DType::kBFloat16, nullptr, weight}},
+        {"paged e4m3", true, e4m3},
+        {"paged e4m3 knorm", true, {DType::kFloat16, DType::kFloat8E4M3, scales, weight}},
+    };
+    for (Row const& r : rows) {
+      bool const fp8 = r.flavor.pool == DType::kFloat8E4M3;
+      double const row_bytes = double(delta) * 2 * (2 + (fp8 ? 1 : 2)) + double(layers) * T * R * 4;
+      float const us = time_graph(st, [&](int i) {
+        int j = i % sets;
+        if (r.paged)
+          launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[j], positions[j], owners, table,
+                              r.flavor), st);
+        else
+          launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor), st);
+      }, reps, false, 30, 1);
+      std::printf("%-17s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
+                  row_bytes / us / 1e3);
+    }
     for (int i = 0; i < sets; ++i) {
       CK(cudaFree(ks[i]));
       CK(cudaFree(vs[i]));

@@ -28,6 +28,13 @@
 #ifndef DFLASH_MAX_VEC_BYTES
 #define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
 #endif
+#ifndef DFLASH_NORM_MIN_BLOCKS
+// Resident blocks per multiprocessor the fused-norm kernels of 16-bit deltas are compiled for (a
+// register cap): 6 holds them to about 80 registers without spills, and the extra warps hide
+// more of the memory latency at bandwidth-bound sizes (bench/kernel_variants: -7% at B=8
+// L=2048 with the k-norm, decode unchanged); 8 spills and is slower.
+#define DFLASH_NORM_MIN_BLOCKS 6
+#endif
 
 namespace dflash {
 namespace kernel {
@@ -227,14 +234,14 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
       uint16_t const two = Pool::encode2(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale));
       out.v[i] = uint8_t(two), out.v[i + 1] = uint8_t(two >> 8);
     }
-    return out;
-  }
+  } else {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    if constexpr (kIsFp8<Pool>)
-      out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
-    else
-      out.v[i] = Pool::encode(y[i]);
+    for (int i = 0; i < VEC; ++i) {
+      if constexpr (kIsFp8<Pool>)
+        out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
+      else
+        out.v[i] = Pool::encode(y[i]);
+    }
   }
   return out;
 }
@@ -242,7 +249,9 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // NORM: either fused norm is on (a template parameter so that the plain kernels carry none of
 // its registers or its stack).
 template <Contract C, typename Delta, typename Pool, int VEC, bool NORM>
-__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Geometry g) {
+__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS,
+                                  NORM && sizeof(typename Delta::Bits) == 2 ? DFLASH_NORM_MIN_BLOCKS : 1)
+    update_kernel(KVUpdateParams p, Geometry g) {
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
   using DPack = Pack<DBits, VEC>;
