@@ -106,63 +106,183 @@ bool has_avx2_f16c() {
 #endif
 
 // ---- the general path: any dtype pair, norms, FP8 -----------------------------------------------
+// A head row goes through float32 arrays in passes (widen, norm, RoPE, narrow), each a loop over
+// the row with the dtype decided once per row, so that the loops are simple enough to vectorize;
+// 16-bit rows are widened and narrowed 8 channels at a time with AVX2 + F16C where available.
+// NaN payloads inside the passes do not matter: every store writes the canonical NaN.
 
-float load_delta(DType dtype, void const* row, int64_t j) {
-  switch (dtype) {
-    case DType::kFloat16: return float16_bits_to_float(static_cast<uint16_t const*>(row)[j]);
-    case DType::kBFloat16: return bfloat16_bits_to_float(static_cast<uint16_t const*>(row)[j]);
-    default: return static_cast<float const*>(row)[j];
+#if DFLASH_X86
+__attribute__((target("avx2,f16c"))) void widen_16bit_avx2(uint16_t const* src, float* x, int64_t n, bool bf16) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, load8(src + j, bf16));
+  for (; j < n; ++j) x[j] = bf16 ? bfloat16_bits_to_float(src[j]) : float16_bits_to_float(src[j]);
+}
+__attribute__((target("avx2,f16c"))) void narrow_16bit_avx2(float const* y, uint16_t* dst, int64_t n, bool bf16) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_loadu_ps(y + j), bf16);
+  for (; j < n; ++j) dst[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
+}
+// out[0, n) <- y times inv_scale in the FP8 format F: float_to_fp8_bits (numerics.h) on 8 lanes,
+// the same integer steps and the same float add for subnormals, so the same bits.
+__attribute__((target("avx2,f16c"))) inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(int(v)); }
+
+template <typename F>
+__attribute__((target("avx2,f16c"))) void narrow_fp8_avx2(float const* y, uint8_t* out, int64_t n, float inv_scale) {
+  __m256 const inv = _mm256_set1_ps(inv_scale);
+  __m256 const magic = _mm256_castsi256_ps(splat(F::kSubnormalMagicBits));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256i const u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(y + j), inv));
+    __m256i const sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), splat(0x80u));
+    __m256i const a = _mm256_and_si256(u, splat(0x7fffffffu));  // >= 0: signed compares below are exact
+    __m256i r = _mm256_add_epi32(a, splat((1u << (F::kShift - 1)) - 1u));
+    r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(a, F::kShift), splat(1u)));
+    __m256i const exponent = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), splat(127u - F::kBias));
+    __m256i const normal = _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
+                                           _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
+    __m256i const subnormal =
+        _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
+    __m256i code = _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
+    code = _mm256_blendv_epi8(code, splat(F::kMaxCode), _mm256_cmpgt_epi32(a, splat(F::kMaxBits - 1u)));
+    code = _mm256_or_si256(code, sign);
+    code = _mm256_blendv_epi8(code, splat(kFloat8NaN), _mm256_cmpgt_epi32(a, splat(0x7f800000u)));
+    __m128i const words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(words, words));
   }
+  for (; j < n; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
 }
 
-void store_pool(DType dtype, void* row, int64_t j, float y, float inv_scale) {
+// x <- x rounded to the 16-bit dtype and widened again.
+__attribute__((target("avx2,f16c"))) void round_16bit_avx2(float* x, int64_t n, bool bf16) {
+  uint16_t bits[8];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    store8(bits, _mm256_loadu_ps(x + j), bf16);
+    _mm256_storeu_ps(x + j, load8(bits, bf16));
+  }
+  for (; j < n; ++j) x[j] = round_to(bf16 ? DType::kBFloat16 : DType::kFloat16, x[j]);
+}
+#endif
+
+// AVX2 + F16C: the 16-bit and FP8 rows go 8 channels at a time.
+bool vector_16bit() {
+#if DFLASH_X86
+  return has_avx2_f16c();
+#else
+  return false;
+#endif
+}
+
+// x[0, n) <- the delta row `src`, widened.
+void widen_row(DType dtype, void const* src, float* x, int64_t n) {
+  bool const bf16 = dtype == DType::kBFloat16;
+  if (dtype == DType::kFloat32) {
+    std::memcpy(x, src, size_t(n) * sizeof(float));
+    return;
+  }
+  auto const* bits = static_cast<uint16_t const*>(src);
+#if DFLASH_X86
+  if (vector_16bit()) return widen_16bit_avx2(bits, x, n, bf16);
+#endif
+  if (bf16)
+    for (int64_t j = 0; j < n; ++j) x[j] = bfloat16_bits_to_float(bits[j]);
+  else
+    for (int64_t j = 0; j < n; ++j) x[j] = float16_bits_to_float(bits[j]);
+}
+
+// x[0, n) <- x rounded to the delta dtype (float32: nothing to round).
+void round_row(DType dtype, float* x, int64_t n) {
+  if (dtype == DType::kFloat32) return;
+#if DFLASH_X86
+  if (vector_16bit()) return round_16bit_avx2(x, n, dtype == DType::kBFloat16);
+#endif
+  for (int64_t j = 0; j < n; ++j) x[j] = round_to(dtype, x[j]);
+}
+
+// dst[begin, end) <- y stored in the pool dtype (FP8: y times inv_scale, saturated).
+void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t end, float inv_scale) {
   switch (dtype) {
-    case DType::kFloat16: static_cast<uint16_t*>(row)[j] = float_to_float16_bits(y); return;
-    case DType::kBFloat16: static_cast<uint16_t*>(row)[j] = float_to_bfloat16_bits(y); return;
-    case DType::kFloat32: static_cast<uint32_t*>(row)[j] = float_to_float32_bits(y); return;
-    case DType::kFloat8E4M3: static_cast<uint8_t*>(row)[j] = float_to_e4m3_bits(mul_rn(y, inv_scale)); return;
-    case DType::kFloat8E5M2: static_cast<uint8_t*>(row)[j] = float_to_e5m2_bits(mul_rn(y, inv_scale)); return;
+    case DType::kFloat16:
+    case DType::kBFloat16: {
+      bool const bf16 = dtype == DType::kBFloat16;
+      uint16_t* const out = static_cast<uint16_t*>(dst);
+#if DFLASH_X86
+      if (vector_16bit()) return narrow_16bit_avx2(y + begin, out + begin, end - begin, bf16);
+#endif
+      for (int64_t j = begin; j < end; ++j) out[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
+      return;
+    }
+    case DType::kFloat32: {
+      uint32_t* const out = static_cast<uint32_t*>(dst);
+      for (int64_t j = begin; j < end; ++j) out[j] = float_to_float32_bits(y[j]);
+      return;
+    }
+    case DType::kFloat8E4M3: {
+      uint8_t* const out = static_cast<uint8_t*>(dst);
+#if DFLASH_X86
+      if (vector_16bit()) return narrow_fp8_avx2<E4M3Format>(y + begin, out + begin, end - begin, inv_scale);
+#endif
+      for (int64_t j = begin; j < end; ++j) out[j] = float_to_e4m3_bits(mul_rn(y[j], inv_scale));
+      return;
+    }
+    case DType::kFloat8E5M2: {
+      uint8_t* const out = static_cast<uint8_t*>(dst);
+#if DFLASH_X86
+      if (vector_16bit()) return narrow_fp8_avx2<E5M2Format>(y + begin, out + begin, end - begin, inv_scale);
+#endif
+      for (int64_t j = begin; j < end; ++j) out[j] = float_to_e5m2_bits(mul_rn(y[j], inv_scale));
+      return;
+    }
     default: return;
   }
 }
 
-// One head of one token, src -> dst: widened to fp32, RMS-normed (when `norm`; times `weight`
-// when given), rotated (when cos_sin is given), stored in the pool dtype. With `copy_unrotated`
-// (same dtype, no norm) the channels past R are copied bit for bit instead.
+// One head of one token, src -> dst: widened to fp32, RMS-normed (when `norm`; times the k-norm
+// weight when given), rotated (when cos_sin is given), stored in the pool dtype. With
+// `copy_unrotated` (same dtype, no norm) the channels past R are copied bit for bit instead.
 struct HeadWriter {
   KVUpdateParams const& p;
-  std::vector<float> x, y;
+  std::vector<float> x, y, w, sums;
+  void const* w_row = nullptr;  // the delta-dtype weight row `w` holds, widened
 
   explicit HeadWriter(KVUpdateParams const& params)
-      : p(params), x(size_t(params.head_dim)), y(size_t(params.head_dim)) {}
+      : p(params),
+        x(size_t(params.head_dim)),
+        y(size_t(params.head_dim)),
+        w(size_t(params.head_dim)),
+        sums(size_t(norm_tree_leaves(params.head_dim))) {}
 
   void write(void const* src, void* dst, bool norm, void const* weight, float const* cos_sin,
              float inv_scale, bool copy_unrotated) {
     int64_t const head_dim = p.head_dim, rotary_dim = cos_sin != nullptr ? p.rotary_dim : 0;
-    for (int64_t j = 0; j < head_dim; ++j) x[size_t(j)] = load_delta(p.delta_dtype, src, j);
+    float* const xs = x.data();
+    float* const ys = y.data();
+    widen_row(p.delta_dtype, src, xs, head_dim);
     if (norm) {
-      float const* values = x.data();
-      float const inv_rms =
-          inverse_rms(sum_squares([values](int64_t j) { return values[j]; }, head_dim), head_dim, p.norm_eps);
-      for (int64_t j = 0; j < head_dim; ++j) {
-        float u = round_to(p.delta_dtype, mul_rn(x[size_t(j)], inv_rms));
-        if (weight != nullptr) u = round_to(p.delta_dtype, mul_rn(u, load_delta(p.delta_dtype, weight, j)));
-        x[size_t(j)] = u;
+      float const inv_rms = inverse_rms(sum_squares_array(xs, head_dim, sums.data()), head_dim, p.norm_eps);
+      for (int64_t j = 0; j < head_dim; ++j) xs[j] = mul_rn(xs[j], inv_rms);
+      round_row(p.delta_dtype, xs, head_dim);
+      if (weight != nullptr) {
+        if (weight != w_row) widen_row(p.delta_dtype, weight, w.data(), head_dim), w_row = weight;
+        float const* const ws = w.data();
+        for (int64_t j = 0; j < head_dim; ++j) xs[j] = mul_rn(xs[j], ws[j]);
+        round_row(p.delta_dtype, xs, head_dim);
       }
     }
     int64_t const half = rotary_dim / 2;
     for (int64_t i = 0; i < half; ++i) {
       float const c = cos_sin[i], s = cos_sin[half + i];
-      y[size_t(i)] = rope_channel(x[size_t(i)], x[size_t(i + half)], c, s, /*first_half=*/true);
-      y[size_t(i + half)] = rope_channel(x[size_t(i + half)], x[size_t(i)], c, s, /*first_half=*/false);
+      ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
+      ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
     }
-    for (int64_t j = rotary_dim; j < head_dim; ++j) y[size_t(j)] = x[size_t(j)];
-    int64_t const elem = dtype_bytes(p.pool_dtype);
-    for (int64_t j = 0; j < head_dim; ++j) {
-      if (copy_unrotated && j >= rotary_dim)
-        std::memcpy(static_cast<char*>(dst) + j * elem, static_cast<char const*>(src) + j * elem, size_t(elem));
-      else
-        store_pool(p.pool_dtype, dst, j, y[size_t(j)], inv_scale);
+    if (copy_unrotated) {
+      narrow_row(p.pool_dtype, ys, dst, 0, rotary_dim, inv_scale);
+      int64_t const elem = dtype_bytes(p.pool_dtype);
+      std::memcpy(static_cast<char*>(dst) + rotary_dim * elem, static_cast<char const*>(src) + rotary_dim * elem,
+                  size_t((head_dim - rotary_dim) * elem));
+    } else {
+      for (int64_t j = rotary_dim; j < head_dim; ++j) ys[j] = xs[j];
+      narrow_row(p.pool_dtype, ys, dst, 0, head_dim, inv_scale);
     }
   }
 };

@@ -29,10 +29,10 @@
 #define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
 #endif
 #ifndef DFLASH_NORM_MIN_BLOCKS
-// Resident blocks per multiprocessor the fused-norm kernels of 16-bit deltas are compiled for (a
-// register cap): 6 holds them to about 80 registers without spills, and the extra warps hide
-// more of the memory latency at bandwidth-bound sizes (bench/kernel_variants: -7% at B=8
-// L=2048 with the k-norm, decode unchanged); 8 spills and is slower.
+// Resident blocks per multiprocessor the fused-norm kernels are compiled for (a register cap, see
+// norm_min_blocks): 6 holds them to about 80 registers, and the extra warps hide more of the
+// memory latency at bandwidth-bound sizes (bench/kernel_variants: -7% at B=8 L=2048 with the
+// k-norm, decode unchanged); 8 spills and is slower.
 #define DFLASH_NORM_MIN_BLOCKS 6
 #endif
 
@@ -246,11 +246,21 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
   return out;
 }
 
+// The register cap of a kernel: DFLASH_NORM_MIN_BLOCKS for the fused-norm kernels that fit it
+// without spilling (float16 deltas, and bfloat16 into a bfloat16 pool in the paged contract, as
+// ptxas reports for sm_90); 0 (no minimum: the compiler's own allocation) for the others and the
+// plain kernels.
+template <Contract C, typename Delta, typename Pool, bool NORM>
+inline constexpr int norm_min_blocks =
+    NORM && (std::is_same_v<Delta, F16> ||
+             (std::is_same_v<Delta, BF16> && std::is_same_v<Pool, BF16> && C == Contract::kPaged))
+        ? DFLASH_NORM_MIN_BLOCKS
+        : 0;
+
 // NORM: either fused norm is on (a template parameter so that the plain kernels carry none of
 // its registers or its stack).
 template <Contract C, typename Delta, typename Pool, int VEC, bool NORM>
-__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS,
-                                  NORM && sizeof(typename Delta::Bits) == 2 ? DFLASH_NORM_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delta, Pool, NORM>))
     update_kernel(KVUpdateParams p, Geometry g) {
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;

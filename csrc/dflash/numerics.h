@@ -148,34 +148,44 @@ DFLASH_HOST_DEVICE float round_to(DType dtype, float f) {
 
 // ---- FP8: round to nearest even, saturate to the largest finite value, NaN -> 0x7F ---------------
 
-// MANT mantissa bits, exponent bias BIAS, MAX_CODE the largest finite magnitude's code.
+// MANT mantissa bits, exponent bias BIAS, MAX_CODE the largest finite magnitude's code; the
+// constants of the rounding below (the CPU kernel's vector form uses the same).
 template <int MANT, int BIAS, uint32_t MAX_CODE>
-DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
-  constexpr uint32_t kMantMask = (1u << MANT) - 1u;
-  constexpr uint32_t kShift = 23 - MANT;
+struct Fp8Format {
+  static constexpr int kMant = MANT;
+  static constexpr int kBias = BIAS;
+  static constexpr uint32_t kMaxCode = MAX_CODE;
+  static constexpr uint32_t kMantMask = (1u << MANT) - 1u;
+  static constexpr uint32_t kShift = 23 - MANT;
   // MAX_CODE's value and the smallest normal, as float32 bits.
-  constexpr uint32_t kMaxBits = (((MAX_CODE >> MANT) - BIAS + 127u) << 23) | ((MAX_CODE & kMantMask) << kShift);
-  constexpr uint32_t kMinNormalBits = uint32_t(1 - BIAS + 127) << 23;
+  static constexpr uint32_t kMaxBits = (((MAX_CODE >> MANT) - BIAS + 127u) << 23) | ((MAX_CODE & kMantMask) << kShift);
+  static constexpr uint32_t kMinNormalBits = uint32_t(1 - BIAS + 127) << 23;
   // Adding 2^(23 + 1 - BIAS - MANT) to a magnitude below the smallest normal rounds it (to nearest
   // even, by the float add) to a multiple of the subnormal step 2^(1 - BIAS - MANT).
-  constexpr uint32_t kSubnormalMagicBits = uint32_t(23 + 1 - BIAS - MANT + 127) << 23;
+  static constexpr uint32_t kSubnormalMagicBits = uint32_t(23 + 1 - BIAS - MANT + 127) << 23;
+};
+using E4M3Format = Fp8Format<3, 7, 0x7eu>;
+using E5M2Format = Fp8Format<2, 15, 0x7bu>;
+
+template <typename F>
+DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
   uint32_t const u = bits_of(f);
   uint32_t const sign = (u >> 24) & 0x80u;
   uint32_t const a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return kFloat8NaN;
   // Anything at or above the largest finite value (infinity included) saturates; below it,
   // rounding cannot go past it.
-  if (a >= kMaxBits) return uint8_t(sign | MAX_CODE);
-  if (a >= kMinNormalBits) {
-    uint32_t const r = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
-    uint32_t const exponent = (r >> 23) - 127u + BIAS;
-    return uint8_t(sign | (exponent << MANT) | ((r >> kShift) & kMantMask));
+  if (a >= F::kMaxBits) return uint8_t(sign | F::kMaxCode);
+  if (a >= F::kMinNormalBits) {
+    uint32_t const r = a + ((1u << (F::kShift - 1)) - 1u) + ((a >> F::kShift) & 1u);
+    uint32_t const exponent = (r >> 23) - 127u + F::kBias;
+    return uint8_t(sign | (exponent << F::kMant) | ((r >> F::kShift) & F::kMantMask));
   }
-  float const rounded = add_rn(float_of(a), float_of(kSubnormalMagicBits));
-  return uint8_t(sign | (bits_of(rounded) - kSubnormalMagicBits));
+  float const rounded = add_rn(float_of(a), float_of(F::kSubnormalMagicBits));
+  return uint8_t(sign | (bits_of(rounded) - F::kSubnormalMagicBits));
 }
-DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits_software(float f) { return float_to_fp8_bits<3, 7, 0x7eu>(f); }
-DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits_software(float f) { return float_to_fp8_bits<2, 15, 0x7bu>(f); }
+DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits_software(float f) { return float_to_fp8_bits<E4M3Format>(f); }
+DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits_software(float f) { return float_to_fp8_bits<E5M2Format>(f); }
 
 #if defined(__CUDACC__)
 // Two conversions per instruction; any NaN code (e4m3fn: 0x7F/0xFF; e5m2: 0x7D..0x7F, 0xFD..0xFF)
@@ -260,6 +270,26 @@ DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
     }
   }
   return stack[0];
+}
+
+// The same sum of x[0 .. D) evaluated as SPEC.md writes it, over an array `sums` of
+// norm_tree_leaves(D) floats: every chunk's sum at once (the chunks advance together, channel by
+// channel, so the additions of different chunks are independent), then the halving passes. The
+// CPU kernel's form: the same additions on the same operands as sum_squares().
+inline float sum_squares_array(float const* x, int64_t head_dim, float* sums) {
+  int64_t const full = head_dim / kNormChunk;  // chunks of all 8 channels
+  int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
+  int64_t const leaves = norm_tree_leaves(head_dim);
+  for (int64_t c = 0; c < full; ++c) sums[c] = mul_rn(x[c * kNormChunk], x[c * kNormChunk]);
+  for (int64_t j = 1; j < kNormChunk; ++j)
+    for (int64_t c = 0; c < full; ++c) sums[c] = add_rn(sums[c], mul_rn(x[c * kNormChunk + j], x[c * kNormChunk + j]));
+  if (chunks > full) {  // the last, shorter chunk
+    sums[full] = chunk_sum_squares([x](int64_t j) { return x[j]; }, full, head_dim);
+  }
+  for (int64_t c = chunks; c < leaves; ++c) sums[c] = 0.0f;
+  for (int64_t h = leaves / 2; h >= 1; h /= 2)
+    for (int64_t c = 0; c < h; ++c) sums[c] = add_rn(sums[c], sums[c + h]);
+  return sums[0];
 }
 
 // 1 / sqrt(sum / D + eps), each operation rounded. For D a power of two, sum / D is computed as
