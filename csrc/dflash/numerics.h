@@ -276,7 +276,7 @@ DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
 // norm_tree_leaves(D) floats: every chunk's sum at once (the chunks advance together, channel by
 // channel, so the additions of different chunks are independent), then the halving passes. The
 // CPU kernel's form: the same additions on the same operands as sum_squares().
-inline float sum_squares_array(float const* x, int64_t head_dim, float* sums) {
+DFLASH_HOST_DEVICE float sum_squares_array(float const* x, int64_t head_dim, float* sums) {
   int64_t const full = head_dim / kNormChunk;  // chunks of all 8 channels
   int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
   int64_t const leaves = norm_tree_leaves(head_dim);
