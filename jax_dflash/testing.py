@@ -77,15 +77,19 @@ def _random_scales(rng, shape, pool_dtype, hostile):
     return np.exp2(rng.uniform(low, high, shape)).astype(np.float32)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class _Extras:
+    """The optional operands and options of either contract (keyword-only, so that a problem's
+    own operands stay positional before them)."""
+
     k_scale: np.ndarray | None = None
     v_scale: np.ndarray | None = None
     k_norm_weight: np.ndarray | None = None
     norm_eps: float = 1e-6
     v_norm: bool = False
 
-    def kwargs(self) -> dict:
+    def extra_kwargs(self) -> dict:
+        """Each extra that is in use: scales, k_norm_weight, v_norm, norm_eps."""
         out = {}
         if self.k_scale is not None:
             out["k_scale"] = self.k_scale
@@ -138,7 +142,7 @@ def _make_extras(
 
 
 @dataclasses.dataclass
-class Problem:
+class Problem(_Extras):
     """One random slot-contract update: the six operands (NumPy), pages_per_slot, and the
     optional extras (scales for an FP8 pool, the k-norm weight, v_norm, norm_eps)."""
 
@@ -149,11 +153,6 @@ class Problem:
     delta_start_positions: np.ndarray
     delta_lengths: np.ndarray
     pages_per_slot: int
-    k_scale: np.ndarray | None = None
-    v_scale: np.ndarray | None = None
-    k_norm_weight: np.ndarray | None = None
-    norm_eps: float = 1e-6
-    v_norm: bool = False
 
     def args(self):
         return (
@@ -168,8 +167,7 @@ class Problem:
     def kwargs(self) -> dict:
         """Keywords for jax_dflash.target_kv_cache_update and the reference: pages_per_slot, and
         each extra that is in use (scales, k_norm_weight, v_norm, norm_eps)."""
-        extras = _Extras(self.k_scale, self.v_scale, self.k_norm_weight, self.norm_eps, self.v_norm)
-        return {"pages_per_slot": self.pages_per_slot, **extras.kwargs()}
+        return {"pages_per_slot": self.pages_per_slot, **self.extra_kwargs()}
 
 
 def make_problem(
@@ -255,7 +253,7 @@ def make_problem(
 
 
 @dataclasses.dataclass
-class PagedProblem:
+class PagedProblem(_Extras):
     """One random paged-contract update: the seven operands (NumPy), ring, and the extras."""
 
     k_delta: np.ndarray
@@ -266,11 +264,6 @@ class PagedProblem:
     delta_token_to_sequence: np.ndarray
     kv_page_table: np.ndarray
     ring: bool = False
-    k_scale: np.ndarray | None = None
-    v_scale: np.ndarray | None = None
-    k_norm_weight: np.ndarray | None = None
-    norm_eps: float = 1e-6
-    v_norm: bool = False
 
     def args(self):
         return (
@@ -286,8 +279,7 @@ class PagedProblem:
     def kwargs(self) -> dict:
         """Keywords for jax_dflash.target_kv_cache_update_paged and the reference: ring, and
         each extra that is in use (scales, k_norm_weight, v_norm, norm_eps)."""
-        extras = _Extras(self.k_scale, self.v_scale, self.k_norm_weight, self.norm_eps, self.v_norm)
-        return {"ring": self.ring, **extras.kwargs()}
+        return {"ring": self.ring, **self.extra_kwargs()}
 
 
 _INT32_MAX = np.iinfo(np.int32).max

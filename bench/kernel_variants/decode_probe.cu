@@ -118,18 +118,9 @@ int main(int argc, char** argv) {
       int const sets = kv_sets_arg ? kv_sets_arg : std::min(32, std::max(2, int(120e6 / kv_bytes + 1)));
       int const pos_sets = pos_sets_arg ? pos_sets_arg : sets;
       std::mt19937 rng(1);
-      std::vector<__half*> ks(sets), vs(sets);
-      std::vector<int*> starts(sets), positions(sets);
-      for (int i = 0; i < sets; ++i) {
-        ks[i] = device_halves(delta, i);
-        vs[i] = device_halves(delta, i + 99);
-        std::vector<int> s(B), pos(T);
-        for (int b = 0; b < B; ++b) s[b] = int(rng() % unsigned(cap - L + 1));
-        for (int b = 0; b < B; ++b)
-          for (int t = 0; t < L; ++t) pos[b * L + t] = s[b] + t;
-        starts[i] = device_copy(s);
-        positions[i] = device_copy(pos);
-      }
+      InputSets const in(sets, delta, B, L, cap, rng);
+      auto const &ks = in.ks, &vs = in.vs;
+      auto const &starts = in.starts, &positions = in.positions;
       // Start positions of a decode loop: every slot's start advances by L each launch.
       std::vector<int*> advancing(chain);
       std::vector<int> base(B);
@@ -217,12 +208,6 @@ int main(int argc, char** argv) {
           std::printf("tpb=%d probe pos+rope, PDL            %7.3f us\n", tpb, probe(probe_kernel<1, 1, 1>, true));
           std::printf("tpb=%d probe no pos no rope, PDL      %7.3f us\n", tpb, probe(probe_kernel<0, 0, 1>, true));
         }
-      }
-      for (int i = 0; i < sets; ++i) {
-        CK(cudaFree(ks[i]));
-        CK(cudaFree(vs[i]));
-        CK(cudaFree(starts[i]));
-        CK(cudaFree(positions[i]));
       }
       for (int* x : advancing) CK(cudaFree(x));
       CK(cudaFree(owners));

@@ -51,6 +51,36 @@ T* device_copy(std::vector<T> const& host) {
   return p;
 }
 
+// `sets` input sets of one decode-or-prefill shape, each used in turn by a timing chain: fp16 k/v
+// deltas of `delta` elements (different values per set), random start positions of B sequences of
+// L tokens in slots of `cap` tokens, and the same tokens' positions (token b * L + t of sequence
+// b at start + t). Freed when it goes out of scope.
+struct InputSets {
+  std::vector<__half*> ks, vs;
+  std::vector<int*> starts, positions;
+
+  InputSets(int sets, size_t delta, int B, int L, int cap, std::mt19937& rng) {
+    for (int i = 0; i < sets; ++i) {
+      ks.push_back(device_halves(delta, i));
+      vs.push_back(device_halves(delta, i + 99));
+      std::vector<int> s(B), pos(size_t(B) * L);
+      for (int b = 0; b < B; ++b) s[b] = int(rng() % unsigned(cap - L + 1));
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < L; ++t) pos[size_t(b) * L + t] = s[b] + t;
+      starts.push_back(device_copy(s));
+      positions.push_back(device_copy(pos));
+    }
+  }
+  ~InputSets() {
+    for (auto* v : {&ks, &vs})
+      for (__half* p : *v) CK(cudaFree(p));
+    for (auto* v : {&starts, &positions})
+      for (int* p : *v) CK(cudaFree(p));
+  }
+  InputSets(InputSets const&) = delete;
+  InputSets& operator=(InputSets const&) = delete;
+};
+
 inline dflash::TensorDesc desc(dflash::DType dtype, std::initializer_list<int64_t> dims, void const* data) {
   dflash::TensorDesc d;
   d.dtype = dtype;

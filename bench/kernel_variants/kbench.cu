@@ -34,18 +34,11 @@ int main() {
     size_t const delta = size_t(layers) * T * H * D, pool = size_t(layers) * 2 * N * P * H * D;
     double const bytes = double(delta) * 2 * 2 * 2 + double(layers) * T * R * 4;
     int const sets = bytes * 8 < 200e6 ? 8 : 2;
-    std::vector<__half*> ks(sets), vs(sets);
-    std::vector<int*> starts(sets), positions(sets);
+    InputSets const in(sets, delta, B, L, cap, rng);
+    auto const &ks = in.ks, &vs = in.vs;
+    auto const &starts = in.starts, &positions = in.positions;
     std::vector<float*> paged_rope(sets);
     for (int i = 0; i < sets; ++i) {
-      ks[i] = device_halves(delta, i);
-      vs[i] = device_halves(delta, i + 99);
-      std::vector<int> s(B), pos(T);
-      for (int b = 0; b < B; ++b) s[b] = int(rng() % unsigned(cap - L + 1));
-      for (int b = 0; b < B; ++b)
-        for (int t = 0; t < L; ++t) pos[b * L + t] = s[b] + t;
-      starts[i] = device_copy(s);
-      positions[i] = device_copy(pos);
       CK(cudaMalloc(&paged_rope[i], size_t(T) * R * 4));
       CK(cudaMemset(paged_rope[i], 0, size_t(T) * R * 4));
     }
@@ -96,13 +89,7 @@ int main() {
       std::printf("%-17s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
                   row_bytes / us / 1e3);
     }
-    for (int i = 0; i < sets; ++i) {
-      CK(cudaFree(ks[i]));
-      CK(cudaFree(vs[i]));
-      CK(cudaFree(starts[i]));
-      CK(cudaFree(positions[i]));
-      CK(cudaFree(paged_rope[i]));
-    }
+    for (float* r : paged_rope) CK(cudaFree(r));
     CK(cudaFree(owners));
     CK(cudaFree(lengths));
     CK(cudaFree(table));
