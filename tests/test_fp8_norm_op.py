@@ -5,6 +5,7 @@ rows, against the NumPy reference bit for bit, plus the SPEC.md rules checked di
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -21,6 +22,7 @@ from conftest import (
     make_paged_problem,
     make_problem,
 )
+from helpers.children import run_script
 from helpers.ops import expected, jitted_op, run_op
 from jax_dflash import reference
 
@@ -485,20 +487,7 @@ def test_cpu_general_path_matches_reference(portable):
     """The CPU kernel's general path (norms, cross-dtype, FP8), with its AVX2 + F16C row passes
     where the CPU has them and with the portable code: FP8 stores equal the reference's rounding
     over 2^24 float32 bit patterns, and norm/FP8/cross-dtype updates equal the reference."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if portable:
-        env["JAX_DFLASH_CPU_PORTABLE"] = "1"
-    result = subprocess.run(
-        [sys.executable, "-c", _CPU_PATHS_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(__file__),
-        timeout=600,
-    )
+    env = {"JAX_DFLASH_CPU_PORTABLE": "1"} if portable else {}
+    result = run_script(_CPU_PATHS_SCRIPT, Path(__file__).parent, env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cpu paths ok" in result.stdout

@@ -4,6 +4,7 @@ GPU)."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from conftest import (
     device_of,
     make_problem,
 )
+from helpers.children import run_script
 from helpers.ops import expected, jitted_op, run_op  # noqa: F401
 from jax_dflash import reference
 
@@ -433,9 +435,6 @@ def test_cpu_extension_numpy_entry_point_matches_reference():
 
 def test_portable_cpu_path_matches_reference():
     """The CPU kernel's portable conversions (used without AVX2/F16C) give the same bits."""
-    import os
-    import subprocess
-    import sys
 
     script = r"""
 import functools, numpy as np, jax, jax_dflash
@@ -452,14 +451,8 @@ for dtype in DTYPES:
             *p.args(), pages_per_slot=p.pages_per_slot))
 print("portable ok")
 """
-    env = dict(os.environ, JAX_DFLASH_CPU_PORTABLE="1", JAX_PLATFORMS="cpu")
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(__file__),
-        timeout=300,
+    result = run_script(
+        script, Path(__file__).parent, {"JAX_DFLASH_CPU_PORTABLE": "1"}, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "portable ok" in result.stdout

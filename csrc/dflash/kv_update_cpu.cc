@@ -199,6 +199,15 @@ void round_row(DType dtype, float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) x[j] = round_to(dtype, x[j]);
 }
 
+// out[begin, end) <- y times inv_scale in the FP8 format F.
+template <typename F>
+void narrow_fp8(float const* y, uint8_t* out, int64_t begin, int64_t end, float inv_scale) {
+#if DFLASH_X86
+  if (vector_16bit()) return narrow_fp8_avx2<F>(y + begin, out + begin, end - begin, inv_scale);
+#endif
+  for (int64_t j = begin; j < end; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
+}
+
 // dst[begin, end) <- y stored in the pool dtype (FP8: y times inv_scale, saturated).
 void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t end, float inv_scale) {
   switch (dtype) {
@@ -217,22 +226,8 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       for (int64_t j = begin; j < end; ++j) out[j] = float_to_float32_bits(y[j]);
       return;
     }
-    case DType::kFloat8E4M3: {
-      uint8_t* const out = static_cast<uint8_t*>(dst);
-#if DFLASH_X86
-      if (vector_16bit()) return narrow_fp8_avx2<E4M3Format>(y + begin, out + begin, end - begin, inv_scale);
-#endif
-      for (int64_t j = begin; j < end; ++j) out[j] = float_to_e4m3_bits(mul_rn(y[j], inv_scale));
-      return;
-    }
-    case DType::kFloat8E5M2: {
-      uint8_t* const out = static_cast<uint8_t*>(dst);
-#if DFLASH_X86
-      if (vector_16bit()) return narrow_fp8_avx2<E5M2Format>(y + begin, out + begin, end - begin, inv_scale);
-#endif
-      for (int64_t j = begin; j < end; ++j) out[j] = float_to_e5m2_bits(mul_rn(y[j], inv_scale));
-      return;
-    }
+    case DType::kFloat8E4M3: return narrow_fp8<E4M3Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
+    case DType::kFloat8E5M2: return narrow_fp8<E5M2Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
     default: return;
   }
 }

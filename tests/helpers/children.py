@@ -57,3 +57,16 @@ def run_in_children(platform: str, ids: list[str], script: Path, timeout=CHILD_T
             }
         pending = [i for i in pending if i not in results]
     return results
+
+
+def run_script(script: str, cwd: Path, env: dict | None = None, timeout=CHILD_TIMEOUT_S):
+    """Runs the Python source ``script`` in a child process (JAX on the CPU, ``env`` added to the
+    environment) from ``cwd``: the ``subprocess.CompletedProcess``."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+    )
