@@ -152,20 +152,87 @@ __attribute__((target("avx2,f16c"))) void narrow_fp8_avx2(float const* y, uint8_
   for (; j < n; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
 }
 
-// x <- x rounded to the 16-bit dtype and widened again.
-__attribute__((target("avx2,f16c"))) void round_16bit_avx2(float* x, int64_t n, bool bf16) {
-  uint16_t bits[8];
+// v rounded to the 16-bit dtype and widened again, in registers (a NaN stays a NaN; its payload
+// does not matter, as every store writes the canonical NaN).
+__attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 v, bool bf16) {
+  if (!bf16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  __m256i const u = _mm256_castps_si256(v);
+  __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i const up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  __m256 const rounded = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int(0xffff0000u))));
+  return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN: kept
+}
+
+// The norm's scaling of a 16-bit row: x <- round(x * inv_rms), then, with a weight,
+// x <- round(x * w) (SPEC.md "Fused norms"; numerics.h's operations on 8 lanes).
+__attribute__((target("avx2,f16c"))) void normalize_16bit_avx2(float* x, int64_t n, float inv_rms, float const* w,
+                                                                bool bf16) {
+  __m256 const inv = _mm256_set1_ps(inv_rms);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    store8(bits, _mm256_loadu_ps(x + j), bf16);
-    _mm256_storeu_ps(x + j, load8(bits, bf16));
+    __m256 v = round8(_mm256_mul_ps(_mm256_loadu_ps(x + j), inv), bf16);
+    if (w != nullptr) v = round8(_mm256_mul_ps(v, _mm256_loadu_ps(w + j)), bf16);
+    _mm256_storeu_ps(x + j, v);
   }
-  for (; j < n; ++j) x[j] = round_to(bf16 ? DType::kBFloat16 : DType::kFloat16, x[j]);
+  DType const dtype = bf16 ? DType::kBFloat16 : DType::kFloat16;
+  for (; j < n; ++j) {
+    x[j] = round_to(dtype, mul_rn(x[j], inv_rms));
+    if (w != nullptr) x[j] = round_to(dtype, mul_rn(x[j], w[j]));
+  }
+}
+
+// y <- x rotated (rotate-half over the first 2 * half channels, numerics.h rope_channel).
+__attribute__((target("avx2,f16c"))) void rotate_half_avx2(float const* x, float const* cos_sin, int64_t half,
+                                                            float* y) {
+  float const* cos = cos_sin;
+  float const* sin = cos_sin + half;
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    __m256 const x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + half);
+    __m256 const c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+    _mm256_storeu_ps(y + i, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)));
+    _mm256_storeu_ps(y + i + half, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)));
+  }
+  for (; i < half; ++i) {
+    y[i] = rope_channel(x[i], x[i + half], cos[i], sin[i], /*first_half=*/true);
+    y[i + half] = rope_channel(x[i + half], x[i], cos[i], sin[i], /*first_half=*/false);
+  }
+}
+
+// sums[c] for the chunks c < 8 * groups of a row (numerics.h chunk_sums, 8 chunks at a time): the
+// squares of 8 chunks are transposed so that lane c of vector j is channel j of chunk c, and each
+// lane adds its chunk's squares left to right.
+__attribute__((target("avx2,f16c"))) void chunk_sums_avx2(float const* x, int64_t groups, float* sums) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float const* const base = x + g * 8 * kNormChunk;
+    __m256 r[8];
+    for (int c = 0; c < 8; ++c) {
+      __m256 const v = _mm256_loadu_ps(base + c * kNormChunk);
+      r[c] = _mm256_mul_ps(v, v);
+    }
+    __m256 const t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 const t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 const t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 const t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 const u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 const u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 const u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 const u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    __m256 const column[8] = {
+        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31),
+    };
+    __m256 sum = column[0];
+    for (int j = 1; j < kNormChunk; ++j) sum = _mm256_add_ps(sum, column[j]);
+    _mm256_storeu_ps(sums + g * 8, sum);
+  }
 }
 #endif
 
-// AVX2 + F16C: the 16-bit and FP8 rows go 8 channels at a time.
-bool vector_16bit() {
+// AVX2 + F16C: rows go 8 channels at a time.
+bool vector_rows() {
 #if DFLASH_X86
   return has_avx2_f16c();
 #else
@@ -182,7 +249,7 @@ void widen_row(DType dtype, void const* src, float* x, int64_t n) {
   }
   auto const* bits = static_cast<uint16_t const*>(src);
 #if DFLASH_X86
-  if (vector_16bit()) return widen_16bit_avx2(bits, x, n, bf16);
+  if (vector_rows()) return widen_16bit_avx2(bits, x, n, bf16);
 #endif
   if (bf16)
     for (int64_t j = 0; j < n; ++j) x[j] = bfloat16_bits_to_float(bits[j]);
@@ -193,9 +260,6 @@ void widen_row(DType dtype, void const* src, float* x, int64_t n) {
 // x[0, n) <- x rounded to the delta dtype (float32: nothing to round).
 void round_row(DType dtype, float* x, int64_t n) {
   if (dtype == DType::kFloat32) return;
-#if DFLASH_X86
-  if (vector_16bit()) return round_16bit_avx2(x, n, dtype == DType::kBFloat16);
-#endif
   for (int64_t j = 0; j < n; ++j) x[j] = round_to(dtype, x[j]);
 }
 
@@ -203,7 +267,7 @@ void round_row(DType dtype, float* x, int64_t n) {
 template <typename F>
 void narrow_fp8(float const* y, uint8_t* out, int64_t begin, int64_t end, float inv_scale) {
 #if DFLASH_X86
-  if (vector_16bit()) return narrow_fp8_avx2<F>(y + begin, out + begin, end - begin, inv_scale);
+  if (vector_rows()) return narrow_fp8_avx2<F>(y + begin, out + begin, end - begin, inv_scale);
 #endif
   for (int64_t j = begin; j < end; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
 }
@@ -216,7 +280,7 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       bool const bf16 = dtype == DType::kBFloat16;
       uint16_t* const out = static_cast<uint16_t*>(dst);
 #if DFLASH_X86
-      if (vector_16bit()) return narrow_16bit_avx2(y + begin, out + begin, end - begin, bf16);
+      if (vector_rows()) return narrow_16bit_avx2(y + begin, out + begin, end - begin, bf16);
 #endif
       for (int64_t j = begin; j < end; ++j) out[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
       return;
@@ -247,6 +311,34 @@ struct HeadWriter {
         w(size_t(params.head_dim)),
         sums(size_t(norm_tree_leaves(params.head_dim))) {}
 
+  // xs <- round(xs * inv_rms), then round(xs * ws) with a weight, in the delta dtype.
+  void normalize(float* xs, float inv_rms, float const* ws) {
+    int64_t const n = p.head_dim;
+#if DFLASH_X86
+    if (vector_rows() && p.delta_dtype != DType::kFloat32)
+      return normalize_16bit_avx2(xs, n, inv_rms, ws, p.delta_dtype == DType::kBFloat16);
+#endif
+    for (int64_t j = 0; j < n; ++j) xs[j] = mul_rn(xs[j], inv_rms);
+    round_row(p.delta_dtype, xs, n);
+    if (ws == nullptr) return;
+    for (int64_t j = 0; j < n; ++j) xs[j] = mul_rn(xs[j], ws[j]);
+    round_row(p.delta_dtype, xs, n);
+  }
+
+  // x[0, D)'s sum of squares in SPEC.md's order.
+  float sum_of_squares(float const* xs) {
+    int64_t first = 0;
+#if DFLASH_X86
+    if (vector_rows()) {
+      int64_t const groups = p.head_dim / (8 * kNormChunk);
+      chunk_sums_avx2(xs, groups, sums.data());
+      first = groups * 8;
+    }
+#endif
+    chunk_sums(xs, p.head_dim, first, sums.data());
+    return halving_sum(sums.data(), norm_tree_leaves(p.head_dim));
+  }
+
   void write(void const* src, void* dst, bool norm, void const* weight, float const* cos_sin,
              float inv_scale, bool copy_unrotated) {
     int64_t const head_dim = p.head_dim, rotary_dim = cos_sin != nullptr ? p.rotary_dim : 0;
@@ -254,21 +346,26 @@ struct HeadWriter {
     float* const ys = y.data();
     widen_row(p.delta_dtype, src, xs, head_dim);
     if (norm) {
-      float const inv_rms = inverse_rms(sum_squares_array(xs, head_dim, sums.data()), head_dim, p.norm_eps);
-      for (int64_t j = 0; j < head_dim; ++j) xs[j] = mul_rn(xs[j], inv_rms);
-      round_row(p.delta_dtype, xs, head_dim);
+      float const inv_rms = inverse_rms(sum_of_squares(xs), head_dim, p.norm_eps);
+      float const* ws = nullptr;
       if (weight != nullptr) {
         if (weight != w_row) widen_row(p.delta_dtype, weight, w.data(), head_dim), w_row = weight;
-        float const* const ws = w.data();
-        for (int64_t j = 0; j < head_dim; ++j) xs[j] = mul_rn(xs[j], ws[j]);
-        round_row(p.delta_dtype, xs, head_dim);
+        ws = w.data();
       }
+      normalize(xs, inv_rms, ws);
     }
     int64_t const half = rotary_dim / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      float const c = cos_sin[i], s = cos_sin[half + i];
-      ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
-      ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
+#if DFLASH_X86
+    if (vector_rows()) {
+      rotate_half_avx2(xs, cos_sin, half, ys);
+    } else
+#endif
+    {
+      for (int64_t i = 0; i < half; ++i) {
+        float const c = cos_sin[i], s = cos_sin[half + i];
+        ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
+        ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
+      }
     }
     if (copy_unrotated) {
       narrow_row(p.pool_dtype, ys, dst, 0, rotary_dim, inv_scale);

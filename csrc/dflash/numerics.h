@@ -273,23 +273,31 @@ DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
 }
 
 // The same sum of x[0 .. D) evaluated as SPEC.md writes it, over an array `sums` of
-// norm_tree_leaves(D) floats: every chunk's sum at once (the chunks advance together, channel by
-// channel, so the additions of different chunks are independent), then the halving passes. The
-// CPU kernel's form: the same additions on the same operands as sum_squares().
-DFLASH_HOST_DEVICE float sum_squares_array(float const* x, int64_t head_dim, float* sums) {
+// norm_tree_leaves(D) floats (the CPU kernel's form; the same additions on the same operands as
+// sum_squares()). Step 1, chunk_sums: sums[c] for the chunks c >= `first`, each chunk's squares
+// left to right (the chunks advance together, channel by channel, so that the additions of
+// different chunks are independent), zero past the last chunk. Step 2, halving_sum: the halving
+// passes; the result is sums[0].
+DFLASH_HOST_DEVICE void chunk_sums(float const* x, int64_t head_dim, int64_t first, float* sums) {
   int64_t const full = head_dim / kNormChunk;  // chunks of all 8 channels
   int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
-  int64_t const leaves = norm_tree_leaves(head_dim);
-  for (int64_t c = 0; c < full; ++c) sums[c] = mul_rn(x[c * kNormChunk], x[c * kNormChunk]);
+  for (int64_t c = first; c < full; ++c) sums[c] = mul_rn(x[c * kNormChunk], x[c * kNormChunk]);
   for (int64_t j = 1; j < kNormChunk; ++j)
-    for (int64_t c = 0; c < full; ++c) sums[c] = add_rn(sums[c], mul_rn(x[c * kNormChunk + j], x[c * kNormChunk + j]));
-  if (chunks > full) {  // the last, shorter chunk
+    for (int64_t c = first; c < full; ++c)
+      sums[c] = add_rn(sums[c], mul_rn(x[c * kNormChunk + j], x[c * kNormChunk + j]));
+  if (chunks > full && full >= first) {  // the last, shorter chunk
     sums[full] = chunk_sum_squares([x](int64_t j) { return x[j]; }, full, head_dim);
   }
-  for (int64_t c = chunks; c < leaves; ++c) sums[c] = 0.0f;
+  for (int64_t c = chunks > first ? chunks : first; c < norm_tree_leaves(head_dim); ++c) sums[c] = 0.0f;
+}
+DFLASH_HOST_DEVICE float halving_sum(float* sums, int64_t leaves) {
   for (int64_t h = leaves / 2; h >= 1; h /= 2)
     for (int64_t c = 0; c < h; ++c) sums[c] = add_rn(sums[c], sums[c + h]);
   return sums[0];
+}
+DFLASH_HOST_DEVICE float sum_squares_array(float const* x, int64_t head_dim, float* sums) {
+  chunk_sums(x, head_dim, 0, sums);
+  return halving_sum(sums, norm_tree_leaves(head_dim));
 }
 
 // 1 / sqrt(sum / D + eps), each operation rounded. For D a power of two, sum / D is computed as
