@@ -50,8 +50,16 @@ __attribute__((target("avx2,f16c"))) inline void store8(uint16_t* y, __m256 v, b
   _mm_storeu_si128(reinterpret_cast<__m128i*>(y), out);
 }
 
+// Rotate-half on 8 channel pairs in registers: rope_channel()'s operations and order, so its bits.
+__attribute__((target("avx2,f16c"))) inline void rope8(__m256 x0, __m256 x1, float const* cos, float const* sin,
+                                                        __m256* y0, __m256* y1) {
+  __m256 const c = _mm256_loadu_ps(cos), s = _mm256_loadu_ps(sin);
+  *y0 = _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s));
+  *y1 = _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s));
+}
+
 // One head's rotate-half on 16-bit storage, 8 channels per step: widen, rotate and narrow in
-// registers. Same operations and order as rope_channel(), so the same bits.
+// registers.
 __attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t const* x,
                                                                           float const* cos_sin,
                                                                           int64_t rotary_dim,
@@ -61,12 +69,10 @@ __attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t
   float const* sin = cos_sin + half;
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
-    __m256 const x0 = load8(x + i, bf16);
-    __m256 const x1 = load8(x + i + half, bf16);
-    __m256 const c = _mm256_loadu_ps(cos + i);
-    __m256 const s = _mm256_loadu_ps(sin + i);
-    store8(y + i, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)), bf16);
-    store8(y + i + half, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)), bf16);
+    __m256 y0, y1;
+    rope8(load8(x + i, bf16), load8(x + i + half, bf16), cos + i, sin + i, &y0, &y1);
+    store8(y + i, y0, bf16);
+    store8(y + i + half, y1, bf16);
   }
   for (; i < half; ++i) {
     auto const load = [bf16](uint16_t v) { return bf16 ? bfloat16_bits_to_float(v) : float16_bits_to_float(v); };
@@ -107,27 +113,27 @@ bool has_avx2_f16c() {
 
 // ---- the general path: any dtype pair, norms, FP8 -----------------------------------------------
 // A head row goes through float32 arrays in passes (widen, norm, RoPE, narrow), each a loop over
-// the row with the dtype decided once per row, so that the loops are simple enough to vectorize;
-// 16-bit rows are widened and narrowed 8 channels at a time with AVX2 + F16C where available.
+// the row with the dtype decided once per row. With AVX2 + F16C a pass's vector form does the
+// row's whole 8-channel steps and returns how many channels it did; the scalar loop does the rest.
 // NaN payloads inside the passes do not matter: every store writes the canonical NaN.
 
 #if DFLASH_X86
-__attribute__((target("avx2,f16c"))) void widen_16bit_avx2(uint16_t const* src, float* x, int64_t n, bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t widen_16bit_avx2(uint16_t const* src, float* x, int64_t n, bool bf16) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, load8(src + j, bf16));
-  for (; j < n; ++j) x[j] = bf16 ? bfloat16_bits_to_float(src[j]) : float16_bits_to_float(src[j]);
+  return j;
 }
-__attribute__((target("avx2,f16c"))) void narrow_16bit_avx2(float const* y, uint16_t* dst, int64_t n, bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t narrow_16bit_avx2(float const* y, uint16_t* dst, int64_t n, bool bf16) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_loadu_ps(y + j), bf16);
-  for (; j < n; ++j) dst[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
+  return j;
 }
 // out[0, n) <- y times inv_scale in the FP8 format F: float_to_fp8_bits (numerics.h) on 8 lanes,
 // the same integer steps and the same float add for subnormals, so the same bits.
 __attribute__((target("avx2,f16c"))) inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(int(v)); }
 
 template <typename F>
-__attribute__((target("avx2,f16c"))) void narrow_fp8_avx2(float const* y, uint8_t* out, int64_t n, float inv_scale) {
+__attribute__((target("avx2,f16c"))) int64_t narrow_fp8_avx2(float const* y, uint8_t* out, int64_t n, float inv_scale) {
   __m256 const inv = _mm256_set1_ps(inv_scale);
   __m256 const magic = _mm256_castsi256_ps(splat(F::kSubnormalMagicBits));
   int64_t j = 0;
@@ -149,7 +155,7 @@ __attribute__((target("avx2,f16c"))) void narrow_fp8_avx2(float const* y, uint8_
     __m128i const words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(words, words));
   }
-  for (; j < n; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
+  return j;
 }
 
 // v rounded to the 16-bit dtype and widened again, in registers (a NaN stays a NaN; its payload
@@ -165,8 +171,8 @@ __attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 v, bool bf16) {
 
 // The norm's scaling of a 16-bit row: x <- round(x * inv_rms), then, with a weight,
 // x <- round(x * w) (SPEC.md "Fused norms"; numerics.h's operations on 8 lanes).
-__attribute__((target("avx2,f16c"))) void normalize_16bit_avx2(float* x, int64_t n, float inv_rms, float const* w,
-                                                                bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t normalize_16bit_avx2(float* x, int64_t n, float inv_rms, float const* w,
+                                                                   bool bf16) {
   __m256 const inv = _mm256_set1_ps(inv_rms);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -174,29 +180,20 @@ __attribute__((target("avx2,f16c"))) void normalize_16bit_avx2(float* x, int64_t
     if (w != nullptr) v = round8(_mm256_mul_ps(v, _mm256_loadu_ps(w + j)), bf16);
     _mm256_storeu_ps(x + j, v);
   }
-  DType const dtype = bf16 ? DType::kBFloat16 : DType::kFloat16;
-  for (; j < n; ++j) {
-    x[j] = round_to(dtype, mul_rn(x[j], inv_rms));
-    if (w != nullptr) x[j] = round_to(dtype, mul_rn(x[j], w[j]));
-  }
+  return j;
 }
 
-// y <- x rotated (rotate-half over the first 2 * half channels, numerics.h rope_channel).
-__attribute__((target("avx2,f16c"))) void rotate_half_avx2(float const* x, float const* cos_sin, int64_t half,
-                                                            float* y) {
-  float const* cos = cos_sin;
-  float const* sin = cos_sin + half;
+// y <- x rotated (rotate-half over the first 2 * half channels): the pairs i < the result.
+__attribute__((target("avx2,f16c"))) int64_t rotate_half_avx2(float const* x, float const* cos_sin, int64_t half,
+                                                               float* y) {
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
-    __m256 const x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + half);
-    __m256 const c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
-    _mm256_storeu_ps(y + i, _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s)));
-    _mm256_storeu_ps(y + i + half, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s)));
+    __m256 y0, y1;
+    rope8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + half), cos_sin + i, cos_sin + half + i, &y0, &y1);
+    _mm256_storeu_ps(y + i, y0);
+    _mm256_storeu_ps(y + i + half, y1);
   }
-  for (; i < half; ++i) {
-    y[i] = rope_channel(x[i], x[i + half], cos[i], sin[i], /*first_half=*/true);
-    y[i + half] = rope_channel(x[i + half], x[i], cos[i], sin[i], /*first_half=*/false);
-  }
+  return i;
 }
 
 // sums[c] for the chunks c < 8 * groups of a row (numerics.h chunk_sums, 8 chunks at a time): the
@@ -248,28 +245,21 @@ void widen_row(DType dtype, void const* src, float* x, int64_t n) {
     return;
   }
   auto const* bits = static_cast<uint16_t const*>(src);
+  int64_t j = 0;
 #if DFLASH_X86
-  if (vector_rows()) return widen_16bit_avx2(bits, x, n, bf16);
+  if (vector_rows()) j = widen_16bit_avx2(bits, x, n, bf16);
 #endif
-  if (bf16)
-    for (int64_t j = 0; j < n; ++j) x[j] = bfloat16_bits_to_float(bits[j]);
-  else
-    for (int64_t j = 0; j < n; ++j) x[j] = float16_bits_to_float(bits[j]);
-}
-
-// x[0, n) <- x rounded to the delta dtype (float32: nothing to round).
-void round_row(DType dtype, float* x, int64_t n) {
-  if (dtype == DType::kFloat32) return;
-  for (int64_t j = 0; j < n; ++j) x[j] = round_to(dtype, x[j]);
+  for (; j < n; ++j) x[j] = bf16 ? bfloat16_bits_to_float(bits[j]) : float16_bits_to_float(bits[j]);
 }
 
 // out[begin, end) <- y times inv_scale in the FP8 format F.
 template <typename F>
 void narrow_fp8(float const* y, uint8_t* out, int64_t begin, int64_t end, float inv_scale) {
+  int64_t j = begin;
 #if DFLASH_X86
-  if (vector_rows()) return narrow_fp8_avx2<F>(y + begin, out + begin, end - begin, inv_scale);
+  if (vector_rows()) j += narrow_fp8_avx2<F>(y + begin, out + begin, end - begin, inv_scale);
 #endif
-  for (int64_t j = begin; j < end; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
+  for (; j < end; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
 }
 
 // dst[begin, end) <- y stored in the pool dtype (FP8: y times inv_scale, saturated).
@@ -279,10 +269,11 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
     case DType::kBFloat16: {
       bool const bf16 = dtype == DType::kBFloat16;
       uint16_t* const out = static_cast<uint16_t*>(dst);
+      int64_t j = begin;
 #if DFLASH_X86
-      if (vector_rows()) return narrow_16bit_avx2(y + begin, out + begin, end - begin, bf16);
+      if (vector_rows()) j += narrow_16bit_avx2(y + begin, out + begin, end - begin, bf16);
 #endif
-      for (int64_t j = begin; j < end; ++j) out[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
+      for (; j < end; ++j) out[j] = bf16 ? float_to_bfloat16_bits(y[j]) : float_to_float16_bits(y[j]);
       return;
     }
     case DType::kFloat32: {
@@ -314,15 +305,15 @@ struct HeadWriter {
   // xs <- round(xs * inv_rms), then round(xs * ws) with a weight, in the delta dtype.
   void normalize(float* xs, float inv_rms, float const* ws) {
     int64_t const n = p.head_dim;
+    int64_t j = 0;
 #if DFLASH_X86
     if (vector_rows() && p.delta_dtype != DType::kFloat32)
-      return normalize_16bit_avx2(xs, n, inv_rms, ws, p.delta_dtype == DType::kBFloat16);
+      j = normalize_16bit_avx2(xs, n, inv_rms, ws, p.delta_dtype == DType::kBFloat16);
 #endif
-    for (int64_t j = 0; j < n; ++j) xs[j] = mul_rn(xs[j], inv_rms);
-    round_row(p.delta_dtype, xs, n);
-    if (ws == nullptr) return;
-    for (int64_t j = 0; j < n; ++j) xs[j] = mul_rn(xs[j], ws[j]);
-    round_row(p.delta_dtype, xs, n);
+    for (; j < n; ++j) {
+      xs[j] = round_to(p.delta_dtype, mul_rn(xs[j], inv_rms));
+      if (ws != nullptr) xs[j] = round_to(p.delta_dtype, mul_rn(xs[j], ws[j]));
+    }
   }
 
   // x[0, D)'s sum of squares in SPEC.md's order.
@@ -355,17 +346,14 @@ struct HeadWriter {
       normalize(xs, inv_rms, ws);
     }
     int64_t const half = rotary_dim / 2;
+    int64_t i = 0;
 #if DFLASH_X86
-    if (vector_rows()) {
-      rotate_half_avx2(xs, cos_sin, half, ys);
-    } else
+    if (vector_rows()) i = rotate_half_avx2(xs, cos_sin, half, ys);
 #endif
-    {
-      for (int64_t i = 0; i < half; ++i) {
-        float const c = cos_sin[i], s = cos_sin[half + i];
-        ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
-        ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
-      }
+    for (; i < half; ++i) {
+      float const c = cos_sin[i], s = cos_sin[half + i];
+      ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
+      ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
     }
     if (copy_unrotated) {
       narrow_row(p.pool_dtype, ys, dst, 0, rotary_dim, inv_scale);
