@@ -29,11 +29,11 @@
 #define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
 #endif
 #ifndef DFLASH_NORM_MIN_BLOCKS
-// Resident blocks per multiprocessor the fused-norm kernels are compiled for (a register cap, see
-// norm_min_blocks): 6 holds them to about 80 registers, and the extra warps hide more of the
-// memory latency at bandwidth-bound sizes (bench/kernel_variants: -7% at B=8 L=2048 with the
-// k-norm, decode unchanged); 8 spills and is slower.
-#define DFLASH_NORM_MIN_BLOCKS 6
+// Resident blocks per multiprocessor the butterfly kernels are compiled for (a register cap, see
+// norm_min_blocks); 0, no cap. Since the butterfly kernels carry neither the row form's stack nor
+// a computed shuffle mask, a cap of 6 gains nothing (bench/kernel_variants: within 1% with the
+// k-norm, and 3% slower in the slot contract at B=8 L=2048), and 8 spills.
+#define DFLASH_NORM_MIN_BLOCKS 0
 #endif
 
 namespace dflash {
@@ -148,6 +148,7 @@ struct Geometry {
   // The fused norms' sum of squares by a butterfly over the head's items (each owning chunks c
   // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
   bool norm_butterfly;
+  float inv_head_dim;   // 1 / D, exact: the butterfly's heads are a power of two wide
   bool weight_vectors;  // the k-norm weight can be read VEC at a time (aligned)
   int32_t page_shift;   // log2(P), or -1 (paged contract: see page_and_row)
 };
@@ -171,51 +172,63 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
   for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
 }
 
-// The inverse RMS of one head for the fused norms. Butterfly: this thread's own chunks (its pair
-// of VEC = 8 channel vectors: chunks c and c + G of 2G) summed, then an xor butterfly over the G
-// lanes of the head; every lane ends with the canonical sum (float addition commutes exactly).
-// Otherwise: the whole row, read again from memory, in the same order.
+// Which fused-norm code a kernel carries: none (the plain kernels), the butterfly (VEC = 8 and a
+// head of 8 * 2G channels, see butterfly_fits), or the row form for every other head width.
+// Separate instantiations, so that each carries only its own registers and stack (the row form's
+// sum needs an array).
+enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2 };
+
+// The inverse RMS of one head by a butterfly: this thread's own chunks (its pair of VEC = 8
+// channel vectors, chunks c and c + G of 2G) summed, then an xor butterfly over the G lanes of the
+// head, widest offset first; every lane ends with the canonical sum (float addition commutes
+// exactly). Every lane of the warp must call it (a constant full mask: a computed one costs a
+// convergence check per shuffle, on the critical path at decode sizes).
 template <typename Delta, int VEC>
-__device__ __forceinline__ float head_inverse_rms(KVUpdateParams const& p, Geometry const& g,
-                                                  float const (&x0)[VEC], float const (&x1)[VEC],
-                                                  typename Delta::Bits const* row) {
-  float sum;
-  if (g.norm_butterfly) {
-    auto own = [](float const (&x)[VEC]) {
-      float s = mul_rn(x[0], x[0]);
+__device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, Geometry const& g,
+                                                       typename Delta::Bits const (&bits0)[VEC],
+                                                       typename Delta::Bits const (&bits1)[VEC]) {
+  float x0[VEC], x1[VEC];
+  decode_pack<Delta, VEC>(bits0, x0);
+  decode_pack<Delta, VEC>(bits1, x1);
+  auto own = [](float const (&x)[VEC]) {
+    float s = mul_rn(x[0], x[0]);
 #pragma unroll
-      for (int i = 1; i < VEC; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
-      return s;
-    };
-    sum = add_rn(own(x0), own(x1));
-    uint32_t const lanes = g.head_items;  // a power of two <= 32, aligned within the warp
-    uint32_t const lane = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
-    uint32_t const mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~(lanes - 1u));
-    for (uint32_t offset = lanes / 2; offset > 0; offset /= 2)
-      sum = add_rn(sum, __shfl_xor_sync(mask, sum, offset));
-  } else {
-    sum = sum_squares([row](int64_t j) { return Delta::decode(row[j]); }, p.head_dim);
-  }
+    for (int i = 1; i < VEC; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
+    return s;
+  };
+  float sum = add_rn(own(x0), own(x1));
+#pragma unroll
+  for (uint32_t offset = 16; offset > 0; offset /= 2)
+    if (offset < g.head_items) sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+  return inverse_rms_scaled(sum, g.inv_head_dim, p.norm_eps);
+}
+
+// The row form: the whole row read again from memory, summed in the same order.
+template <typename Delta>
+__device__ __forceinline__ float row_inverse_rms(KVUpdateParams const& p, typename Delta::Bits const* row) {
+  float const sum = sum_squares([row](int64_t j) { return Delta::decode(row[j]); }, p.head_dim);
   return inverse_rms(sum, p.head_dim, p.norm_eps);
 }
 
 // x[i] <- the normed value of channel `channel + i` (SPEC.md "Fused norms" 4-5).
 template <typename Delta, int VEC>
 __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const (*weight)[VEC]) {
-  float w[VEC];
-  if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
   if constexpr (VEC % 2 == 0 && !std::is_same_v<Delta, F32>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
-      round_pair<Delta>(a, b);
       if (weight != nullptr) {
-        a = mul_rn(a, w[i]), b = mul_rn(b, w[i + 1]);
+        float2 const f = std::is_same_v<Delta, F16> ? f16_pair_times(a, b, (*weight)[i], (*weight)[i + 1])
+                                                     : bf16_pair_times(a, b, (*weight)[i], (*weight)[i + 1]);
+        a = f.x, b = f.y;
+      } else {
         round_pair<Delta>(a, b);
       }
       x[i] = a, x[i + 1] = b;
     }
   } else {
+    float w[VEC];
+    if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       float u = Delta::decode(Delta::encode(mul_rn(x[i], inv_rms)));
@@ -246,20 +259,19 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
   return out;
 }
 
-// The register cap of a kernel: DFLASH_NORM_MIN_BLOCKS for the fused-norm kernels that fit it
-// without spilling (float16 deltas, and bfloat16 into a bfloat16 pool in the paged contract, as
-// ptxas reports for sm_90); 0 (no minimum: the compiler's own allocation) for the others and the
-// plain kernels.
-template <Contract C, typename Delta, typename Pool, bool NORM>
+// The register cap of a kernel: DFLASH_NORM_MIN_BLOCKS for the butterfly kernels that fit it
+// without spilling (16-bit deltas, except bfloat16 into an FP8 pool, as ptxas reports for sm_90);
+// 0 (no minimum: the compiler's own allocation) for the others, the row form and the plain
+// kernels.
+template <Contract C, typename Delta, typename Pool, int NORM>
 inline constexpr int norm_min_blocks =
-    NORM && (std::is_same_v<Delta, F16> ||
-             (std::is_same_v<Delta, BF16> && std::is_same_v<Pool, BF16> && C == Contract::kPaged))
+    NORM == kButterflyNorm && (std::is_same_v<Delta, F16> || (std::is_same_v<Delta, BF16> && !kIsFp8<Pool>))
         ? DFLASH_NORM_MIN_BLOCKS
         : 0;
 
-// NORM: either fused norm is on (a template parameter so that the plain kernels carry none of
-// its registers or its stack).
-template <Contract C, typename Delta, typename Pool, int VEC, bool NORM>
+// NORM: the fused-norm form the kernel carries (NormForm), a template parameter so that the plain
+// kernels carry none of its registers and the butterfly none of the row form's stack.
+template <Contract C, typename Delta, typename Pool, int VEC, int NORM>
 __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delta, Pool, NORM>))
     update_kernel(KVUpdateParams p, Geometry g) {
   using DBits = typename Delta::Bits;
@@ -267,6 +279,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   using DPack = Pack<DBits, VEC>;
   constexpr bool kSame = std::is_same_v<Delta, Pool>;
   constexpr bool kSlot = C == Contract::kSlot;
+  // The butterfly's shuffles need every lane of the warp (its launch pads the heads so that the
+  // warps are whole): its lanes past the last token or head read the last one's data, take part
+  // in the shuffles, and leave before storing. Every other kernel's such lanes leave at once.
+  constexpr bool kButterfly = NORM == kButterflyNorm;
 
   uint32_t const b = kSlot ? g.slot_base + blockIdx.y : 0;
   uint32_t const layer = g.layer_base + blockIdx.z;
@@ -275,7 +291,9 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     token_chunk = blockIdx.x / g.head_groups;
     group = blockIdx.x - token_chunk * g.head_groups;
   }
-  uint32_t const t = token_chunk * blockDim.z + threadIdx.z;
+  uint32_t const tokens = uint32_t(kSlot ? p.delta_len : p.num_tokens);
+  uint32_t const lane_token = token_chunk * blockDim.z + threadIdx.z;
+  uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
 
   // The addressing data first: every store waits for it, so its loads leave before anything else.
   int64_t start = 0, length = 0, owner = -1, pos = -1;
@@ -283,7 +301,6 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     start = __ldg(p.delta_start_positions + position_index(p, layer, b));
     length = __ldg(p.delta_lengths + position_index(p, layer, b));
   }
-  uint32_t const tokens = uint32_t(kSlot ? p.delta_len : p.num_tokens);
   if constexpr (!kSlot) {
     if (t < tokens) {
       owner = __ldg(p.token_to_sequence + position_index(p, layer, t));
@@ -291,12 +308,14 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     }
   }
 
-  uint32_t h = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
+  uint32_t lane_head = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
   if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
-    h = group / g.item_chunks;
-    head_item += (group - h * g.item_chunks) * blockDim.x;
+    lane_head = group / g.item_chunks;
+    head_item += (group - lane_head * g.item_chunks) * blockDim.x;
   }
-  if (t >= tokens || h >= uint32_t(p.num_kv_heads) || head_item >= g.head_items) return;
+  bool const in_range = lane_token < tokens && lane_head < uint32_t(p.num_kv_heads) && head_item < g.head_items;
+  if (!kButterfly && !in_range) return;
+  uint32_t const h = kButterfly ? min(lane_head, uint32_t(p.num_kv_heads) - 1) : lane_head;
   bool const pair = head_item < g.pair_items;
   int64_t const half = p.rotary_dim / 2;
   // Channel of this item's (first) vector; a pair's second vector sits at channel + R/2.
@@ -324,7 +343,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     v_scale = __ldg(p.v_scale + scale_index(p, layer, h));
   }
   DPack w0, w1;
-  bool const k_norm = NORM && p.k_norm, v_norm = NORM && p.v_norm;
+  bool const k_norm = NORM != kNoNorm && p.k_norm, v_norm = NORM != kNoNorm && p.v_norm;
   if (k_norm) {
     DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
     if (g.weight_vectors) {
@@ -342,25 +361,37 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
   }
 
+  // The dependent load: the slot contract's rope row (at the position), the paged contract's page
+  // ids. A butterfly's sums are computed while it is in flight.
   PoolRows rows;
+  bool rotate = pair;
+  int64_t k_page = -1, v_page = -1, page_row = 0;
   if constexpr (kSlot) {
     pos = written_position(start, length, t, slot_capacity(p));
     rows = slot_rows(p, b, pos);
+    if (!kButterfly && rows.k_row < 0) return;
+    rotate = pair && rows.k_row >= 0 && pos < p.rope_seq_len;
+    if (rotate) {
+      float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
+      load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+    }
   } else {
-    int64_t page = 0, row = 0;
-    if (pos >= 0) page_and_row(p, pos, g.page_shift, &page, &row);
+    int64_t page = 0;
+    if (pos >= 0) page_and_row(p, pos, g.page_shift, &page, &page_row);
     int64_t const entry = page_table_index(p, layer, owner, pos, page);
-    if (entry >= 0)
-      rows = paged_rows(p, __ldg(p.page_table + entry), __ldg(p.page_table + entry + p.table_pages), row);
+    if (entry >= 0) {
+      k_page = __ldg(p.page_table + entry);
+      v_page = __ldg(p.page_table + entry + p.table_pages);
+    }
   }
-  // Uniform over a head's items (one token), so a butterfly below never loses lanes.
-  if (rows.k_row < 0) return;
-
-  bool const rotate = pair && (kSlot ? pos < p.rope_seq_len : true);
-  if (kSlot && rotate) {
-    float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
-    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+  float k_inv_rms = 1.0f, v_inv_rms = 1.0f;
+  if constexpr (kButterfly) {
+    if (k_norm) k_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, k0.v, k1.v);
+    if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
   }
+  if constexpr (!kSlot) rows = paged_rows(p, k_page, v_page, page_row);
+  // Uniform over a head's items (one token), so a row-form norm below never loses lanes.
+  if (!in_range || rows.k_row < 0) return;
 
   PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
   int64_t const stride = token_stride(p);
@@ -378,11 +409,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     float x0[VEC], x1[VEC];
     decode_pack<Delta, VEC>(k0.v, x0);
     decode_pack<Delta, VEC>(k1.v, x1);  // unused (uninitialised bits) unless pair
-    if constexpr (NORM) {
+    if constexpr (NORM != kNoNorm) {
       if (k_norm) {
-        float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, k_delta + head_start);
-        apply_norm<Delta, VEC>(x0, inv_rms, &w0.v);
-        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, &w1.v);
+        if constexpr (NORM == kRowNorm) k_inv_rms = row_inverse_rms<Delta>(p, k_delta + head_start);
+        apply_norm<Delta, VEC>(x0, k_inv_rms, &w0.v);
+        if (pair) apply_norm<Delta, VEC>(x1, k_inv_rms, &w1.v);
       }
     }
     if (rotate) {
@@ -405,11 +436,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     float x0[VEC], x1[VEC];
     decode_pack<Delta, VEC>(v0.v, x0);
     decode_pack<Delta, VEC>(v1.v, x1);  // unused unless pair
-    if constexpr (NORM) {
+    if constexpr (NORM != kNoNorm) {
       if (v_norm) {
-        float const inv_rms = head_inverse_rms<Delta, VEC>(p, g, x0, x1, v_delta + head_start);
-        apply_norm<Delta, VEC>(x0, inv_rms, nullptr);
-        if (pair) apply_norm<Delta, VEC>(x1, inv_rms, nullptr);
+        if constexpr (NORM == kRowNorm) v_inv_rms = row_inverse_rms<Delta>(p, v_delta + head_start);
+        apply_norm<Delta, VEC>(x0, v_inv_rms, nullptr);
+        if (pair) apply_norm<Delta, VEC>(x1, v_inv_rms, nullptr);
       }
     }
     store_pack(v_dst, encode_pack<Pool, VEC>(x0, inv_v));
@@ -439,6 +470,12 @@ inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
   return lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
 }
 
+// The butterfly form exists for VEC = 8 only (butterfly_fits).
+template <Contract C, typename Delta, typename Pool, int VEC>
+void launch_butterfly(dim3 grid, dim3 block, cudaStream_t stream, KVUpdateParams const& p, Geometry const& g) {
+  if constexpr (VEC == kNormChunk) update_kernel<C, Delta, Pool, VEC, kButterflyNorm><<<grid, block, 0, stream>>>(p, g);
+}
+
 template <Contract C, typename Delta, typename Pool, int VEC>
 cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   bool const norm = p.k_norm || p.v_norm;
@@ -450,11 +487,18 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.norm_butterfly = (p.k_norm || p.v_norm) && butterfly_fits(p, VEC);
+  g.inv_head_dim = 1.0f / float(p.head_dim);
   g.page_shift = page_shift_of(p.page_size);
   g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   int64_t const items_x = std::min(head_items, kBlockThreads);
   int64_t const item_chunks = (head_items + items_x - 1) / items_x;
-  int64_t const heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;
+  int64_t heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;
+  if (g.norm_butterfly) {
+    // Whole warps for the butterfly's full-mask shuffles: rows of heads padded to a multiple of
+    // 32 / items_x (items_x = the head's lanes, a power of two <= 32; still within the block).
+    int64_t const quantum = 32 / items_x;
+    heads_y = (heads_y + quantum - 1) / quantum * quantum;
+  }
   int64_t const head_groups = (p.num_kv_heads + heads_y - 1) / heads_y * item_chunks;
   int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
   int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
@@ -480,10 +524,12 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
       g.layer_base = uint32_t(layer);
       dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
                       unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
-      if (norm)
-        update_kernel<C, Delta, Pool, VEC, true><<<grid, block, 0, stream>>>(p, g);
+      if (!norm)
+        update_kernel<C, Delta, Pool, VEC, kNoNorm><<<grid, block, 0, stream>>>(p, g);
+      else if (g.norm_butterfly)
+        launch_butterfly<C, Delta, Pool, VEC>(grid, block, stream, p, g);
       else
-        update_kernel<C, Delta, Pool, VEC, false><<<grid, block, 0, stream>>>(p, g);
+        update_kernel<C, Delta, Pool, VEC, kRowNorm><<<grid, block, 0, stream>>>(p, g);
       if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
     }
   }

@@ -146,6 +146,22 @@ DFLASH_HOST_DEVICE float round_to(DType dtype, float f) {
   }
 }
 
+#if defined(__CUDACC__)
+// The fused k-norm's weight step on two channels (SPEC.md "Fused norms" 4-5): (a, b) rounded to
+// the 16-bit delta dtype, each times its weight, rounded again, widened. The float32 product of
+// two 16-bit values is exact, so rounding it once is the correctly rounded 16-bit product: one
+// packed multiply (mul.rn, never contracted) instead of two float32 products and a second
+// conversion. tools/packed_mul_check.cu compares the two over every pair of 16-bit inputs.
+__device__ __forceinline__ float2 f16_pair_times(float a, float b, uint16_t w_lo, uint16_t w_hi) {
+  __half2 const w = __halves2half2(__ushort_as_half(w_lo), __ushort_as_half(w_hi));
+  return __half22float2(__hmul2_rn(__float22half2_rn(make_float2(a, b)), w));
+}
+__device__ __forceinline__ float2 bf16_pair_times(float a, float b, uint16_t w_lo, uint16_t w_hi) {
+  __nv_bfloat162 const w = __halves2bfloat162(__ushort_as_bfloat16(w_lo), __ushort_as_bfloat16(w_hi));
+  return __bfloat1622float2(__hmul2_rn(__float22bfloat162_rn(make_float2(a, b)), w));
+}
+#endif
+
 // ---- FP8: round to nearest even, saturate to the largest finite value, NaN -> 0x7F ---------------
 
 // MANT mantissa bits, exponent bias BIAS, MAX_CODE the largest finite magnitude's code; the
@@ -302,11 +318,13 @@ DFLASH_HOST_DEVICE float sum_squares_array(float const* x, int64_t head_dim, flo
 
 // 1 / sqrt(sum / D + eps), each operation rounded. For D a power of two, sum / D is computed as
 // sum * (1 / D): both round the same exact value, so the bits are the same, and the multiply is
-// far shorter on the GPU's critical path.
+// far shorter on the GPU's critical path (inverse_rms_scaled takes 1 / D precomputed).
+DFLASH_HOST_DEVICE float inverse_rms_scaled(float sum, float inv_head_dim, float eps) {
+  return div_rn(1.0f, sqrt_rn(add_rn(mul_rn(sum, inv_head_dim), eps)));
+}
 DFLASH_HOST_DEVICE float inverse_rms(float sum, int64_t head_dim, float eps) {
-  bool const power_of_two = (head_dim & (head_dim - 1)) == 0;
-  float const mean = power_of_two ? mul_rn(sum, 1.0f / float(head_dim)) : div_rn(sum, float(head_dim));
-  return div_rn(1.0f, sqrt_rn(add_rn(mean, eps)));
+  if ((head_dim & (head_dim - 1)) == 0) return inverse_rms_scaled(sum, 1.0f / float(head_dim), eps);
+  return div_rn(1.0f, sqrt_rn(add_rn(div_rn(sum, float(head_dim)), eps)));
 }
 
 }  // namespace dflash
