@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
   }
   if constexpr (!kSlot) rows = paged_rows(p, k_page, v_page, page_row);
-  // Uniform over a head's items (one token), so a row-form norm below never loses lanes.
+  // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
   if (!in_range || rows.k_row < 0) return;
 
   PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
