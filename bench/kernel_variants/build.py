@@ -1,7 +1,8 @@
 """Compiles the shipped CUDA sources (csrc/dflash) with tuning macros set by -D, plus a harness.
 
 The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
-(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_NORM_MIN_BLOCKS):
+(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_NORM_MIN_BLOCKS,
+DFLASH_NORM_LATE_WEIGHT, DFLASH_STREAMING_LOADS):
 a variant is the shipped code compiled with other values, never an edited copy of it. Used by
 make_variants.py and make_probe.py.
 """
@@ -33,6 +34,8 @@ KNOBS = (
     "DFLASH_STREAMING_STORES",
     "DFLASH_MAX_VEC_BYTES",
     "DFLASH_NORM_MIN_BLOCKS",
+    "DFLASH_NORM_LATE_WEIGHT",
+    "DFLASH_STREAMING_LOADS",
 )
 
 

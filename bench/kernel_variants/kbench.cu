@@ -65,8 +65,8 @@ int main() {
     CK(cudaMalloc(&rope, size_t(cap) * R * 4));
     CK(cudaMemset(rope, 0, size_t(cap) * R * 4));
     CK(cudaDeviceSynchronize());
-    // The rows: fp16 both contracts, then the paged contract with the fused k-norm, bf16 deltas and
-    // pool, an e4m3 pool (per-head scales), and the slot contract with the k-norm.
+    // The rows: fp16 both contracts, the fused k-norm in both, bf16 deltas and pool, and an e4m3
+    // pool (per-head scales) in both, the paged one with the k-norm too.
     struct Row {
       char const* name;
       bool paged;
@@ -83,6 +83,7 @@ int main() {
         {"slot  bf16", false, bf16},
         {"paged bf16", true, bf16},
         {"paged bf16 knorm", true, {DType::kBFloat16, DType::kBFloat16, nullptr, weight}},
+        {"slot  e4m3", false, e4m3},
         {"paged e4m3", true, e4m3},
         {"paged e4m3 knorm", true, {DType::kFloat16, DType::kFloat8E4M3, scales, weight}},
     };

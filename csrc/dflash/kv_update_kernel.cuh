@@ -35,6 +35,19 @@
 // k-norm, and 3% slower in the slot contract at B=8 L=2048), and 8 spills.
 #define DFLASH_NORM_MIN_BLOCKS 0
 #endif
+#ifndef DFLASH_NORM_LATE_WEIGHT
+// 1: the paged butterfly kernels read the k-norm weight after the sums, so that its registers are
+// not held across them (one more resident block: 3.5% faster at B=8 L=2048, 0.04 us slower at
+// decode, where the weight's latency is no longer hidden). The slot kernels read it first: late,
+// it costs them 7% at decode (bench/kernel_variants).
+#define DFLASH_NORM_LATE_WEIGHT 1
+#endif
+#ifndef DFLASH_STREAMING_LOADS
+// 1: the delta rows are read with evict-first loads. Measured, not shipped: faster where nothing
+// of the rotated inputs survives in L2 (FP8 pools and the fused norm at B=8 L=2048, 2-5%), slower
+// at decode sizes (up to 15%) and in the plain kernels at B=8 L=2048.
+#define DFLASH_STREAMING_LOADS 0
+#endif
 
 namespace dflash {
 namespace kernel {
@@ -107,7 +120,7 @@ template <> struct Word<4> { using type = unsigned int; };
 template <> struct Word<2> { using type = unsigned short; };
 template <> struct Word<1> { using type = unsigned char; };
 
-template <typename P>
+template <typename P, bool STREAMING = false>
 __device__ __forceinline__ P load_pack(void const* ptr) {
   constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
   using W = typename Word<kBytes>::type;
@@ -115,7 +128,12 @@ __device__ __forceinline__ P load_pack(void const* ptr) {
   W const* src = static_cast<W const*>(ptr);
   W* dst = reinterpret_cast<W*>(&pack);
 #pragma unroll
-  for (int i = 0; i < int(sizeof(P)) / kBytes; ++i) dst[i] = src[i];
+  for (int i = 0; i < int(sizeof(P)) / kBytes; ++i) {
+    if constexpr (STREAMING)
+      dst[i] = __ldcs(src + i);
+    else
+      dst[i] = src[i];
+  }
   return pack;
 }
 
@@ -197,9 +215,11 @@ __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, 
     return s;
   };
   float sum = add_rn(own(x0), own(x1));
-#pragma unroll
-  for (uint32_t offset = 16; offset > 0; offset /= 2)
-    if (offset < g.head_items) sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+  // A loop over the head's own offsets: unrolled over all five, with a test per offset, it
+  // compiles to five shuffles whose unneeded results are discarded, on the critical path.
+#pragma unroll 1
+  for (uint32_t offset = g.head_items / 2; offset > 0; offset /= 2)
+    sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
   return inverse_rms_scaled(sum, g.inv_head_dim, p.norm_eps);
 }
 
@@ -329,12 +349,13 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // Every load that does not depend on the addressing data is issued before waiting for it: the
   // delta rows are always in bounds. Plain (cached) loads: at decode the deltas were just written
   // by the projection and are likely still in L2.
-  DPack k0 = load_pack<DPack>(k_delta + src);
-  DPack const v0 = load_pack<DPack>(v_delta + src);
+  auto load_delta = [](DBits const* ptr) { return load_pack<DPack, DFLASH_STREAMING_LOADS>(ptr); };
+  DPack k0 = load_delta(k_delta + src);
+  DPack const v0 = load_delta(v_delta + src);
   DPack k1, v1;
   if (pair) {
-    k1 = load_pack<DPack>(k_delta + src + half);
-    v1 = load_pack<DPack>(v_delta + src + half);
+    k1 = load_delta(k_delta + src + half);
+    v1 = load_delta(v_delta + src + half);
   }
   // Scales and norm weights do not depend on the addressing data either.
   float k_scale = 1.0f, v_scale = 1.0f;
@@ -344,7 +365,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   }
   DPack w0, w1;
   bool const k_norm = NORM != kNoNorm && p.k_norm, v_norm = NORM != kNoNorm && p.v_norm;
-  if (k_norm) {
+  auto load_weight = [&] {
     DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
     if (g.weight_vectors) {
       w0 = load_pack<DPack>(weight);
@@ -353,7 +374,9 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
 #pragma unroll
       for (int i = 0; i < VEC; ++i) w0.v[i] = weight[i], w1.v[i] = pair ? weight[half + i] : DBits(0);
     }
-  }
+  };
+  constexpr bool kLateWeight = kButterfly && !kSlot && DFLASH_NORM_LATE_WEIGHT;
+  if (!kLateWeight && k_norm) load_weight();
   // Paged rope rows are token-aligned: known before the page table is read.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
@@ -388,6 +411,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   if constexpr (kButterfly) {
     if (k_norm) k_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, k0.v, k1.v);
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
+    if (kLateWeight && k_norm) load_weight();
   }
   if constexpr (!kSlot) rows = paged_rows(p, k_page, v_page, page_row);
   // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
@@ -470,10 +494,17 @@ inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
   return lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
 }
 
-// The butterfly form exists for VEC = 8 only (butterfly_fits).
+using KernelFn = void (*)(KVUpdateParams, Geometry);
+
+// The kernel of a launch: the plain one, the butterfly (which exists for VEC = 8 only, see
+// butterfly_fits) or the row form.
 template <Contract C, typename Delta, typename Pool, int VEC>
-void launch_butterfly(dim3 grid, dim3 block, cudaStream_t stream, KVUpdateParams const& p, Geometry const& g) {
-  if constexpr (VEC == kNormChunk) update_kernel<C, Delta, Pool, VEC, kButterflyNorm><<<grid, block, 0, stream>>>(p, g);
+KernelFn pick_kernel(bool norm, bool butterfly) {
+  if (!norm) return update_kernel<C, Delta, Pool, VEC, kNoNorm>;
+  if constexpr (VEC == kNormChunk) {
+    if (butterfly) return update_kernel<C, Delta, Pool, VEC, kButterflyNorm>;
+  }
+  return update_kernel<C, Delta, Pool, VEC, kRowNorm>;
 }
 
 template <Contract C, typename Delta, typename Pool, int VEC>
@@ -486,7 +517,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
-  g.norm_butterfly = (p.k_norm || p.v_norm) && butterfly_fits(p, VEC);
+  g.norm_butterfly = norm && butterfly_fits(p, VEC);
   g.inv_head_dim = 1.0f / float(p.head_dim);
   g.page_shift = page_shift_of(p.page_size);
   g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
@@ -516,6 +547,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
+  KernelFn const kernel = pick_kernel<C, Delta, Pool, VEC>(norm, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches.
   for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {
@@ -524,12 +556,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
       g.layer_base = uint32_t(layer);
       dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
                       unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
-      if (!norm)
-        update_kernel<C, Delta, Pool, VEC, kNoNorm><<<grid, block, 0, stream>>>(p, g);
-      else if (g.norm_butterfly)
-        launch_butterfly<C, Delta, Pool, VEC>(grid, block, stream, p, g);
-      else
-        update_kernel<C, Delta, Pool, VEC, kRowNorm><<<grid, block, 0, stream>>>(p, g);
+      kernel<<<grid, block, 0, stream>>>(p, g);
       if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
     }
   }
