@@ -76,12 +76,18 @@ struct E4M3 {
   static constexpr DType kDType = DType::kFloat8E4M3;
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e4m3_bits(f); }
   static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e4m3x2_bits(a, b); }
+  static __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
+    return mend_e4m3_nans(float2_to_e4m3x2_raw(a, b) | float2_to_e4m3x2_raw(c, d) << 16);
+  }
 };
 struct E5M2 {
   using Bits = uint8_t;
   static constexpr DType kDType = DType::kFloat8E5M2;
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e5m2_bits(f); }
   static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e5m2x2_bits(a, b); }
+  static __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
+    return mend_e5m2_nans(float2_to_e5m2x2_raw(a, b) | float2_to_e5m2x2_raw(c, d) << 16);
+  }
 };
 template <typename T>
 inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
@@ -261,7 +267,15 @@ __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typen
 template <typename Pool, int VEC>
 __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC], float inv_scale) {
   Pack<typename Pool::Bits, VEC> out;
-  if constexpr (kIsFp8<Pool> && VEC % 2 == 0 && DFLASH_FP8_HARDWARE) {
+  if constexpr (kIsFp8<Pool> && VEC % 4 == 0 && DFLASH_FP8_HARDWARE) {
+    // Four codes per word: two packed conversions, then one NaN mend for the four.
+    static_assert(alignof(decltype(out)) >= 4, "FP8 packs of four or more codes are word-aligned");
+    uint32_t* const words = reinterpret_cast<uint32_t*>(out.v);
+#pragma unroll
+    for (int i = 0; i < VEC; i += 4)
+      words[i / 4] = Pool::encode4(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale), mul_rn(y[i + 2], inv_scale),
+                                   mul_rn(y[i + 3], inv_scale));
+  } else if constexpr (kIsFp8<Pool> && VEC % 2 == 0 && DFLASH_FP8_HARDWARE) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       uint16_t const two = Pool::encode2(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale));

@@ -204,19 +204,30 @@ DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits_software(float f) { return float_t
 DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits_software(float f) { return float_to_fp8_bits<E5M2Format>(f); }
 
 #if defined(__CUDACC__)
-// Two conversions per instruction; any NaN code (e4m3fn: 0x7F/0xFF; e5m2: 0x7D..0x7F, 0xFD..0xFF)
-// becomes the canonical 0x7F.
+// Two conversions per instruction, NaN codes as the hardware gives them (in the low 16 bits).
+__device__ __forceinline__ uint32_t float2_to_e4m3x2_raw(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ uint32_t float2_to_e5m2x2_raw(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
+}
+// Any NaN code (e4m3fn: 0x7F/0xFF; e5m2: 0x7D..0x7F, 0xFD..0xFF) becomes the canonical 0x7F, in
+// each of the four bytes of a word at once: with m = a byte's low 7 bits, m + 1 (e4m3fn) or m + 3
+// (e5m2) reaches bit 7 exactly for the NaN codes and never carries into the next byte (m <= 0x7F).
+// An e4m3fn NaN's low 7 bits are already 0x7F, so only its sign bit is cleared.
+__device__ __forceinline__ uint32_t mend_e4m3_nans(uint32_t codes) {
+  uint32_t const nan_bits = ((codes & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+  return codes & ~nan_bits;
+}
+__device__ __forceinline__ uint32_t mend_e5m2_nans(uint32_t codes) {
+  uint32_t const nan_bits = ((codes & 0x7f7f7f7fu) + 0x03030303u) & 0x80808080u;
+  return (codes & ~nan_bits) | (nan_bits - (nan_bits >> 7));  // 0x80 - 0x01 = 0x7F per NaN byte
+}
 __device__ __forceinline__ uint16_t float2_to_e4m3x2_bits(float lo, float hi) {
-  uint32_t const r = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  uint32_t const b0 = (r & 0x7fu) == 0x7fu ? 0x7fu : r & 0xffu;
-  uint32_t const b1 = (r & 0x7f00u) == 0x7f00u ? 0x7fu : (r >> 8) & 0xffu;
-  return uint16_t(b0 | (b1 << 8));
+  return uint16_t(mend_e4m3_nans(float2_to_e4m3x2_raw(lo, hi)));
 }
 __device__ __forceinline__ uint16_t float2_to_e5m2x2_bits(float lo, float hi) {
-  uint32_t const r = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
-  uint32_t const b0 = (r & 0x7fu) > 0x7cu ? 0x7fu : r & 0xffu;
-  uint32_t const b1 = (r & 0x7f00u) > 0x7c00u ? 0x7fu : (r >> 8) & 0xffu;
-  return uint16_t(b0 | (b1 << 8));
+  return uint16_t(mend_e5m2_nans(float2_to_e5m2x2_raw(lo, hi)));
 }
 #endif
 
