@@ -50,4 +50,17 @@ bool run(char const* name, Check check, Result* out) {
   return true;
 }
 
+// A tool's whole run: `check` over all 2^32 inputs, then one line, e.g. "NAME: all 2^32 float32
+// inputs: e4m3fn 0 mismatches (first input bits 0xffffffff), e5m2 0 mismatches (first
+// 0xffffffff)". Exit status: 0 without mismatches, 1 with, 2 when the device failed.
+template <typename Check>
+int check_all(char const* name, char const* inputs, char const* input, char const* label0, char const* label1,
+              Check check) {
+  Result r;
+  if (!run(name, check, &r)) return 2;
+  std::printf("%s: all 2^32 %s: %s %llu mismatches (first %s bits %#x), %s %llu mismatches (first %#x)\n", name,
+              inputs, label0, r.mismatches[0], input, r.first[0], label1, r.mismatches[1], r.first[1]);
+  return r.ok() ? 0 : 1;
+}
+
 }  // namespace exhaustive

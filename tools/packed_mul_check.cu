@@ -25,10 +25,6 @@ struct PackedProduct {
 };
 
 int main() {
-  exhaustive::Result r;
-  if (!exhaustive::run("packed_mul_check", PackedProduct{}, &r)) return 2;
-  std::printf("packed_mul_check: all 2^32 pairs of 16-bit inputs: float16 %llu mismatches (first pair bits %#x), "
-              "bfloat16 %llu mismatches (first %#x)\n",
-              r.mismatches[0], r.first[0], r.mismatches[1], r.first[1]);
-  return r.ok() ? 0 : 1;
+  return exhaustive::check_all("packed_mul_check", "pairs of 16-bit inputs", "pair", "float16", "bfloat16",
+                               PackedProduct{});
 }

@@ -39,7 +39,7 @@
 // 1: the paged butterfly kernels read the k-norm weight after the sums, so that its registers are
 // not held across them (one more resident block: 3.5% faster at B=8 L=2048, 0.04 us slower at
 // decode, where the weight's latency is no longer hidden). The slot kernels read it first: late,
-// it costs them 7% at decode (bench/kernel_variants).
+// it costs them 8% at decode (bench/kernel_variants).
 #define DFLASH_NORM_LATE_WEIGHT 1
 #endif
 #ifndef DFLASH_STREAMING_LOADS
@@ -77,7 +77,7 @@ struct E4M3 {
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e4m3_bits(f); }
   static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e4m3x2_bits(a, b); }
   static __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
-    return mend_e4m3_nans(float2_to_e4m3x2_raw(a, b) | float2_to_e4m3x2_raw(c, d) << 16);
+    return float4_to_e4m3x4_bits(a, b, c, d);
   }
 };
 struct E5M2 {
@@ -86,7 +86,7 @@ struct E5M2 {
   static __device__ __forceinline__ Bits encode(float f) { return float_to_e5m2_bits(f); }
   static __device__ __forceinline__ uint16_t encode2(float a, float b) { return float2_to_e5m2x2_bits(a, b); }
   static __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
-    return mend_e5m2_nans(float2_to_e5m2x2_raw(a, b) | float2_to_e5m2x2_raw(c, d) << 16);
+    return float4_to_e5m2x4_bits(a, b, c, d);
   }
 };
 template <typename T>

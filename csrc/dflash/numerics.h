@@ -229,6 +229,13 @@ __device__ __forceinline__ uint16_t float2_to_e4m3x2_bits(float lo, float hi) {
 __device__ __forceinline__ uint16_t float2_to_e5m2x2_bits(float lo, float hi) {
   return uint16_t(mend_e5m2_nans(float2_to_e5m2x2_raw(lo, hi)));
 }
+// Four conversions into one word (a in the low byte): two packed conversions, one NaN mend.
+__device__ __forceinline__ uint32_t float4_to_e4m3x4_bits(float a, float b, float c, float d) {
+  return mend_e4m3_nans(float2_to_e4m3x2_raw(a, b) | float2_to_e4m3x2_raw(c, d) << 16);
+}
+__device__ __forceinline__ uint32_t float4_to_e5m2x4_bits(float a, float b, float c, float d) {
+  return mend_e5m2_nans(float2_to_e5m2x2_raw(a, b) | float2_to_e5m2x2_raw(c, d) << 16);
+}
 #endif
 
 DFLASH_HOST_DEVICE uint8_t float_to_e4m3_bits(float f) {
