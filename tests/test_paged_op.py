@@ -4,6 +4,7 @@ over layers as one launch; donation in place."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -84,6 +85,38 @@ def test_matches_reference(backend, shape, ring, hostile):
     if not hostile:
         written = want.view(np.uint8) != problem.past_key_value.view(np.uint8)
         assert written.reshape(2, -1).any(-1).all(), "writes nothing to a plane"
+    assert_bits_equal(run_op(problem, backend), want)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["flat", "ring"])
+@pytest.mark.parametrize("page_size, table_pages", [(3, 7), (5, 1), (128, 3), (100, 6)])
+def test_positions_anywhere_in_int32(backend, page_size, table_pages, ring):
+    """Page index and row of positions spread over the whole int32 range (the kernels divide
+    by P and, under ring, take the remainder by M with a multiply and a shift): each token keeps
+    its row in its page slot, moved by a random number of whole windows of M * P positions, so
+    that under ring every token still has a row of its own."""
+    rng = np.random.default_rng(page_size * 1000 + table_pages)
+    window = page_size * table_pages
+    problem = make_paged_problem(
+        rng,
+        tokens=min(24, 2 * window),
+        batch=2,
+        heads=2,
+        head_dim=8,
+        num_pages=2 * table_pages + 1,
+        page_size=page_size,
+        table_pages=table_pages,
+        ring=ring,
+        hostile=False,
+    )
+    pos = problem.delta_positions.astype(np.int64)
+    windows = rng.integers(0, (np.iinfo(np.int32).max - pos) // window + 1)
+    windows[:2] = 0  # some tokens stay in the table's own window, written with or without ring
+    windows[2:4] = (np.iinfo(np.int32).max - pos[2:4]) // window  # and some at the very top
+    problem = dataclasses.replace(problem, delta_positions=(pos + windows * window).astype(np.int32))
+    want = expected(problem)
+    written = want.view(np.uint8) != problem.past_key_value.view(np.uint8)
+    assert written.any(), "writes nothing"
     assert_bits_equal(run_op(problem, backend), want)
 
 

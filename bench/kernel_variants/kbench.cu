@@ -3,7 +3,9 @@
 // with the fused k-norm, in bf16 and into an e4m3 pool; the benchmark's shapes, 20 launches per
 // CUDA graph rotating among input sets (8, or 2 where 8 would exceed 200 MB), median of 30
 // replays. One line per row and shape. KB_TABLE=identity gives each sequence its pages in order
-// (default: a random permutation of the pool, as in the main benchmark).
+// (default: a random permutation of the pool, as in the main benchmark). KB_ROPE=shared gives
+// every input set of the paged rows the same token-aligned rope rows (as in L2 right after the
+// gather that writes them), instead of rotating them with the deltas.
 #include "harness.h"
 
 #include <cstdlib>
@@ -87,13 +89,15 @@ int main() {
         {"paged e4m3", true, e4m3},
         {"paged e4m3 knorm", true, {DType::kFloat16, DType::kFloat8E4M3, scales, weight}},
     };
+    char const* rope_kind = std::getenv("KB_ROPE");
+    bool const shared_rope = rope_kind && std::string(rope_kind) == "shared";
     for (Row const& r : rows) {
       bool const fp8 = r.flavor.pool == DType::kFloat8E4M3;
       double const row_bytes = double(delta) * 2 * (2 + (fp8 ? 1 : 2)) + double(layers) * T * R * 4;
       float const us = time_graph(st, [&](int i) {
         int j = i % sets;
         if (r.paged)
-          launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[j], positions[j], owners, table,
+          launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[shared_rope ? 0 : j], positions[j], owners, table,
                               r.flavor), st);
         else
           launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor), st);

@@ -140,6 +140,10 @@ DFLASH_HOST_DEVICE int64_t tokens_per_layer(KVUpdateParams const& p) {
 DFLASH_HOST_DEVICE int64_t token_stride(KVUpdateParams const& p) {
   return p.num_kv_heads * p.head_dim;
 }
+// Elements in one page of one pool plane: P rows.
+DFLASH_HOST_DEVICE int64_t pool_page_elems(KVUpdateParams const& p) {
+  return p.page_size * token_stride(p);
+}
 // Elements in one plane (K or V) of one layer's pool.
 DFLASH_HOST_DEVICE int64_t pool_plane_elems(KVUpdateParams const& p) {
   return p.num_pages * p.page_size * token_stride(p);
@@ -175,49 +179,98 @@ DFLASH_HOST_DEVICE PoolRows slot_rows(KVUpdateParams const& p, int64_t slot, int
   return rows;
 }
 
-// Paged contract, step 1: page index and row of a token's position, pos / P and pos % P (pos >= 0).
-// page_shift = log2(P) when P is a power of two (TensorRT's 128 is): the CUDA kernel's hot path
-// then shifts instead of dividing; -1 divides.
-DFLASH_HOST_DEVICE int32_t page_shift_of(int64_t page_size) {
-  if (page_size <= 0 || page_size > (int64_t(1) << 30) || (page_size & (page_size - 1)) != 0) return -1;
-  int32_t shift = 0;
-  while ((int64_t(1) << shift) < page_size) ++shift;
-  return shift;
+// Division of numerators n < 2^31 by a constant d in [1, 2^31] as a multiply and a shift
+// (Granlund & Montgomery): with l = ceil(log2 d) and m = floor(2^(31+l) / d) + 1, which is below
+// 2^32, n / d == (m * n) >> (31 + l) exactly, since m * d - 2^(31+l) lies in (0, d] and so the
+// product's excess stays below 1 / d. One branch-free form for every page size and M. d = 0
+// gives quotient 0.
+struct Divisor31 {
+  uint32_t d = 0;
+  uint32_t magic = 0;
+  uint32_t shift = 0;
+};
+DFLASH_HOST_DEVICE Divisor31 divisor31(uint32_t d) {
+  Divisor31 v;
+  if (d == 0) return v;
+  uint32_t l = 0;
+  while ((uint64_t(1) << l) < d) ++l;
+  v.d = d;
+  v.magic = uint32_t((uint64_t(1) << (31 + l)) / d + 1);
+  v.shift = 31 + l;
+  return v;
 }
-DFLASH_HOST_DEVICE void page_and_row(KVUpdateParams const& p, int64_t pos, int32_t page_shift, int64_t* page,
-                                     int64_t* row) {
-  if (page_shift >= 0) {
-    *page = pos >> page_shift;
-    *row = pos & ((int64_t(1) << page_shift) - 1);
-  } else {
-    *page = pos / p.page_size;
-    *row = pos - *page * p.page_size;
-  }
+DFLASH_HOST_DEVICE uint32_t quotient(Divisor31 const& v, uint32_t n) {
+  return uint32_t((uint64_t(v.magic) * n) >> v.shift);
 }
 
-// Step 2: the page-table entry of a token, or -1 when nothing is written (owner outside [0, B),
-// negative position, page index past M without ring).
-DFLASH_HOST_DEVICE int64_t page_table_index(KVUpdateParams const& p, int64_t layer, int64_t owner, int64_t pos,
-                                            int64_t page) {
-  if (owner < 0 || owner >= p.batch || pos < 0 || p.table_pages <= 0) return -1;
-  if (page >= p.table_pages) {
-    if (!p.ring) return -1;
-    page %= p.table_pages;
-  }
-  int64_t const table_layer = p.table_per_layer ? layer : 0;
-  return ((table_layer * p.batch + owner) * 2) * p.table_pages + page;  // [.., b, 0, page]
+DFLASH_HOST_DEVICE uint32_t cap_at_int32(int64_t n) {
+  return n <= 0 ? 0u : n >= (int64_t(1) << 31) ? uint32_t(1) << 31 : uint32_t(n);
 }
-// Step 3, given the K and V page ids read at that index (V at index + M): K ids must lie in
+
+// Paged contract: the launch's constants, decoded once (by the CPU loop and the CUDA launch).
+// Owners, positions and page ids are int32 data, so every limit is capped at 2^31 and every test
+// below is one unsigned 32-bit compare, negative values included: on the GPU these steps sit
+// between the arrival of the positions and the page-table load, on every decode step's path.
+struct PagedAddressing {
+  uint32_t batch = 0;        // B: owner b is written iff uint32(b) < batch
+  uint32_t table_pages = 0;  // M: page index i is in the table iff i < M
+  bool ring = false;         // page index (p / P) % M instead of dropping p / P >= M (M > 0)
+  Divisor31 page;            // P (capped: the same quotient and remainder for any int32 position)
+  Divisor31 table;           // M (capped), for the ring's remainder
+  int64_t page_size = 0;     // P
+  int64_t table_row = 0;     // 2M: entries of one sequence's [2, M] table rows
+  int64_t table_layer = 0;   // entries of one layer's [B, 2, M] table; 0 when the layers share it
+  uint32_t k_pages = 0;      // K ids in [0, k_pages): N
+  uint32_t v_first = 0;      // V ids in [v_first, v_first + v_pages): [N, 2N), as far as int32
+  uint32_t v_pages = 0;      // reaches (none when N >= 2^31)
+};
+
+DFLASH_HOST_DEVICE PagedAddressing paged_addressing(KVUpdateParams const& p) {
+  PagedAddressing a;
+  a.batch = cap_at_int32(p.batch);
+  a.table_pages = cap_at_int32(p.table_pages);
+  a.ring = p.ring && p.table_pages > 0;
+  a.page = divisor31(cap_at_int32(p.page_size));
+  a.table = divisor31(a.table_pages);
+  a.page_size = p.page_size;
+  a.table_row = 2 * p.table_pages;
+  a.table_layer = p.table_per_layer ? p.batch * a.table_row : 0;
+  a.k_pages = cap_at_int32(p.num_pages);
+  int64_t const int32_end = int64_t(1) << 31;  // V ids past it are not int32
+  if (p.num_pages < int32_end) {
+    a.v_first = uint32_t(p.num_pages);
+    a.v_pages = uint32_t(p.num_pages < int32_end - p.num_pages ? p.num_pages : int32_end - p.num_pages);
+  }
+  return a;
+}
+
+// Steps 1-2: the entry of token (owner, pos) in its sequence's K row of the page table,
+// [b, 0, page] (the V page is M entries further), counted from the layer's table; -1 when nothing
+// is written (owner outside [0, B), negative position, page index past M without ring).
+// *row = pos % P. Branch-free up to the one test. A layer's table starts layer * table_layer
+// entries in.
+DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t owner, int32_t pos, uint32_t* row) {
+  uint32_t const upos = uint32_t(pos);  // for pos < 0 the quotients below are unused
+  uint32_t const page = quotient(a.page, upos);
+  *row = upos - page * a.page.d;
+  uint32_t const wrapped = page - quotient(a.table, page) * a.table.d;  // page % M (page when M = 0)
+  bool const in_table = page < a.table_pages || a.ring;
+  if (pos < 0 || uint32_t(owner) >= a.batch || !in_table) return -1;
+  return int64_t(uint32_t(owner)) * a.table_row + wrapped;
+}
+// Step 3, given the K and V page ids read at that entry (V at entry + M): K ids must lie in
 // [0, N) and V ids in [N, 2N), else neither plane is written. V ids index the [2N, P, H, D]
-// view directly, which is why they carry the +N offset.
-DFLASH_HOST_DEVICE PoolRows paged_rows(KVUpdateParams const& p, int64_t k_page, int64_t v_page, int64_t row) {
+// view directly, which is why they carry the +N offset. Rows are page * P + row.
+DFLASH_HOST_DEVICE bool page_ids_valid(PagedAddressing const& a, int32_t k_page, int32_t v_page) {
+  return uint32_t(k_page) < a.k_pages && uint32_t(v_page) - a.v_first < a.v_pages;
+}
+DFLASH_HOST_DEVICE PoolRows paged_rows(PagedAddressing const& a, int32_t k_page, int32_t v_page, uint32_t row) {
   PoolRows rows;
-  if (k_page < 0 || k_page >= p.num_pages || v_page < p.num_pages || v_page >= 2 * p.num_pages) return rows;
-  rows.k_row = k_page * p.page_size + row;
-  rows.v_row = v_page * p.page_size + row;
+  if (!page_ids_valid(a, k_page, v_page)) return rows;
+  rows.k_row = int64_t(uint32_t(k_page)) * a.page_size + row;
+  rows.v_row = int64_t(uint32_t(v_page)) * a.page_size + row;
   return rows;
 }
-
 // Offset (elements) of the first delta element of token t of sequence b (slot), or of token t
 // (paged: b ignored), in layer `layer`.
 DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b,

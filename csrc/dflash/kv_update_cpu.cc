@@ -453,16 +453,15 @@ void update_slot(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
 }
 
 void update_paged(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
-  int32_t const page_shift = page_shift_of(p.page_size);
+  PagedAddressing const addressing = paged_addressing(p);
+  int32_t const* const table = p.page_table + layer * addressing.table_layer;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
-    int64_t const owner = p.token_to_sequence[position_index(p, layer, t)];
-    int64_t const pos = p.delta_positions[position_index(p, layer, t)];
-    if (pos < 0) continue;
-    int64_t page, row;
-    page_and_row(p, pos, page_shift, &page, &row);
-    int64_t const entry = page_table_index(p, layer, owner, pos, page);
+    int32_t const owner = p.token_to_sequence[position_index(p, layer, t)];
+    int32_t const pos = p.delta_positions[position_index(p, layer, t)];
+    uint32_t row;
+    int64_t const entry = page_table_entry(addressing, owner, pos, &row);
     if (entry < 0) continue;
-    PoolRows const rows = paged_rows(p, p.page_table[entry], p.page_table[entry + p.table_pages], row);
+    PoolRows const rows = paged_rows(addressing, table[entry], table[entry + p.table_pages], row);
     if (rows.k_row < 0) continue;
     float const* cos_sin = p.rotary_dim > 0 ? p.rope_cos_sin + rope_row_offset(p, layer, 0, t) : nullptr;
     write_token(p, heads, layer, delta_token_offset(p, layer, 0, t), rows, cos_sin);

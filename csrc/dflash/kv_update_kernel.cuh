@@ -49,8 +49,38 @@
 #define DFLASH_STREAMING_LOADS 0
 #endif
 
+// Two scheduling choices of the paged kernels, as bit sets over four kinds of kernel (kPagedKind):
+// 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
+// 8 fused norm into an FP8 pool. Each default is what bench/kernel_variants measured best on the
+// H200 (BENCHMARKS.md, "Kernel design notes").
+#ifndef DFLASH_PAGED_VALUES_EARLY
+// The kernels that compute their stored values while the page ids are in flight (keep_computed).
+// The fused norm into a 16/32-bit pool computes them after: early, it held 80 registers against
+// 70 and was 12% slower at B=8 L=2048 (0.1 us faster at decode).
+#define DFLASH_PAGED_VALUES_EARLY 11
+#endif
+#ifndef DFLASH_PAGED_INDEX_BRANCH
+// The kernels that look their page ids up under a uniform branch. In one block with the delta
+// loads, the compiler schedules the position-dependent index math before the last of them, which
+// then wait for the positions (plain 16/32-bit kernel: 8% slower at B=64 L=16 that way); the
+// other kinds measured faster without the branch.
+#define DFLASH_PAGED_INDEX_BRANCH 1
+#endif
+
 namespace dflash {
 namespace kernel {
+
+// Makes the values of `pack` be computed here, in program order: an empty asm that reads them.
+// Without it the compiler sinks the paged kernel's arithmetic below the branch on the page ids,
+// so that it runs only after the page-table load returns instead of while it is in flight.
+template <typename P>
+__device__ __forceinline__ void keep_computed(P const& pack) {
+  constexpr int kWords = (int(sizeof(P)) + 3) / 4;
+  uint32_t words[kWords] = {};
+  memcpy(words, &pack, sizeof(P));
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) asm volatile("" ::"r"(words[i]));
+}
 
 // Element types, as tags with their storage bits and conversions.
 struct F16 {
@@ -58,13 +88,17 @@ struct F16 {
   static constexpr DType kDType = DType::kFloat16;
   static __device__ __forceinline__ float decode(Bits b) { return float16_bits_to_float(b); }
   static __device__ __forceinline__ Bits encode(float f) { return float_to_float16_bits(f); }
+  static __device__ __forceinline__ uint32_t encode2(float a, float b) { return float2_to_float16x2_bits(a, b); }
 };
 struct BF16 {
   using Bits = uint16_t;
   static constexpr DType kDType = DType::kBFloat16;
   static __device__ __forceinline__ float decode(Bits b) { return bfloat16_bits_to_float(b); }
   static __device__ __forceinline__ Bits encode(float f) { return float_to_bfloat16_bits(f); }
+  static __device__ __forceinline__ uint32_t encode2(float a, float b) { return float2_to_bfloat16x2_bits(a, b); }
 };
+template <typename T>
+inline constexpr bool kIs16Bit = std::is_same_v<T, F16> || std::is_same_v<T, BF16>;
 struct F32 {
   using Bits = uint32_t;
   static constexpr DType kDType = DType::kFloat32;
@@ -174,7 +208,22 @@ struct Geometry {
   bool norm_butterfly;
   float inv_head_dim;   // 1 / D, exact: the butterfly's heads are a power of two wide
   bool weight_vectors;  // the k-norm weight can be read VEC at a time (aligned)
-  int32_t page_shift;   // log2(P), or -1 (paged contract: see page_and_row)
+};
+
+// A launch's constants: the geometry, and the paged contract's own. The paged ones follow the
+// geometry in the paged kernels' parameters only: ptxas' allocation of the slot kernels depends on
+// their parameter layout (with these constants in it the slot k-norm took 76 registers instead of
+// 72, one resident block fewer), and this layout is the one measured for the paged kernels.
+template <Contract C>
+struct Launch {
+  Geometry g;
+};
+template <>
+struct Launch<Contract::kPaged> {
+  Geometry g;
+  PagedAddressing paged;  // the page-table steps' constants
+  int64_t layer_elems;    // pool_layer_elems
+  int64_t page_elems;     // pool_page_elems
 };
 
 template <int VEC>
@@ -201,6 +250,10 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
 // Separate instantiations, so that each carries only its own registers and stack (the row form's
 // sum needs an array).
 enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2 };
+
+// The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY and DFLASH_PAGED_INDEX_BRANCH.
+template <typename Pool, int NORM>
+inline constexpr int kPagedKind = (NORM == kNoNorm ? 1 : 4) * (kIsFp8<Pool> ? 2 : 1);
 
 // The inverse RMS of one head by a butterfly: this thread's own chunks (its pair of VEC = 8
 // channel vectors, chunks c and c + G of 2G) summed, then an xor butterfly over the G lanes of the
@@ -275,6 +328,12 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
     for (int i = 0; i < VEC; i += 4)
       words[i / 4] = Pool::encode4(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale), mul_rn(y[i + 2], inv_scale),
                                    mul_rn(y[i + 3], inv_scale));
+  } else if constexpr (kIs16Bit<Pool> && VEC % 2 == 0) {
+    // Two codes per word: one packed conversion and one NaN mend for the two.
+    static_assert(alignof(decltype(out)) >= 4, "16-bit packs of two or more codes are word-aligned");
+    uint32_t* const words = reinterpret_cast<uint32_t*>(out.v);
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) words[i / 2] = Pool::encode2(y[i], y[i + 1]);
   } else if constexpr (kIsFp8<Pool> && VEC % 2 == 0 && DFLASH_FP8_HARDWARE) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
@@ -307,7 +366,8 @@ inline constexpr int norm_min_blocks =
 // kernels carry none of its registers and the butterfly none of the row form's stack.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM>
 __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delta, Pool, NORM>))
-    update_kernel(KVUpdateParams p, Geometry g) {
+    update_kernel(KVUpdateParams p, Launch<C> constants) {
+  Geometry const& g = constants.g;
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
   using DPack = Pack<DBits, VEC>;
@@ -330,7 +390,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
 
   // The addressing data first: every store waits for it, so its loads leave before anything else.
-  int64_t start = 0, length = 0, owner = -1, pos = -1;
+  int64_t start = 0, length = 0, written = -1;
+  int32_t owner = -1, pos = -1;
   if constexpr (kSlot) {
     start = __ldg(p.delta_start_positions + position_index(p, layer, b));
     length = __ldg(p.delta_lengths + position_index(p, layer, b));
@@ -389,7 +450,9 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
       for (int i = 0; i < VEC; ++i) w0.v[i] = weight[i], w1.v[i] = pair ? weight[half + i] : DBits(0);
     }
   };
-  constexpr bool kLateWeight = kButterfly && !kSlot && DFLASH_NORM_LATE_WEIGHT;
+  // Values computed early need the weight right after the sums: read it first then.
+  constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Pool, NORM>);
+  constexpr bool kLateWeight = kButterfly && !kSlot && DFLASH_NORM_LATE_WEIGHT && !kValuesEarly;
   if (!kLateWeight && k_norm) load_weight();
   // Paged rope rows are token-aligned: known before the page table is read.
   float c[VEC], s[VEC];
@@ -402,23 +465,30 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // ids. A butterfly's sums are computed while it is in flight.
   PoolRows rows;
   bool rotate = pair;
-  int64_t k_page = -1, v_page = -1, page_row = 0;
+  int32_t k_page = -1, v_page = -1;
+  uint32_t page_row = 0;
   if constexpr (kSlot) {
-    pos = written_position(start, length, t, slot_capacity(p));
-    rows = slot_rows(p, b, pos);
+    written = written_position(start, length, t, slot_capacity(p));
+    rows = slot_rows(p, b, written);
     if (!kButterfly && rows.k_row < 0) return;
-    rotate = pair && rows.k_row >= 0 && pos < p.rope_seq_len;
+    rotate = pair && rows.k_row >= 0 && written < p.rope_seq_len;
     if (rotate) {
-      float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, pos) + channel;
+      float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, written) + channel;
       load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
     }
   } else {
-    int64_t page = 0;
-    if (pos >= 0) page_and_row(p, pos, g.page_shift, &page, &page_row);
-    int64_t const entry = page_table_index(p, layer, owner, pos, page);
-    if (entry >= 0) {
-      k_page = __ldg(p.page_table + entry);
-      v_page = __ldg(p.page_table + entry + p.table_pages);
+    auto look_up = [&] {
+      int32_t const* const table = p.page_table + int64_t(layer) * constants.paged.table_layer;
+      int64_t const entry = page_table_entry(constants.paged, owner, pos, &page_row);
+      if (entry >= 0) {
+        k_page = __ldg(table + entry);
+        v_page = __ldg(table + entry + p.table_pages);
+      }
+    };
+    if constexpr (DFLASH_PAGED_INDEX_BRANCH & kPagedKind<Pool, NORM>) {
+      if (constants.paged.table_pages != 0) look_up();  // an empty table has no entries
+    } else {
+      look_up();
     }
   }
   float k_inv_rms = 1.0f, v_inv_rms = 1.0f;
@@ -427,26 +497,19 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
     if (kLateWeight && k_norm) load_weight();
   }
-  if constexpr (!kSlot) rows = paged_rows(p, k_page, v_page, page_row);
-  // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
-  if (!in_range || rows.k_row < 0) return;
-
-  PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
-  int64_t const stride = token_stride(p);
-  PBits* const k_dst = layer_pool + rows.k_row * stride + int64_t(h) * p.head_dim + channel;
-  PBits* const v_dst = layer_pool + rows.v_row * stride + int64_t(h) * p.head_dim + channel;
+  using Out = Pack<PBits, VEC>;
   float const inv_k = kIsFp8<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
   float const inv_v = kIsFp8<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
-
-  // ---- keys ----
-  bool const k_copy = kSame && !k_norm && !rotate;
-  if (k_copy) {
-    store_pack(k_dst, *reinterpret_cast<Pack<PBits, VEC> const*>(&k0));
-    if (pair) store_pack(k_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&k1));
-  } else {
+  // The stored packs of K and of V (the second of each unused unless pair).
+  auto key_packs = [&](Out& out0, Out& out1) {
+    if (kSame && !k_norm && !rotate) {
+      out0 = *reinterpret_cast<Out const*>(&k0);
+      if (pair) out1 = *reinterpret_cast<Out const*>(&k1);
+      return;
+    }
     float x0[VEC], x1[VEC];
     decode_pack<Delta, VEC>(k0.v, x0);
-    decode_pack<Delta, VEC>(k1.v, x1);  // unused (uninitialised bits) unless pair
+    decode_pack<Delta, VEC>(k1.v, x1);
     if constexpr (NORM != kNoNorm) {
       if (k_norm) {
         if constexpr (NORM == kRowNorm) k_inv_rms = row_inverse_rms<Delta>(p, k_delta + head_start);
@@ -462,18 +525,18 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
         x1[i] = rope_channel(b1, a, c[i], s[i], /*first_half=*/false);
       }
     }
-    store_pack(k_dst, encode_pack<Pool, VEC>(x0, inv_k));
-    if (pair) store_pack(k_dst + half, encode_pack<Pool, VEC>(x1, inv_k));
-  }
-
-  // ---- values ----
-  if (kSame && !v_norm) {
-    store_pack(v_dst, *reinterpret_cast<Pack<PBits, VEC> const*>(&v0));
-    if (pair) store_pack(v_dst + half, *reinterpret_cast<Pack<PBits, VEC> const*>(&v1));
-  } else {
+    out0 = encode_pack<Pool, VEC>(x0, inv_k);
+    if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_k);
+  };
+  auto value_packs = [&](Out& out0, Out& out1) {
+    if (kSame && !v_norm) {
+      out0 = *reinterpret_cast<Out const*>(&v0);
+      if (pair) out1 = *reinterpret_cast<Out const*>(&v1);
+      return;
+    }
     float x0[VEC], x1[VEC];
     decode_pack<Delta, VEC>(v0.v, x0);
-    decode_pack<Delta, VEC>(v1.v, x1);  // unused unless pair
+    decode_pack<Delta, VEC>(v1.v, x1);
     if constexpr (NORM != kNoNorm) {
       if (v_norm) {
         if constexpr (NORM == kRowNorm) v_inv_rms = row_inverse_rms<Delta>(p, v_delta + head_start);
@@ -481,9 +544,48 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
         if (pair) apply_norm<Delta, VEC>(x1, v_inv_rms, nullptr);
       }
     }
-    store_pack(v_dst, encode_pack<Pool, VEC>(x0, inv_v));
-    if (pair) store_pack(v_dst + half, encode_pack<Pool, VEC>(x1, inv_v));
+    out0 = encode_pack<Pool, VEC>(x0, inv_v);
+    if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_v);
+  };
+  PBits *k_dst, *v_dst;
+  Out out0, out1;
+  if constexpr (kValuesEarly) {
+    // The paged kernels compute every stored value, and the destination up to the page, while
+    // the page ids are in flight: at decode sizes this is most of the path after they arrive.
+    Out v_out0, v_out1;
+    key_packs(out0, out1);
+    value_packs(v_out0, v_out1);
+    // This item's place in head h of the token's row of page 0 of the layer's pool.
+    PBits* const head_row = static_cast<PBits*>(p.pool) + int64_t(layer) * constants.layer_elems +
+                            int64_t(page_row) * token_stride(p) + int64_t(h) * p.head_dim + channel;
+    keep_computed(out0), keep_computed(v_out0), keep_computed(head_row);
+    if (pair) keep_computed(out1), keep_computed(v_out1);
+    if (!in_range || !page_ids_valid(constants.paged, k_page, v_page)) return;
+    // paged_rows' page * P + row, in row strides.
+    k_dst = head_row + int64_t(uint32_t(k_page)) * constants.page_elems;
+    v_dst = head_row + int64_t(uint32_t(v_page)) * constants.page_elems;
+    store_pack(k_dst, out0);
+    if (pair) store_pack(k_dst + half, out1);
+    store_pack(v_dst, v_out0);
+    if (pair) store_pack(v_dst + half, v_out1);
+    return;
   }
+  if constexpr (!kSlot) rows = paged_rows(constants.paged, k_page, v_page, page_row);
+  // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
+  if (!in_range || rows.k_row < 0) return;
+  PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+  k_dst = layer_pool + rows.k_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
+  v_dst = layer_pool + rows.v_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
+  {
+    Out k_out0, k_out1;
+    key_packs(k_out0, k_out1);
+    store_pack(k_dst, k_out0);
+    if (pair) store_pack(k_dst + half, k_out1);
+  }
+  Out v_out0, v_out1;
+  value_packs(v_out0, v_out1);
+  store_pack(v_dst, v_out0);
+  if (pair) store_pack(v_dst + half, v_out1);
 }
 
 inline bool aligned(void const* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
@@ -508,12 +610,13 @@ inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
   return lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
 }
 
-using KernelFn = void (*)(KVUpdateParams, Geometry);
+template <Contract C>
+using KernelFn = void (*)(KVUpdateParams, Launch<C>);
 
 // The kernel of a launch: the plain one, the butterfly (which exists for VEC = 8 only, see
 // butterfly_fits) or the row form.
 template <Contract C, typename Delta, typename Pool, int VEC>
-KernelFn pick_kernel(bool norm, bool butterfly) {
+KernelFn<C> pick_kernel(bool norm, bool butterfly) {
   if (!norm) return update_kernel<C, Delta, Pool, VEC, kNoNorm>;
   if constexpr (VEC == kNormChunk) {
     if (butterfly) return update_kernel<C, Delta, Pool, VEC, kButterflyNorm>;
@@ -527,14 +630,19 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   constexpr int64_t kBlockThreads = DFLASH_BLOCK_THREADS;
   constexpr int64_t kMaxGridYZ = 65535;
   int64_t const head_items = p.rotary_dim / (2 * VEC) + (p.head_dim - p.rotary_dim) / VEC;
-  Geometry g;
+  Launch<C> constants;
+  Geometry& g = constants.g;
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.norm_butterfly = norm && butterfly_fits(p, VEC);
   g.inv_head_dim = 1.0f / float(p.head_dim);
-  g.page_shift = page_shift_of(p.page_size);
   g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
+  if constexpr (C == Contract::kPaged) {
+    constants.paged = paged_addressing(p);
+    constants.layer_elems = pool_layer_elems(p);
+    constants.page_elems = pool_page_elems(p);
+  }
   int64_t const items_x = std::min(head_items, kBlockThreads);
   int64_t const item_chunks = (head_items + items_x - 1) / items_x;
   int64_t heads_y = item_chunks == 1 ? std::min(p.num_kv_heads, kBlockThreads / items_x) : 1;
@@ -561,7 +669,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
-  KernelFn const kernel = pick_kernel<C, Delta, Pool, VEC>(norm, g.norm_butterfly);
+  KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(norm, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches.
   for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {
@@ -570,7 +678,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
       g.layer_base = uint32_t(layer);
       dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
                       unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
-      kernel<<<grid, block, 0, stream>>>(p, g);
+      kernel<<<grid, block, 0, stream>>>(p, constants);
       if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
     }
   }
