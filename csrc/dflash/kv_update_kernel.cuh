@@ -95,10 +95,7 @@ struct BF16 {
   static constexpr DType kDType = DType::kBFloat16;
   static __device__ __forceinline__ float decode(Bits b) { return bfloat16_bits_to_float(b); }
   static __device__ __forceinline__ Bits encode(float f) { return float_to_bfloat16_bits(f); }
-  static __device__ __forceinline__ uint32_t encode2(float a, float b) { return float2_to_bfloat16x2_bits(a, b); }
 };
-template <typename T>
-inline constexpr bool kIs16Bit = std::is_same_v<T, F16> || std::is_same_v<T, BF16>;
 struct F32 {
   using Bits = uint32_t;
   static constexpr DType kDType = DType::kFloat32;
@@ -328,9 +325,9 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
     for (int i = 0; i < VEC; i += 4)
       words[i / 4] = Pool::encode4(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale), mul_rn(y[i + 2], inv_scale),
                                    mul_rn(y[i + 3], inv_scale));
-  } else if constexpr (kIs16Bit<Pool> && VEC % 2 == 0) {
+  } else if constexpr (std::is_same_v<Pool, F16> && VEC % 2 == 0) {
     // Two codes per word: one packed conversion and one NaN mend for the two.
-    static_assert(alignof(decltype(out)) >= 4, "16-bit packs of two or more codes are word-aligned");
+    static_assert(alignof(decltype(out)) >= 4, "float16 packs of two or more codes are word-aligned");
     uint32_t* const words = reinterpret_cast<uint32_t*>(out.v);
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) words[i / 2] = Pool::encode2(y[i], y[i + 1]);
