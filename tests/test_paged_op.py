@@ -113,7 +113,9 @@ def test_positions_anywhere_in_int32(backend, page_size, table_pages, ring):
     windows = rng.integers(0, (np.iinfo(np.int32).max - pos) // window + 1)
     windows[:2] = 0  # some tokens stay in the table's own window, written with or without ring
     windows[2:4] = (np.iinfo(np.int32).max - pos[2:4]) // window  # and some at the very top
-    problem = dataclasses.replace(problem, delta_positions=(pos + windows * window).astype(np.int32))
+    problem = dataclasses.replace(
+        problem, delta_positions=(pos + windows * window).astype(np.int32)
+    )
     want = expected(problem)
     written = want.view(np.uint8) != problem.past_key_value.view(np.uint8)
     assert written.any(), "writes nothing"
