@@ -36,10 +36,11 @@
 #define DFLASH_NORM_MIN_BLOCKS 0
 #endif
 #ifndef DFLASH_NORM_LATE_WEIGHT
-// 1: the paged butterfly kernels read the k-norm weight after the sums, so that its registers are
-// not held across them (one more resident block: 3.5% faster at B=8 L=2048, 0.04 us slower at
-// decode, where the weight's latency is no longer hidden). The slot kernels read it first: late,
-// it costs them 8% at decode (bench/kernel_variants).
+// 1: the paged butterfly kernels that compute their values after the page ids arrive (see
+// DFLASH_PAGED_VALUES_EARLY) read the k-norm weight after the sums, so that its registers are not
+// held across them (one more resident block: 3.5% faster at B=8 L=2048, 0.04 us slower at
+// decode, where the weight's latency is no longer hidden). The others read it first: the slot
+// kernels, where late it costs 8% at decode, and those computing early, which need it at once.
 #define DFLASH_NORM_LATE_WEIGHT 1
 #endif
 #ifndef DFLASH_STREAMING_LOADS
