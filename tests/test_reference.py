@@ -207,6 +207,20 @@ def test_sum_of_squares_order_differs_from_left_to_right():
     assert np.count_nonzero(reference.sum_of_squares(heads) != plain) > 20
 
 
+def test_float16_squares_are_exact_in_float32():
+    # The CUDA kernel sums a float16 head's squares with fused multiply-adds: the same sums as the
+    # spec's rounded product then rounded sum only because every float16 square is exact in
+    # float32. Every finite float16 value, against float64 (exact for these products).
+    x = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    x = x[np.isfinite(x)].astype(np.float32)
+    assert x.size == 2**16 - 2**11
+    assert np.array_equal((x * x).astype(np.float64), x.astype(np.float64) ** 2)
+    # Not so for bfloat16 (the kernel keeps the separate product there): (1 + 2^-7) * 2^-70 is a
+    # bfloat16 value whose square needs bits below float32's smallest subnormal.
+    tiny = f32((1 + 2.0**-7) * 2.0**-70)
+    assert np.float64(tiny * tiny) != np.float64(tiny) ** 2
+
+
 @pytest.mark.parametrize("dtype", DELTA_DTYPES, ids=str)
 @pytest.mark.parametrize("with_weight", [False, True])
 def test_rms_norm_matches_literal_steps(dtype, with_weight):

@@ -7,16 +7,16 @@
 #include "dflash/numerics.h"
 #include "exhaustive_check.cuh"
 
-// Input bits: u (high half) and w (low half); both lanes of the packed multiply, (u, w) and
-// (w, u). Bit 0: float16 differs, bit 1: bfloat16 differs.
+// Input bits: u (high half) and w (low half), also the weight word: both lanes of the packed
+// multiply, (u, w) and (w, u). Bit 0: float16 differs, bit 1: bfloat16 differs.
 struct PackedProduct {
   __device__ unsigned operator()(uint32_t bits) const {
     uint16_t const u = uint16_t(bits >> 16), w = uint16_t(bits);
     float const hu = dflash::float16_bits_to_float(u), hw = dflash::float16_bits_to_float(w);
-    float2 const h = dflash::f16_pair_times(hu, hw, w, u);
+    float2 const h = dflash::f16_pair_times(hu, hw, bits);
     uint16_t const h_want = dflash::float_to_float16_bits(dflash::mul_rn(hu, hw));
     float const bu = dflash::bfloat16_bits_to_float(u), bw = dflash::bfloat16_bits_to_float(w);
-    float2 const b = dflash::bf16_pair_times(bu, bw, w, u);
+    float2 const b = dflash::bf16_pair_times(bu, bw, bits);
     uint16_t const b_want = dflash::float_to_bfloat16_bits(dflash::mul_rn(bu, bw));
     bool const f16_bad = dflash::float_to_float16_bits(h.x) != h_want || dflash::float_to_float16_bits(h.y) != h_want;
     bool const bf16_bad = dflash::float_to_bfloat16_bits(b.x) != b_want || dflash::float_to_bfloat16_bits(b.y) != b_want;

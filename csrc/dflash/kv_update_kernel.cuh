@@ -38,10 +38,10 @@
 #ifndef DFLASH_NORM_LATE_WEIGHT
 // 1: the paged butterfly kernels that compute their values after the page ids arrive (see
 // DFLASH_PAGED_VALUES_EARLY) read the k-norm weight after the sums, so that its registers are not
-// held across them (one more resident block: 3.5% faster at B=8 L=2048, 0.04 us slower at
-// decode, where the weight's latency is no longer hidden). The others read it first: the slot
-// kernels, where late it costs 8% at decode, and those computing early, which need it at once.
-#define DFLASH_NORM_LATE_WEIGHT 1
+// held across them. That paid while the weight took 16 registers; held as words (WeightPack) it
+// takes 8, and read first it is 0.15 us faster at decode, where its latency is otherwise on the
+// path, and within 1% elsewhere. So every kernel reads it first.
+#define DFLASH_NORM_LATE_WEIGHT 0
 #endif
 #ifndef DFLASH_STREAMING_LOADS
 // 1: the delta rows are read with evict-first loads. Measured, not shipped: faster where nothing
@@ -56,8 +56,8 @@
 // H200 (BENCHMARKS.md, "Kernel design notes").
 #ifndef DFLASH_PAGED_VALUES_EARLY
 // The kernels that compute their stored values while the page ids are in flight (keep_computed).
-// The fused norm into a 16/32-bit pool computes them after: early, it held 80 registers against
-// 70 and was 12% slower at B=8 L=2048 (0.1 us faster at decode).
+// The fused norm into a 16/32-bit pool computes them after: early, it was 4% slower at B=8
+// L=2048 and 0.07 us slower at decode.
 #define DFLASH_PAGED_VALUES_EARLY 11
 #endif
 #ifndef DFLASH_PAGED_INDEX_BRANCH
@@ -191,6 +191,32 @@ __device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
   }
 }
 
+// The k-norm weight's VEC channels as a kernel holds them: 16-bit channels in pairs, one word
+// each, as loaded and as the packed weight product takes them (apply_norm); else one element each.
+template <typename Delta, int VEC>
+inline constexpr bool kWeightWords = sizeof(typename Delta::Bits) == 2 && VEC % 2 == 0;
+template <typename Delta, int VEC>
+using WeightPack = std::conditional_t<kWeightWords<Delta, VEC>, Pack<uint32_t, (VEC + 1) / 2>, Pack<typename Delta::Bits, VEC>>;
+
+// A weight pack at `ptr`: vector loads where the row is aligned for them, else element loads put
+// together into the same words. Held as 16-bit elements instead, the pack made the compiler split
+// the vector load's words at once, which waits for the load there, before the kernel's other
+// loads issue (0.3 us at decode sizes).
+template <typename Delta, int VEC>
+__device__ __forceinline__ WeightPack<Delta, VEC> load_weight_pack(typename Delta::Bits const* ptr, bool vectors) {
+  using WP = WeightPack<Delta, VEC>;
+  if (vectors) return load_pack<WP>(ptr);
+  WP pack;
+  if constexpr (kWeightWords<Delta, VEC>) {
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) pack.v[i] = uint32_t(ptr[2 * i]) | uint32_t(ptr[2 * i + 1]) << 16;
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pack.v[i] = ptr[i];
+  }
+  return pack;
+}
+
 // Launch geometry. A head row of D channels is cut into work items of VEC channels: the first
 // R / (2 VEC) items each own a rotate-half pair, the rest one pass-through vector.
 struct Geometry {
@@ -244,10 +270,13 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
 }
 
 // Which fused-norm code a kernel carries: none (the plain kernels), the butterfly (VEC = 8 and a
-// head of 8 * 2G channels, see butterfly_fits), or the row form for every other head width.
-// Separate instantiations, so that each carries only its own registers and stack (the row form's
-// sum needs an array).
-enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2 };
+// head of 8 * 2G channels, see butterfly_fits), or the row form for every other head width; the
+// butterfly in two forms, for the k-norm alone (the common draft: no code or registers for a norm
+// of V) and for any norm with v_norm. Separate instantiations, so that each carries only its own
+// registers and stack (the row form's sum needs an array).
+enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2, kButterflyKeyNorm = 3 };
+template <int NORM>
+inline constexpr bool kIsButterfly = NORM == kButterflyNorm || NORM == kButterflyKeyNorm;
 
 // The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY and DFLASH_PAGED_INDEX_BRANCH.
 template <typename Pool, int NORM>
@@ -268,15 +297,29 @@ __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, 
   auto own = [](float const (&x)[VEC]) {
     float s = mul_rn(x[0], x[0]);
 #pragma unroll
-    for (int i = 1; i < VEC; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
+    for (int i = 1; i < VEC; ++i) {
+      // The square of a float16 value is exact in float32 (11-bit significands, exponents within
+      // range), so one fused multiply-add rounds the same sum as SPEC.md's product and sum.
+      if constexpr (std::is_same_v<Delta, F16>)
+        s = __fmaf_rn(x[i], x[i], s);
+      else
+        s = add_rn(s, mul_rn(x[i], x[i]));
+    }
     return s;
   };
   float sum = add_rn(own(x0), own(x1));
-  // A loop over the head's own offsets: unrolled over all five, with a test per offset, it
-  // compiles to five shuffles whose unneeded results are discarded, on the critical path.
+  // The head's own offsets, widest first. Unrolled over all five with a test per offset, the loop
+  // compiles to five shuffles whose unneeded results are discarded, on the critical path; so it
+  // is a loop, but unrolled for the common head of 128 channels (8 lanes: three shuffles).
+  if (g.head_items == 8) {
+#pragma unroll
+    for (uint32_t offset = 4; offset > 0; offset /= 2)
+      sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+  } else {
 #pragma unroll 1
-  for (uint32_t offset = g.head_items / 2; offset > 0; offset /= 2)
-    sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+    for (uint32_t offset = g.head_items / 2; offset > 0; offset /= 2)
+      sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+  }
   return inverse_rms_scaled(sum, g.inv_head_dim, p.norm_eps);
 }
 
@@ -289,14 +332,14 @@ __device__ __forceinline__ float row_inverse_rms(KVUpdateParams const& p, typena
 
 // x[i] <- the normed value of channel `channel + i` (SPEC.md "Fused norms" 4-5).
 template <typename Delta, int VEC>
-__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typename Delta::Bits const (*weight)[VEC]) {
-  if constexpr (VEC % 2 == 0 && !std::is_same_v<Delta, F32>) {
+__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, WeightPack<Delta, VEC> const* weight) {
+  if constexpr (kWeightWords<Delta, VEC>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
       if (weight != nullptr) {
-        float2 const f = std::is_same_v<Delta, F16> ? f16_pair_times(a, b, (*weight)[i], (*weight)[i + 1])
-                                                     : bf16_pair_times(a, b, (*weight)[i], (*weight)[i + 1]);
+        uint32_t const w_pair = weight->v[i / 2];  // channels i and i + 1
+        float2 const f = std::is_same_v<Delta, F16> ? f16_pair_times(a, b, w_pair) : bf16_pair_times(a, b, w_pair);
         a = f.x, b = f.y;
       } else {
         round_pair<Delta>(a, b);
@@ -305,7 +348,7 @@ __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, typen
     }
   } else {
     float w[VEC];
-    if (weight != nullptr) decode_pack<Delta, VEC>(*weight, w);
+    if (weight != nullptr) decode_pack<Delta, VEC>(weight->v, w);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       float u = Delta::decode(Delta::encode(mul_rn(x[i], inv_rms)));
@@ -356,7 +399,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // kernels.
 template <Contract C, typename Delta, typename Pool, int NORM>
 inline constexpr int norm_min_blocks =
-    NORM == kButterflyNorm && (std::is_same_v<Delta, F16> || (std::is_same_v<Delta, BF16> && !kIsFp8<Pool>))
+    kIsButterfly<NORM> && (std::is_same_v<Delta, F16> || (std::is_same_v<Delta, BF16> && !kIsFp8<Pool>))
         ? DFLASH_NORM_MIN_BLOCKS
         : 0;
 
@@ -374,7 +417,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // The butterfly's shuffles need every lane of the warp (its launch pads the heads so that the
   // warps are whole): its lanes past the last token or head read the last one's data, take part
   // in the shuffles, and leave before storing. Every other kernel's such lanes leave at once.
-  constexpr bool kButterfly = NORM == kButterflyNorm;
+  constexpr bool kButterfly = kIsButterfly<NORM>;
 
   uint32_t const b = kSlot ? g.slot_base + blockIdx.y : 0;
   uint32_t const layer = g.layer_base + blockIdx.z;
@@ -436,17 +479,13 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     k_scale = __ldg(p.k_scale + scale_index(p, layer, h));
     v_scale = __ldg(p.v_scale + scale_index(p, layer, h));
   }
-  DPack w0, w1;
-  bool const k_norm = NORM != kNoNorm && p.k_norm, v_norm = NORM != kNoNorm && p.v_norm;
+  WeightPack<Delta, VEC> w0, w1;
+  bool const k_norm = NORM != kNoNorm && p.k_norm;
+  bool const v_norm = NORM != kNoNorm && NORM != kButterflyKeyNorm && p.v_norm;
   auto load_weight = [&] {
     DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
-    if (g.weight_vectors) {
-      w0 = load_pack<DPack>(weight);
-      if (pair) w1 = load_pack<DPack>(weight + half);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) w0.v[i] = weight[i], w1.v[i] = pair ? weight[half + i] : DBits(0);
-    }
+    w0 = load_weight_pack<Delta, VEC>(weight, g.weight_vectors);
+    if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, g.weight_vectors);
   };
   // Values computed early need the weight right after the sums: read it first then.
   constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Pool, NORM>);
@@ -511,8 +550,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if constexpr (NORM != kNoNorm) {
       if (k_norm) {
         if constexpr (NORM == kRowNorm) k_inv_rms = row_inverse_rms<Delta>(p, k_delta + head_start);
-        apply_norm<Delta, VEC>(x0, k_inv_rms, &w0.v);
-        if (pair) apply_norm<Delta, VEC>(x1, k_inv_rms, &w1.v);
+        apply_norm<Delta, VEC>(x0, k_inv_rms, &w0);
+        if (pair) apply_norm<Delta, VEC>(x1, k_inv_rms, &w1);
       }
     }
     if (rotate) {
@@ -614,9 +653,10 @@ using KernelFn = void (*)(KVUpdateParams, Launch<C>);
 // The kernel of a launch: the plain one, the butterfly (which exists for VEC = 8 only, see
 // butterfly_fits) or the row form.
 template <Contract C, typename Delta, typename Pool, int VEC>
-KernelFn<C> pick_kernel(bool norm, bool butterfly) {
-  if (!norm) return update_kernel<C, Delta, Pool, VEC, kNoNorm>;
+KernelFn<C> pick_kernel(KVUpdateParams const& p, bool butterfly) {
+  if (!p.k_norm && !p.v_norm) return update_kernel<C, Delta, Pool, VEC, kNoNorm>;
   if constexpr (VEC == kNormChunk) {
+    if (butterfly && !p.v_norm) return update_kernel<C, Delta, Pool, VEC, kButterflyKeyNorm>;
     if (butterfly) return update_kernel<C, Delta, Pool, VEC, kButterflyNorm>;
   }
   return update_kernel<C, Delta, Pool, VEC, kRowNorm>;
@@ -667,7 +707,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
-  KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(norm, g.norm_butterfly);
+  KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches.
   for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {

@@ -164,13 +164,17 @@ __device__ __forceinline__ uint32_t float2_to_float16x2_bits(float a, float b) {
 // the 16-bit delta dtype, each times its weight, rounded again, widened. The float32 product of
 // two 16-bit values is exact, so rounding it once is the correctly rounded 16-bit product: one
 // packed multiply (mul.rn, never contracted) instead of two float32 products and a second
-// conversion. tools/packed_mul_check.cu compares the two over every pair of 16-bit inputs.
-__device__ __forceinline__ float2 f16_pair_times(float a, float b, uint16_t w_lo, uint16_t w_hi) {
-  __half2 const w = __halves2half2(__ushort_as_half(w_lo), __ushort_as_half(w_hi));
+// conversion. `w_pair` holds the two weights as they lie in memory (a's in the low half): one word
+// of the loaded weight row. tools/packed_mul_check.cu compares the two over every pair of 16-bit
+// inputs.
+__device__ __forceinline__ float2 f16_pair_times(float a, float b, uint32_t w_pair) {
+  __half2 w;
+  memcpy(&w, &w_pair, sizeof(w));
   return __half22float2(__hmul2_rn(__float22half2_rn(make_float2(a, b)), w));
 }
-__device__ __forceinline__ float2 bf16_pair_times(float a, float b, uint16_t w_lo, uint16_t w_hi) {
-  __nv_bfloat162 const w = __halves2bfloat162(__ushort_as_bfloat16(w_lo), __ushort_as_bfloat16(w_hi));
+__device__ __forceinline__ float2 bf16_pair_times(float a, float b, uint32_t w_pair) {
+  __nv_bfloat162 w;
+  memcpy(&w, &w_pair, sizeof(w));
   return __bfloat1622float2(__hmul2_rn(__float22bfloat162_rn(make_float2(a, b)), w));
 }
 #endif
