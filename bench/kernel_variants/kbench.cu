@@ -68,7 +68,8 @@ int main() {
     CK(cudaMemset(rope, 0, size_t(cap) * R * 4));
     CK(cudaDeviceSynchronize());
     // The rows: fp16 both contracts, the fused k-norm in both, bf16 deltas and pool, and an e4m3
-    // pool (per-head scales) in both, the paged one with the k-norm too.
+    // pool (per-head scales) in both, the paged one with the k-norm too (from fp16 and from bf16
+    // deltas, the main job's).
     struct Row {
       char const* name;
       bool paged;
@@ -88,6 +89,7 @@ int main() {
         {"slot  e4m3", false, e4m3},
         {"paged e4m3", true, e4m3},
         {"paged e4m3 knorm", true, {DType::kFloat16, DType::kFloat8E4M3, scales, weight}},
+        {"paged bf16>e4m3 knorm", true, {DType::kBFloat16, DType::kFloat8E4M3, scales, weight}},
     };
     char const* rope_kind = std::getenv("KB_ROPE");
     bool const shared_rope = rope_kind && std::string(rope_kind) == "shared";
@@ -102,7 +104,7 @@ int main() {
         else
           launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor), st);
       }, reps, false, 30, 1);
-      std::printf("%-17s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
                   row_bytes / us / 1e3);
     }
     for (float* r : paged_rope) CK(cudaFree(r));
