@@ -2,7 +2,7 @@
 
 The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
 (DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_NORM_MIN_BLOCKS,
-DFLASH_NORM_LATE_WEIGHT, DFLASH_STREAMING_LOADS, DFLASH_PAGED_VALUES_EARLY,
+DFLASH_STREAMING_LOADS, DFLASH_PAGED_VALUES_EARLY,
 DFLASH_PAGED_INDEX_BRANCH):
 a variant is the shipped code compiled with other values, never an edited copy of it. Used by
 make_variants.py and make_probe.py.
@@ -35,7 +35,6 @@ KNOBS = (
     "DFLASH_STREAMING_STORES",
     "DFLASH_MAX_VEC_BYTES",
     "DFLASH_NORM_MIN_BLOCKS",
-    "DFLASH_NORM_LATE_WEIGHT",
     "DFLASH_STREAMING_LOADS",
     "DFLASH_PAGED_VALUES_EARLY",
     "DFLASH_PAGED_INDEX_BRANCH",

@@ -35,14 +35,6 @@
 // k-norm, and 3% slower in the slot contract at B=8 L=2048), and 8 spills.
 #define DFLASH_NORM_MIN_BLOCKS 0
 #endif
-#ifndef DFLASH_NORM_LATE_WEIGHT
-// 1: the paged butterfly kernels that compute their values after the page ids arrive (see
-// DFLASH_PAGED_VALUES_EARLY) read the k-norm weight after the sums, so that its registers are not
-// held across them. That paid while the weight took 16 registers; held as words (WeightPack) it
-// takes 8, and read first it is 0.15 us faster at decode, where its latency is otherwise on the
-// path, and within 1% elsewhere. So every kernel reads it first.
-#define DFLASH_NORM_LATE_WEIGHT 0
-#endif
 #ifndef DFLASH_STREAMING_LOADS
 // 1: the delta rows are read with evict-first loads. Measured, not shipped: faster where nothing
 // of the rotated inputs survives in L2 (FP8 pools and the fused norm at B=8 L=2048, 2-5%), slower
@@ -482,15 +474,14 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   WeightPack<Delta, VEC> w0, w1;
   bool const k_norm = NORM != kNoNorm && p.k_norm;
   bool const v_norm = NORM != kNoNorm && NORM != kButterflyKeyNorm && p.v_norm;
-  auto load_weight = [&] {
+  // The weight first: read after the butterfly's sums (fewer registers held across them), it was
+  // 0.15 us slower at decode, where its latency is then on the path, and no faster elsewhere.
+  if (k_norm) {
     DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
     w0 = load_weight_pack<Delta, VEC>(weight, g.weight_vectors);
     if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, g.weight_vectors);
-  };
-  // Values computed early need the weight right after the sums: read it first then.
+  }
   constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Pool, NORM>);
-  constexpr bool kLateWeight = kButterfly && !kSlot && DFLASH_NORM_LATE_WEIGHT && !kValuesEarly;
-  if (!kLateWeight && k_norm) load_weight();
   // Paged rope rows are token-aligned: known before the page table is read.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
@@ -532,7 +523,6 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   if constexpr (kButterfly) {
     if (k_norm) k_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, k0.v, k1.v);
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
-    if (kLateWeight && k_norm) load_weight();
   }
   using Out = Pack<PBits, VEC>;
   float const inv_k = kIsFp8<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
