@@ -42,14 +42,16 @@
 #define DFLASH_STREAMING_LOADS 0
 #endif
 
-// Two scheduling choices of the paged kernels, as bit sets over four kinds of kernel (kPagedKind):
+// Two scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
-// 8 fused norm into an FP8 pool. Each default is what bench/kernel_variants measured best on the
-// H200 (BENCHMARKS.md, "Kernel design notes").
+// 8 fused norm into an FP8 pool from float16 or float32 deltas, 16 the same from bfloat16 deltas.
+// Each default is what bench/kernel_variants measured best on the H200 (BENCHMARKS.md, "Kernel
+// design notes").
 #ifndef DFLASH_PAGED_VALUES_EARLY
 // The kernels that compute their stored values while the page ids are in flight (keep_computed).
 // The fused norm into a 16/32-bit pool computes them after: early, it was 4% slower at B=8
-// L=2048 and 0.07 us slower at decode.
+// L=2048 and 0.07 us slower at decode. So does the fused norm from bfloat16 deltas into an FP8
+// pool: early, it was 14% slower at B=8 L=2048 and B=1 L=4096, 0.03-0.06 us faster at decode.
 #define DFLASH_PAGED_VALUES_EARLY 11
 #endif
 #ifndef DFLASH_PAGED_INDEX_BRANCH
@@ -271,8 +273,9 @@ template <int NORM>
 inline constexpr bool kIsButterfly = NORM == kButterflyNorm || NORM == kButterflyKeyNorm;
 
 // The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY and DFLASH_PAGED_INDEX_BRANCH.
-template <typename Pool, int NORM>
-inline constexpr int kPagedKind = (NORM == kNoNorm ? 1 : 4) * (kIsFp8<Pool> ? 2 : 1);
+template <typename Delta, typename Pool, int NORM>
+inline constexpr int kPagedKind =
+    NORM == kNoNorm ? (kIsFp8<Pool> ? 2 : 1) : !kIsFp8<Pool> ? 4 : std::is_same_v<Delta, BF16> ? 16 : 8;
 
 // The inverse RMS of one head by a butterfly: this thread's own chunks (its pair of VEC = 8
 // channel vectors, chunks c and c + G of 2G) summed, then an xor butterfly over the G lanes of the
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     w0 = load_weight_pack<Delta, VEC>(weight, g.weight_vectors);
     if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, g.weight_vectors);
   }
-  constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Pool, NORM>);
+  constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Delta, Pool, NORM>);
   // Paged rope rows are token-aligned: known before the page table is read.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
@@ -513,7 +516,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
         v_page = __ldg(table + entry + p.table_pages);
       }
     };
-    if constexpr (DFLASH_PAGED_INDEX_BRANCH & kPagedKind<Pool, NORM>) {
+    if constexpr (DFLASH_PAGED_INDEX_BRANCH & kPagedKind<Delta, Pool, NORM>) {
       if (constants.paged.table_pages != 0) look_up();  // an empty table has no entries
     } else {
       look_up();
@@ -575,34 +578,39 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_v);
   };
   PBits *k_dst, *v_dst;
-  Out out0, out1;
-  if constexpr (kValuesEarly) {
-    // The paged kernels compute every stored value, and the destination up to the page, while
-    // the page ids are in flight: at decode sizes this is most of the path after they arrive.
-    Out v_out0, v_out1;
-    key_packs(out0, out1);
-    value_packs(v_out0, v_out1);
-    // This item's place in head h of the token's row of page 0 of the layer's pool.
+  if constexpr (!kSlot) {
+    // This item's place in head h of the token's row of page 0 of the layer's pool, so that the
+    // page ids, once they arrive, are checked and added as they are (the kernels that computed
+    // paged_rows' 64-bit page * P + row there: 0.05 us slower at decode sizes). With kValuesEarly
+    // it and every stored value are computed while the ids are in flight (at decode sizes this
+    // is most of the path after they arrive), else the values after them; keeping the place
+    // computed in those kernels too held two more registers across the wait and gained nothing.
+    Out out0, out1, v_out0, v_out1;
+    if constexpr (kValuesEarly) key_packs(out0, out1), value_packs(v_out0, v_out1);
     PBits* const head_row = static_cast<PBits*>(p.pool) + int64_t(layer) * constants.layer_elems +
                             int64_t(page_row) * token_stride(p) + int64_t(h) * p.head_dim + channel;
-    keep_computed(out0), keep_computed(v_out0), keep_computed(head_row);
-    if (pair) keep_computed(out1), keep_computed(v_out1);
+    if constexpr (kValuesEarly) {
+      keep_computed(out0), keep_computed(v_out0), keep_computed(head_row);
+      if (pair) keep_computed(out1), keep_computed(v_out1);
+    }
     if (!in_range || !page_ids_valid(constants.paged, k_page, v_page)) return;
     // paged_rows' page * P + row, in row strides.
     k_dst = head_row + int64_t(uint32_t(k_page)) * constants.page_elems;
     v_dst = head_row + int64_t(uint32_t(v_page)) * constants.page_elems;
-    store_pack(k_dst, out0);
-    if (pair) store_pack(k_dst + half, out1);
-    store_pack(v_dst, v_out0);
-    if (pair) store_pack(v_dst + half, v_out1);
-    return;
+    if constexpr (kValuesEarly) {
+      store_pack(k_dst, out0);
+      if (pair) store_pack(k_dst + half, out1);
+      store_pack(v_dst, v_out0);
+      if (pair) store_pack(v_dst + half, v_out1);
+      return;
+    }
+  } else {
+    // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
+    if (!in_range || rows.k_row < 0) return;
+    PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
+    k_dst = layer_pool + rows.k_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
+    v_dst = layer_pool + rows.v_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
   }
-  if constexpr (!kSlot) rows = paged_rows(constants.paged, k_page, v_page, page_row);
-  // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
-  if (!in_range || rows.k_row < 0) return;
-  PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
-  k_dst = layer_pool + rows.k_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
-  v_dst = layer_pool + rows.v_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
   {
     Out k_out0, k_out1;
     key_packs(k_out0, k_out1);
