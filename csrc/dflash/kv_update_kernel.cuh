@@ -578,33 +578,26 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_v);
   };
   PBits *k_dst, *v_dst;
+  Out k_out0, k_out1, v_out0, v_out1;
   if constexpr (!kSlot) {
     // This item's place in head h of the token's row of page 0 of the layer's pool, so that the
     // page ids, once they arrive, are checked and added as they are (computing paged_rows' 64-bit
     // page * P + row there instead: 0.03-0.05 us slower at decode sizes, 2% at B=64 L=16, in the
-    // fused norms into 16/32-bit pools). With kValuesEarly
-    // it and every stored value are computed while the ids are in flight (at decode sizes this
-    // is most of the path after they arrive), else the values after them; keeping the place
-    // computed in those kernels too held two more registers across the wait and gained nothing.
-    Out out0, out1, v_out0, v_out1;
-    if constexpr (kValuesEarly) key_packs(out0, out1), value_packs(v_out0, v_out1);
+    // fused norms into 16/32-bit pools). With kValuesEarly it and every stored value are computed
+    // while the ids are in flight (at decode sizes this is most of the path after they arrive),
+    // else the values after them; keeping the place computed in those kernels too held two more
+    // registers across the wait and gained nothing.
+    if constexpr (kValuesEarly) key_packs(k_out0, k_out1), value_packs(v_out0, v_out1);
     PBits* const head_row = static_cast<PBits*>(p.pool) + int64_t(layer) * constants.layer_elems +
                             int64_t(page_row) * token_stride(p) + int64_t(h) * p.head_dim + channel;
     if constexpr (kValuesEarly) {
-      keep_computed(out0), keep_computed(v_out0), keep_computed(head_row);
-      if (pair) keep_computed(out1), keep_computed(v_out1);
+      keep_computed(k_out0), keep_computed(v_out0), keep_computed(head_row);
+      if (pair) keep_computed(k_out1), keep_computed(v_out1);
     }
     if (!in_range || !page_ids_valid(constants.paged, k_page, v_page)) return;
     // paged_rows' page * P + row, in row strides.
     k_dst = head_row + int64_t(uint32_t(k_page)) * constants.page_elems;
     v_dst = head_row + int64_t(uint32_t(v_page)) * constants.page_elems;
-    if constexpr (kValuesEarly) {
-      store_pack(k_dst, out0);
-      if (pair) store_pack(k_dst + half, out1);
-      store_pack(v_dst, v_out0);
-      if (pair) store_pack(v_dst + half, v_out1);
-      return;
-    }
   } else {
     // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
     if (!in_range || rows.k_row < 0) return;
@@ -612,14 +605,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     k_dst = layer_pool + rows.k_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
     v_dst = layer_pool + rows.v_row * token_stride(p) + int64_t(h) * p.head_dim + channel;
   }
-  {
-    Out k_out0, k_out1;
-    key_packs(k_out0, k_out1);
-    store_pack(k_dst, k_out0);
-    if (pair) store_pack(k_dst + half, k_out1);
-  }
-  Out v_out0, v_out1;
-  value_packs(v_out0, v_out1);
+  if constexpr (!kValuesEarly) key_packs(k_out0, k_out1);
+  store_pack(k_dst, k_out0);
+  if (pair) store_pack(k_dst + half, k_out1);
+  if constexpr (!kValuesEarly) value_packs(v_out0, v_out1);
   store_pack(v_dst, v_out0);
   if (pair) store_pack(v_dst + half, v_out1);
 }

@@ -154,7 +154,8 @@ DFLASH_HOST_DEVICE float round_to(DType dtype, float f) {
 // 20% slower; they keep the one-value conversion.)
 __device__ __forceinline__ uint32_t float2_to_float16x2_bits(float a, float b) {
   __half2 const h = __floats2half2_rn(a, b);
-  uint32_t const w = *reinterpret_cast<uint32_t const*>(&h);
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
   uint32_t const nan = ((w & 0x7fff7fffu) + 0x03ff03ffu) & 0x80008000u;
   uint32_t const mask = (nan >> 15) * 0xffffu;
   return (w & ~mask) | (uint32_t(kFloat16NaN) * 0x00010001u & mask);
