@@ -2,10 +2,16 @@
 // macros set by -D, then links this harness): both contracts at H=8 D=128 R=128 P=128, in fp16,
 // with the fused k-norm, in bf16 and into an e4m3 pool; the benchmark's shapes, 20 launches per
 // CUDA graph rotating among input sets (8, or 2 where 8 would exceed 200 MB), median of 30
-// replays. One line per row and shape. KB_TABLE=identity gives each sequence its pages in order
-// (default: a random permutation of the pool, as in the main benchmark). KB_ROPE=shared gives
-// every input set of the paged rows the same token-aligned rope rows (as in L2 right after the
-// gather that writes them), instead of rotating them with the deltas.
+// replays. One line per row and shape. KB_TABLE=identity gives each sequence its pages in order,
+// KB_TABLE=grouped a random permutation of runs of 8 pages (2 MB of a float16 plane) with the pages
+// of a run in order (default: a random permutation of the pool's pages, as in the main benchmark).
+// KB_SETS=n rotates among n input sets at every shape. KB_ROPE=shared gives every input set of the paged rows the same token-aligned rope rows (as in
+// L2 right after the gather that writes them), instead of rotating them with the deltas.
+// The copy rows (one layer) are floors of the paged rows' memory traffic, without RoPE or checks:
+// the K and V deltas copied, 16 bytes per thread, into the pool rows the page table gives them
+// ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
+// into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
+// or at once ("copy flat").
 #include "harness.h"
 
 #include <cstdlib>
@@ -25,6 +31,44 @@
 
 using namespace harness;
 
+// The copy rows' kernel: blocks of H * D / 8 threads, each moving 8 channels of K and V of TOKENS
+// consecutive tokens (every load issued before any store). kFlat: token t's rows at t of each
+// plane; kPaged: where the paged contract writes them; kWait: at t, but only once the page ids
+// have arrived (the paged rows' dependent loads without their scattered destinations).
+enum CopyKind { kFlat, kPaged, kWait };
+template <int TOKENS>
+__global__ void copy_rows(__half const* k, __half const* v, float const* rope, __half* pool, int const* positions,
+                          int const* owners, int const* table, int M, int N, CopyKind kind) {
+  int const e = threadIdx.x * 8;
+  size_t const row_elems = size_t(H) * D;
+  uint4 kv[TOKENS], vv[TOKENS];
+  size_t k_row[TOKENS], v_row[TOKENS];
+#pragma unroll
+  for (int i = 0; i < TOKENS; ++i) {
+    int const t = blockIdx.x * TOKENS + i;
+    kv[i] = __ldg(reinterpret_cast<uint4 const*>(k + size_t(t) * row_elems + e));
+    vv[i] = __ldg(reinterpret_cast<uint4 const*>(v + size_t(t) * row_elems + e));
+    k_row[i] = t, v_row[i] = size_t(N) * P + t;
+    if (rope != nullptr)  // the token's rope row, 4 bytes per thread, into the stored bits
+      kv[i].x ^= __float_as_uint(__ldg(rope + size_t(t) * R + threadIdx.x % R));
+    if (kind != kFlat) {
+      int const b = __ldg(owners + t), pos = __ldg(positions + t);
+      int const* entry = table + (size_t(b) * 2) * M + pos / P;
+      int const k_page = __ldg(entry), v_page = __ldg(entry + M);
+      if (kind == kPaged) {
+        k_row[i] = size_t(k_page) * P + pos % P, v_row[i] = size_t(v_page) * P + pos % P;
+      } else {  // never true, but the stores wait for the ids
+        k_row[i] += k_page == -7, v_row[i] += v_page == -7;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TOKENS; ++i) {
+    __stcs(reinterpret_cast<uint4*>(pool + k_row[i] * row_elems + e), kv[i]);
+    __stcs(reinterpret_cast<uint4*>(pool + v_row[i] * row_elems + e), vv[i]);
+  }
+}
+
 int main() {
   std::printf("kernel built with %s\n", KNOBS);
   int const cases[][3] = {{1, 16, 1}, {8, 16, 1}, {64, 16, 1}, {1, 4096, 1}, {8, 2048, 1}, {64, 16, 5}};
@@ -39,7 +83,8 @@ int main() {
     int const B = c[0], L = c[1], layers = c[2], T = B * L, N = B * M;
     size_t const delta = size_t(layers) * T * H * D, pool = size_t(layers) * 2 * N * P * H * D;
     double const bytes = double(delta) * 2 * 2 * 2 + double(layers) * T * R * 4;
-    int const sets = bytes * 8 < 200e6 ? 8 : 2;
+    char const* sets_env = std::getenv("KB_SETS");  // more sets: less of them left in L2
+    int const sets = sets_env ? std::atoi(sets_env) : bytes * 8 < 200e6 ? 8 : 2;
     InputSets const in(sets, delta, B, L, cap, rng);
     auto const &ks = in.ks, &vs = in.vs;
     auto const &starts = in.starts, &positions = in.positions;
@@ -53,12 +98,21 @@ int main() {
     int* owners = device_copy(owner_host);
     int* lengths = device_copy(length_host);
     std::vector<int> table_host = permuted_table(B, M, rng);
-    if (char const* kind = std::getenv("KB_TABLE"); kind && std::string(kind) == "identity")
+    char const* table_kind = std::getenv("KB_TABLE");
+    std::string const kind = table_kind ? table_kind : "";
+    if (kind == "identity" || kind == "grouped") {
+      // Runs of 8 pages, in order (identity) or shuffled per plane (grouped); N is a multiple of 8.
+      int const run = 8, runs = N / run;
+      std::vector<int> k_runs(runs), v_runs(runs);
+      for (int i = 0; i < runs; ++i) k_runs[i] = v_runs[i] = i;
+      if (kind == "grouped") std::shuffle(k_runs.begin(), k_runs.end(), rng), std::shuffle(v_runs.begin(), v_runs.end(), rng);
       for (int b = 0; b < B; ++b)
         for (int i = 0; i < M; ++i) {
-          table_host[(size_t(b) * 2 + 0) * M + i] = b * M + i;
-          table_host[(size_t(b) * 2 + 1) * M + i] = N + b * M + i;
+          int const page = b * M + i;
+          table_host[(size_t(b) * 2 + 0) * M + i] = k_runs[page / run] * run + page % run;
+          table_host[(size_t(b) * 2 + 1) * M + i] = N + v_runs[page / run] * run + page % run;
         }
+    }
     int* table = device_copy(table_host);
     __half* pool_mem;
     CK(cudaMalloc(&pool_mem, pool * 2));
@@ -106,6 +160,27 @@ int main() {
       }, reps, false, 30, 1);
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
                   row_bytes / us / 1e3);
+    }
+    struct CopyRow {
+      char const* name;
+      CopyKind kind;
+      int tokens;
+      bool rope;
+    };
+    CopyRow const copies[] = {{"copy paged", kPaged, 1, false},     {"copy paged x2", kPaged, 2, false},
+                              {"copy paged+rope", kPaged, 1, true}, {"copy paged+rope x2", kPaged, 2, true},
+                              {"copy wait", kWait, 1, false},       {"copy flat", kFlat, 1, false}};
+    for (CopyRow const& c : copies) {
+      if (layers != 1 || T % c.tokens != 0) continue;
+      float const us = time_graph(st, [&](int i) {
+        int j = i % sets;
+        auto* kernel = c.tokens == 1 ? copy_rows<1> : copy_rows<2>;
+        float const* rope_rows = c.rope ? paged_rope[shared_rope ? 0 : j] : nullptr;
+        kernel<<<T / c.tokens, H * D / 8, 0, st>>>(ks[j], vs[j], rope_rows, pool_mem, positions[j], owners, table, M, N,
+                                                   c.kind);
+      }, reps, false, 30, 1);
+      double const copied = double(delta) * 2 * 2 * 2 + (c.rope ? double(T) * R * 4 : 0.0);
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", c.name, B, L, layers, us, copied / us / 1e3);
     }
     for (float* r : paged_rope) CK(cudaFree(r));
     CK(cudaFree(owners));
