@@ -207,6 +207,30 @@ def test_zero_rows_stay_zero_under_norms(backend, contract, pool_dtype):
     assert not np.isnan(as_f32[:, rows.any(0)]).any()
 
 
+@pytest.mark.parametrize("k_norm", [False, True], ids=["plain", "k_norm"])
+@pytest.mark.parametrize("pool_dtype", FP8_DTYPES, ids=str)
+def test_large_paged_fp8_launch_matches_reference(backend, pool_dtype, k_norm):
+    """32 MiB of float16 K and V deltas (8192 tokens of 8 heads of 128 channels, with hostile
+    tokens among them): the size from which the CUDA launcher reads the paged FP8 kernels'
+    deltas with evict-first loads, a second instantiation of each kernel."""
+    problem = make_paged_problem(
+        np.random.default_rng(7),
+        tokens=8192,
+        batch=3,
+        heads=8,
+        head_dim=128,
+        num_pages=72,
+        page_size=128,
+        table_pages=24,
+        dtype=np.float16,
+        pool_dtype=pool_dtype,
+        k_norm=k_norm,
+        scale_shape=(8,),
+    )
+    assert 2 * problem.k_delta.nbytes >= 32 << 20
+    _check(problem, backend)
+
+
 def test_scalar_python_scale_is_a_per_tensor_scale(backend):
     problem = make_problem(np.random.default_rng(7), pool_dtype=E4M3, scale_shape=(), hostile=False)
     device = device_of(backend)

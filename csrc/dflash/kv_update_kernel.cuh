@@ -36,13 +36,13 @@
 #define DFLASH_NORM_MIN_BLOCKS 0
 #endif
 #ifndef DFLASH_STREAMING_LOADS
-// 1: the delta rows are read with evict-first loads. Measured, not shipped: faster where nothing
-// of the rotated inputs survives in L2 (FP8 pools and the fused norm at B=8 L=2048, 2-5%), slower
-// at decode sizes (up to 15%) and in the plain kernels at B=8 L=2048.
+// 1: every kernel reads the delta rows with evict-first loads, in every launch. Measured, not
+// shipped: slower at decode sizes (up to 15%) and in the plain kernels at B=8 L=2048; where it
+// pays, the paged FP8 kernels' large launches, DFLASH_PAGED_STREAMING_LOADS does it.
 #define DFLASH_STREAMING_LOADS 0
 #endif
 
-// Two scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
+// Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
 // 8 fused norm into an FP8 pool from float16 or float32 deltas, 16 the same from bfloat16 deltas.
 // Each default is what bench/kernel_variants measured best on the H200 (BENCHMARKS.md, "Kernel
@@ -53,6 +53,19 @@
 // L=2048 and 0.07 us slower at decode. So does the fused norm from bfloat16 deltas into an FP8
 // pool: early, it was 14% slower at B=8 L=2048 and B=1 L=4096, 0.03-0.06 us faster at decode.
 #define DFLASH_PAGED_VALUES_EARLY 11
+#endif
+#ifndef DFLASH_PAGED_STREAMING_LOADS
+// The kernels that read the delta rows with evict-first loads in launches of at least
+// DFLASH_STREAMING_LOADS_BYTES of K and V deltas (a second instantiation, picked at launch), so
+// that rows read once do not push the pool's lines out of L2: the plain and the fused-norm
+// kernels into FP8 pools from 16/32-bit deltas, 3% faster at B=8 L=2048. Unchanged for the
+// fused norm from bfloat16 deltas and for the fused norm into 16/32-bit pools; the plain
+// 16/32-bit kernel was 5% slower. Below the size, cached loads: at decode the projection has just
+// written the deltas into L2; from 8 MB, the FP8 kernel was 4% slower at B=1 L=4096.
+#define DFLASH_PAGED_STREAMING_LOADS 10
+#endif
+#ifndef DFLASH_STREAMING_LOADS_BYTES
+#define DFLASH_STREAMING_LOADS_BYTES (32 << 20)  // half the H200's L2
 #endif
 #ifndef DFLASH_PAGED_INDEX_BRANCH
 // The kernels that look their page ids up under a uniform branch. In one block with the delta
@@ -272,7 +285,8 @@ enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2, kButterflyK
 template <int NORM>
 inline constexpr bool kIsButterfly = NORM == kButterflyNorm || NORM == kButterflyKeyNorm;
 
-// The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY and DFLASH_PAGED_INDEX_BRANCH.
+// The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_STREAMING_LOADS and
+// DFLASH_PAGED_INDEX_BRANCH.
 template <typename Delta, typename Pool, int NORM>
 inline constexpr int kPagedKind =
     NORM == kNoNorm ? (kIsFp8<Pool> ? 2 : 1) : !kIsFp8<Pool> ? 4 : std::is_same_v<Delta, BF16> ? 16 : 8;
@@ -400,7 +414,7 @@ inline constexpr int norm_min_blocks =
 
 // NORM: the fused-norm form the kernel carries (NormForm), a template parameter so that the plain
 // kernels carry none of its registers and the butterfly none of the row form's stack.
-template <Contract C, typename Delta, typename Pool, int VEC, int NORM>
+template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
 __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delta, Pool, NORM>))
     update_kernel(KVUpdateParams p, Launch<C> constants) {
   Geometry const& g = constants.g;
@@ -458,9 +472,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   DBits const* k_delta = static_cast<DBits const*>(p.k_delta);
   DBits const* v_delta = static_cast<DBits const*>(p.v_delta);
   // Every load that does not depend on the addressing data is issued before waiting for it: the
-  // delta rows are always in bounds. Plain (cached) loads: at decode the deltas were just written
-  // by the projection and are likely still in L2.
-  auto load_delta = [](DBits const* ptr) { return load_pack<DPack, DFLASH_STREAMING_LOADS>(ptr); };
+  // delta rows are always in bounds. Plain (cached) loads, as at decode the deltas were just
+  // written by the projection and are likely still in L2; evict-first in STREAM_LOADS kernels.
+  auto load_delta = [](DBits const* ptr) {
+    return load_pack<DPack, DFLASH_STREAMING_LOADS || STREAM_LOADS>(ptr);
+  };
   DPack k0 = load_delta(k_delta + src);
   DPack const v0 = load_delta(v_delta + src);
   DPack k1, v1;
@@ -638,16 +654,31 @@ inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
 template <Contract C>
 using KernelFn = void (*)(KVUpdateParams, Launch<C>);
 
+// A kernel in its evict-first instantiation where the launch streams its deltas and the kind has
+// one (DFLASH_PAGED_STREAMING_LOADS), else in its cached one.
+template <Contract C, typename Delta, typename Pool, int VEC, int NORM>
+KernelFn<C> with_loads(bool streaming) {
+  constexpr bool kHasStreaming = DFLASH_PAGED_STREAMING_LOADS & kPagedKind<Delta, Pool, NORM>;
+  if constexpr (C == Contract::kPaged && kHasStreaming) {
+    if (streaming) return update_kernel<C, Delta, Pool, VEC, NORM, true>;
+  }
+  return update_kernel<C, Delta, Pool, VEC, NORM>;
+}
+
 // The kernel of a launch: the plain one, the butterfly (which exists for VEC = 8 only, see
 // butterfly_fits) or the row form.
 template <Contract C, typename Delta, typename Pool, int VEC>
 KernelFn<C> pick_kernel(KVUpdateParams const& p, bool butterfly) {
-  if (!p.k_norm && !p.v_norm) return update_kernel<C, Delta, Pool, VEC, kNoNorm>;
+  int64_t const tokens = C == Contract::kSlot ? p.batch * p.delta_len : p.num_tokens;
+  int64_t const delta_bytes =
+      2 * p.num_layers * tokens * p.num_kv_heads * p.head_dim * int64_t(sizeof(typename Delta::Bits));
+  bool const streaming = delta_bytes >= DFLASH_STREAMING_LOADS_BYTES;
+  if (!p.k_norm && !p.v_norm) return with_loads<C, Delta, Pool, VEC, kNoNorm>(streaming);
   if constexpr (VEC == kNormChunk) {
-    if (butterfly && !p.v_norm) return update_kernel<C, Delta, Pool, VEC, kButterflyKeyNorm>;
-    if (butterfly) return update_kernel<C, Delta, Pool, VEC, kButterflyNorm>;
+    if (butterfly && !p.v_norm) return with_loads<C, Delta, Pool, VEC, kButterflyKeyNorm>(streaming);
+    if (butterfly) return with_loads<C, Delta, Pool, VEC, kButterflyNorm>(streaming);
   }
-  return update_kernel<C, Delta, Pool, VEC, kRowNorm>;
+  return with_loads<C, Delta, Pool, VEC, kRowNorm>(streaming);
 }
 
 template <Contract C, typename Delta, typename Pool, int VEC>
