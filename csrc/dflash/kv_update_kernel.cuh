@@ -669,10 +669,9 @@ KernelFn<C> with_loads(bool streaming) {
 // butterfly_fits) or the row form.
 template <Contract C, typename Delta, typename Pool, int VEC>
 KernelFn<C> pick_kernel(KVUpdateParams const& p, bool butterfly) {
-  int64_t const tokens = C == Contract::kSlot ? p.batch * p.delta_len : p.num_tokens;
   int64_t const delta_bytes =
-      2 * p.num_layers * tokens * p.num_kv_heads * p.head_dim * int64_t(sizeof(typename Delta::Bits));
-  bool const streaming = delta_bytes >= DFLASH_STREAMING_LOADS_BYTES;
+      2 * p.num_layers * tokens_per_layer(p) * token_stride(p) * int64_t(sizeof(typename Delta::Bits));
+  bool const streaming = delta_bytes >= DFLASH_STREAMING_LOADS_BYTES;  // K and V deltas
   if (!p.k_norm && !p.v_norm) return with_loads<C, Delta, Pool, VEC, kNoNorm>(streaming);
   if constexpr (VEC == kNormChunk) {
     if (butterfly && !p.v_norm) return with_loads<C, Delta, Pool, VEC, kButterflyKeyNorm>(streaming);
