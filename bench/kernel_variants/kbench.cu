@@ -7,6 +7,8 @@
 // of a run in order (default: a random permutation of the pool's pages, as in the main benchmark).
 // KB_SETS=n rotates among n input sets at every shape. KB_ROPE=shared gives every input set of the paged rows the same token-aligned rope rows (as in
 // L2 right after the gather that writes them), instead of rotating them with the deltas.
+// KB_SHAPES and KB_REPLAYS (see main) select shapes and lengthen the samples; KB_STAMP prints the
+// time each row ended.
 // The copy rows (one layer) are floors of the paged rows' memory traffic, without RoPE or checks:
 // the K and V deltas copied, 16 bytes per thread, into the pool rows the page table gives them
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
@@ -14,7 +16,9 @@
 // or at once ("copy flat").
 #include "harness.h"
 
+#include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 
 // The knobs this binary was built with (make_variants.py passes all four).
@@ -31,8 +35,20 @@
 
 using namespace harness;
 
-// The copy rows' kernel: blocks of H * D / 8 threads, each moving 8 channels of K and V of TOKENS
-// consecutive tokens (every load issued before any store). kFlat: token t's rows at t of each
+// "  at HH:MM:SS.mmm" (UTC, as nvidia-smi's timestamps) when KB_STAMP is set, else "".
+std::string stamp() {
+  if (!std::getenv("KB_STAMP")) return "";
+  auto const now = std::chrono::system_clock::now();
+  std::time_t const secs = std::chrono::system_clock::to_time_t(now);
+  int const ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%H:%M:%S", std::gmtime(&secs));
+  return std::string("  at ") + buf + "." + std::to_string(1000 + ms).substr(1);
+}
+
+// The copy rows' kernel: blocks of H * D / 8 threads (times blockDim.y token groups, "b8": 8 of
+// them, consecutive tokens), each moving 8 channels of K and V of TOKENS consecutive tokens (every
+// load issued before any store). kFlat: token t's rows at t of each
 // plane; kPaged: where the paged contract writes them; kWait: at t, but only once the page ids
 // have arrived (the paged rows' dependent loads without their scattered destinations).
 enum CopyKind { kFlat, kPaged, kWait };
@@ -45,7 +61,7 @@ __global__ void copy_rows(__half const* k, __half const* v, float const* rope, _
   size_t k_row[TOKENS], v_row[TOKENS];
 #pragma unroll
   for (int i = 0; i < TOKENS; ++i) {
-    int const t = blockIdx.x * TOKENS + i;
+    int const t = (blockIdx.x * blockDim.y + threadIdx.y) * TOKENS + i;
     kv[i] = __ldg(reinterpret_cast<uint4 const*>(k + size_t(t) * row_elems + e));
     vv[i] = __ldg(reinterpret_cast<uint4 const*>(v + size_t(t) * row_elems + e));
     k_row[i] = t, v_row[i] = size_t(N) * P + t;
@@ -79,8 +95,18 @@ int main() {
   float* scales = device_copy(std::vector<float>(H, 1.0f));
   // 1.0 in fp16 bits; the bf16 rows read the same bits as 2^-7 (timing does not depend on values).
   uint16_t* weight = device_copy(std::vector<uint16_t>(D, 0x3C00));
+  // KB_SHAPES=BxL[xlayers],... runs only those shapes; KB_REPLAYS=n times n graph replays per sample
+  // (the sustained runs: long enough for the GPU's power limit to act, read with nvidia-smi).
+  char const* shapes_env = std::getenv("KB_SHAPES");
+  char const* replays_env = std::getenv("KB_REPLAYS");
+  int const replays = replays_env ? std::max(1, std::atoi(replays_env)) : 1;
   for (auto const& c : cases) {
     int const B = c[0], L = c[1], layers = c[2], T = B * L, N = B * M;
+    if (shapes_env) {
+      std::string const name = std::to_string(B) + "x" + std::to_string(L) + (layers > 1 ? "x" + std::to_string(layers) : "");
+      std::string const list = "," + std::string(shapes_env) + ",";
+      if (list.find("," + name + ",") == std::string::npos) continue;
+    }
     size_t const delta = size_t(layers) * T * H * D, pool = size_t(layers) * 2 * N * P * H * D;
     double const bytes = double(delta) * 2 * 2 * 2 + double(layers) * T * R * 4;
     char const* sets_env = std::getenv("KB_SETS");  // more sets: less of them left in L2
@@ -157,30 +183,33 @@ int main() {
                               r.flavor), st);
         else
           launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor), st);
-      }, reps, false, 30, 1);
-      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", r.name, B, L, layers, us,
-                  row_bytes / us / 1e3);
+      }, reps, false, 30, replays);
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", r.name, B, L, layers, us,
+                  row_bytes / us / 1e3, stamp().c_str());
     }
     struct CopyRow {
       char const* name;
       CopyKind kind;
       int tokens;
       bool rope;
+      int groups = 1;  // token groups per block
     };
     CopyRow const copies[] = {{"copy paged", kPaged, 1, false},     {"copy paged x2", kPaged, 2, false},
                               {"copy paged+rope", kPaged, 1, true}, {"copy paged+rope x2", kPaged, 2, true},
-                              {"copy wait", kWait, 1, false},       {"copy flat", kFlat, 1, false}};
+                              {"copy wait", kWait, 1, false},       {"copy flat", kFlat, 1, false},
+                              {"copy paged b8", kPaged, 1, false, 8}, {"copy flat b8", kFlat, 1, false, 8}};
     for (CopyRow const& c : copies) {
-      if (layers != 1 || T % c.tokens != 0) continue;
+      if (layers != 1 || T % (c.tokens * c.groups) != 0) continue;
       float const us = time_graph(st, [&](int i) {
         int j = i % sets;
         auto* kernel = c.tokens == 1 ? copy_rows<1> : copy_rows<2>;
         float const* rope_rows = c.rope ? paged_rope[shared_rope ? 0 : j] : nullptr;
-        kernel<<<T / c.tokens, H * D / 8, 0, st>>>(ks[j], vs[j], rope_rows, pool_mem, positions[j], owners, table, M, N,
-                                                   c.kind);
-      }, reps, false, 30, 1);
+        kernel<<<T / (c.tokens * c.groups), dim3(H * D / 8, c.groups), 0, st>>>(ks[j], vs[j], rope_rows, pool_mem,
+                                                                              positions[j], owners, table, M, N, c.kind);
+      }, reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 * 2 + (c.rope ? double(T) * R * 4 : 0.0);
-      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)\n", c.name, B, L, layers, us, copied / us / 1e3);
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us, copied / us / 1e3,
+                  stamp().c_str());
     }
     for (float* r : paged_rope) CK(cudaFree(r));
     CK(cudaFree(owners));

@@ -253,10 +253,14 @@ DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t ow
   uint32_t const upos = uint32_t(pos);  // for pos < 0 the quotients below are unused
   uint32_t const page = quotient(a.page, upos);
   *row = upos - page * a.page.d;
-  uint32_t const wrapped = page - quotient(a.table, page) * a.table.d;  // page % M (page when M = 0)
+  // page % M under ring; else the page itself, which is the entry whenever it is in the table (the
+  // remainder's two products stay off the GPU's path from the positions to the page-table load).
+  uint32_t const wrapped = a.ring ? page - quotient(a.table, page) * a.table.d : page;
   bool const in_table = page < a.table_pages || a.ring;
-  if (pos < 0 || uint32_t(owner) >= a.batch || !in_table) return -1;
-  return int64_t(uint32_t(owner)) * a.table_row + wrapped;
+  // Selected, not branched to: the product then reads its constant before the test is known.
+  // Unsigned, as it is also formed for owners outside [0, B), whose products are never used.
+  uint64_t const entry = uint64_t(uint32_t(owner)) * uint64_t(a.table_row) + wrapped;
+  return pos < 0 || uint32_t(owner) >= a.batch || !in_table ? -1 : int64_t(entry);
 }
 // Step 3, given the K and V page ids read at that entry (V at entry + M): K ids must lie in
 // [0, N) and V ids in [N, 2N), else neither plane is written. V ids index the [2N, P, H, D]

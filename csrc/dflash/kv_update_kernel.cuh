@@ -524,12 +524,16 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
       load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
     }
   } else {
+    // The layer's K and V table rows, addressed before the positions arrive, so that only the
+    // entry's own steps lie between them and the page-table loads.
+    int32_t const* const k_table = p.page_table + int64_t(layer) * constants.paged.table_layer;
+    int32_t const* const v_table = k_table + p.table_pages;
+    keep_computed(k_table), keep_computed(v_table);
     auto look_up = [&] {
-      int32_t const* const table = p.page_table + int64_t(layer) * constants.paged.table_layer;
       int64_t const entry = page_table_entry(constants.paged, owner, pos, &page_row);
       if (entry >= 0) {
-        k_page = __ldg(table + entry);
-        v_page = __ldg(table + entry + p.table_pages);
+        k_page = __ldg(k_table + entry);
+        v_page = __ldg(v_table + entry);
       }
     };
     if constexpr (DFLASH_PAGED_INDEX_BRANCH & kPagedKind<Delta, Pool, NORM>) {
