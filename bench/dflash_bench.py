@@ -33,7 +33,10 @@ copy on GPU: ``chain`` calls captured in one CUDA graph, replays timed with CUDA
 every contender is timed with ``time.perf_counter``. A measurement lasts at least ``min_time``.
 All contenders of a shape are set up first, then measured in turns (the order rotated every
 round), so none is timed under conditions the others do not share; the reported time per update
-is the median over ``repeats`` measurements of time / updates. Nothing is subtracted.
+is the median over ``repeats`` measurements of time / updates. Nothing is subtracted. On the GPU,
+``nvidia-smi`` samples the SM clock and the power draw every 100 ms during the run; each result's
+``clocks`` holds the samples taken during its own measurements, and the run lists the contenders
+measured at a lower median SM clock than the others (a power limit slowing them down).
 
 Inputs are rotated: ``num_sets`` sets of k/v deltas and positions, enough that for large shapes
 their bytes exceed the L2 cache (60 MB on the H200), so the benchmark does not measure the
@@ -65,8 +68,11 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -499,6 +505,101 @@ class Prepared:
     inputs: object = None
 
 
+class GpuClocks:
+    """The GPU's SM clock and power draw, sampled by ``nvidia-smi`` (a read-only query) every
+    ``period_ms`` while the benchmark runs, so that each result can say at which clock it was
+    measured: under a sustained load the H200 holds its power limit (700 W) by lowering the SM
+    clock, and kernels with more arithmetic per byte slow down more than copies
+    (BENCHMARKS.md, "Power"). ``start()`` returns why sampling is off, or None."""
+
+    QUERY = "timestamp,clocks.sm,power.draw"
+
+    def __init__(self, period_ms: int = 100):
+        self.period_ms = period_ms
+        self._proc = None
+        self._log = None
+
+    def start(self) -> str | None:
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return "nvidia-smi is not on PATH"
+        self._log = tempfile.TemporaryFile(mode="w+")
+        command = [exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
+        self._proc = subprocess.Popen(
+            [*command, "-lms", str(self.period_ms)], stdout=self._log, stderr=subprocess.DEVNULL
+        )
+        return None
+
+    def samples(self) -> list[tuple[float, float, float]]:
+        """(epoch seconds, SM MHz, watts) of every sample so far."""
+        if self._log is None:
+            return []
+        self._log.flush()
+        self._log.seek(0)
+        return parse_clock_samples(self._log.read().splitlines())
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._proc = None
+
+
+def parse_clock_samples(lines: list[str]) -> list[tuple[float, float, float]]:
+    """nvidia-smi's ``timestamp, clocks.sm, power.draw`` lines (csv, no header, no units; the
+    timestamp in this machine's local time, as ``time.time()`` counts) -> (epoch seconds, SM
+    MHz, watts). Lines that are not such a sample (a last one cut short, [N/A]) are left out."""
+    out = []
+    for line in lines:
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            out.append((stamp.timestamp(), float(parts[1]), float(parts[2])))
+        except ValueError:
+            continue
+    return out
+
+
+def clocks_during(
+    windows: list[tuple[float, float]], samples: list[tuple[float, float, float]]
+) -> dict | None:
+    """The clock samples taken inside ``windows`` (one contender's measurements): how many, the
+    lowest and the median SM clock, the highest power draw. None when no sample fell in them
+    (a measurement is shorter than the sampling period at small settings)."""
+    inside = [(mhz, watts) for t, mhz, watts in samples if any(a <= t <= b for a, b in windows)]
+    if not inside:
+        return None
+    mhz = [m for m, _ in inside]
+    return {
+        "samples": len(inside),
+        "sm_mhz_min": min(mhz),
+        "sm_mhz_median": statistics.median(mhz),
+        "power_w_max": max(w for _, w in inside),
+    }
+
+
+def clock_notes(results: dict) -> list[str]:
+    """One line per contender measured at a median SM clock below the highest median of the run:
+    the results that a power or thermal limit slowed down."""
+    measured = [
+        (e["name"], name, c["clocks"])
+        for e in results["shapes"]
+        for name, c in e["contenders"].items()
+        if c.get("clocks")
+    ]
+    if not measured:
+        return []
+    top = max(k["sm_mhz_median"] for _, _, k in measured)
+    return [
+        f"{shape} {name}: SM clock median {k['sm_mhz_median']:.0f} MHz (min {k['sm_mhz_min']:.0f}, "
+        f"{k['samples']} samples) against {top:.0f} MHz, power up to {k['power_w_max']:.0f} W"
+        for shape, name, k in measured
+        if k["sm_mhz_median"] < top
+    ]
+
+
 def _calibrate(run: Callable[[int], float], min_time: float) -> int:
     """Calls per measurement so that one lasts at least ``min_time``, found in the steady state.
 
@@ -514,14 +615,18 @@ def _calibrate(run: Callable[[int], float], min_time: float) -> int:
         calls *= 4
 
 
-def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[str, dict]:
+def time_interleaved(
+    prepared: dict[str, Prepared], settings: Settings, clocks: GpuClocks | None = None
+) -> dict[str, dict]:
     """Times every prepared contender ``settings.repeats`` times, interleaved.
 
     Each contender is warmed up and calibrated (calls per measurement, so that one lasts at
     least ``min_time``); then the measurements go round the contenders, the order rotated by
     one each round, so that every contender is timed in every position. A contender timed on
     its own right after its setup can measure slow for reasons that have nothing to do with it
-    (BENCHMARKS.md, "How the benchmark times"). Median seconds per update over the repeats."""
+    (BENCHMARKS.md, "How the benchmark times"). Median seconds per update over the repeats.
+    With ``clocks``, each result also gets ``clocks``: the GPU's clock samples taken during its
+    own measurements (``clocks_during``)."""
     calls, out = {}, {}
     for name, p in prepared.items():
         try:
@@ -530,6 +635,7 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
             out[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
     names = [n for n in prepared if n in calls]
     samples = {n: [] for n in names}
+    windows = {n: [] for n in names}  # wall-clock spans of each contender's measurements
     for r in range(settings.repeats if names else 0):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
@@ -537,11 +643,14 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
                 continue  # failed in an earlier round
             p = prepared[name]
             try:
+                start = time.time()
                 seconds = p.run(calls[name])
+                windows[name].append((start, time.time()))
             except Exception as e:  # noqa: BLE001
                 out[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
                 continue
             samples[name].append(seconds / (calls[name] * p.updates_per_call))
+    clock_samples = clocks.samples() if clocks is not None else []
     for name in names:
         if name in out:
             continue
@@ -556,6 +665,8 @@ def time_interleaved(prepared: dict[str, Prepared], settings: Settings) -> dict[
                 "updates_per_measurement": calls[name] * prepared[name].updates_per_call,
             }
         )
+        if clocks is not None:
+            result["clocks"] = clocks_during(windows[name], clock_samples)
         if prepared[name].finish is not None:
             prepared[name].finish(result)
         out[name] = result
@@ -1447,7 +1558,13 @@ def prepare_contender(
         return {"status": "error", "reason": f"{type(e).__name__}: {e}"}
 
 
-def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float) -> dict:
+def run_shape(
+    shape: BenchShape,
+    settings: Settings,
+    contenders,
+    peak_bw: float,
+    clocks: GpuClocks | None = None,
+) -> dict:
     problem = make_problem(shape, settings.backend)
     entry = {
         "name": shape.name,
@@ -1481,7 +1598,7 @@ def run_shape(shape: BenchShape, settings: Settings, contenders, peak_bw: float)
         else:
             results[name] = {**ready, "setup_s": setup_s}
     del ctx  # the shared uploads stay alive as long as a prepared contender holds them
-    results.update(time_interleaved(prepared, settings))
+    results.update(time_interleaved(prepared, settings, clocks))
     del prepared  # frees this shape's buffers before the next shape's
     if {"slot", "paged"} <= problem._expected.keys():  # both contracts' references agree
         entry["references_agree"] = bool(
@@ -2014,11 +2131,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "edge_llm_0_11_quoted_us": EDGE_LLM_0_11_US if backend == "gpu" else {},
         "shapes": [],
     }
-    for name in wanted:
-        results["shapes"].append(
-            run_shape(available[name], settings, contenders, peak["bytes_per_s"])
-        )
+    clocks = GpuClocks() if backend == "gpu" else None
+    off = clocks.start() if clocks is not None else "not sampled on the CPU backend"
+    results["clock_sampling"] = (
+        f"nvidia-smi --query-gpu={GpuClocks.QUERY} every {clocks.period_ms} ms"
+        if off is None
+        else f"off: {off}"
+    )
+    try:
+        for name in wanted:
+            results["shapes"].append(
+                run_shape(available[name], settings, contenders, peak["bytes_per_s"], clocks)
+            )
+    finally:
+        if clocks is not None:
+            clocks.stop()
     results["targets"] = evaluate_targets(results)
+    results["clock_notes"] = clock_notes(results)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
 
     print()
@@ -2026,6 +2155,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print()
     for t in results["targets"]:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
+    print(f"  clocks: {results['clock_sampling']}")
+    for note in results["clock_notes"]:
+        print(f"  clocks: {note}")
     wrong = [
         (e["name"], n)
         for e in results["shapes"]

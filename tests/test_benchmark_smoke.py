@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -281,3 +282,66 @@ def test_interleaved_timing_reports_a_contender_that_fails_and_times_the_others(
     results = benchmark.time_interleaved(prepared, settings)
     assert results["bad"] == {"status": "error", "reason": "RuntimeError: device lost"}
     assert results["good"]["samples_us"] == [1000.0, 1000.0]
+
+
+def test_clock_samples_are_parsed_and_kept_to_the_measurements_they_fall_in():
+    lines = [
+        "2026/12/01 19:24:25.162, 1920, 417.34",
+        "2026/12/01 19:24:25.362, 1635, 699.81",
+        "2026/12/01 19:24:25.562, [N/A], 700.00",  # not a sample
+        "2026/12/01 19:24:25.7",  # cut short
+        "2026/12/01 19:24:25.762, 1980, 535.44",
+    ]
+    samples = benchmark.parse_clock_samples(lines)
+    assert [(mhz, watts) for _, mhz, watts in samples] == [
+        (1920.0, 417.34),
+        (1635.0, 699.81),
+        (1980.0, 535.44),
+    ]
+    t0 = samples[0][0]
+    assert [round(t - t0, 3) for t, _, _ in samples] == [0.0, 0.2, 0.6]
+    # Windows that hold the first two samples, not the third.
+    got = benchmark.clocks_during([(t0 - 0.01, t0 + 0.01), (t0 + 0.15, t0 + 0.25)], samples)
+    assert got == {
+        "samples": 2,
+        "sm_mhz_min": 1635.0,
+        "sm_mhz_median": 1777.5,
+        "power_w_max": 699.81,
+    }
+    assert benchmark.clocks_during([(t0 + 1, t0 + 2)], samples) is None
+
+
+def test_interleaved_timing_attributes_clock_samples_to_each_contender():
+    taken = []
+
+    class Clocks:  # what GpuClocks.samples() gives: (epoch seconds, SM MHz, watts)
+        def samples(self):
+            return list(taken)
+
+    def contender(mhz, watts):
+        def run(calls):
+            taken.append((time.time(), mhz, watts))  # a sample during this measurement
+            return calls * 1e-3
+
+        return benchmark.Prepared(run, updates_per_call=1, info={"check": {"ok": True}})
+
+    prepared = {"hot": contender(1860.0, 700.0), "cool": contender(1980.0, 610.0)}
+    settings = benchmark.Settings("gpu", chain=1, baseline_chain=1, repeats=4, min_time=0.001)
+    results = benchmark.time_interleaved(prepared, settings, Clocks())
+    # Each contender's clocks are the samples of its own measurements only (4 each), not of the
+    # other's and not of its calibration calls.
+    assert results["hot"]["clocks"] == {
+        "samples": 4,
+        "sm_mhz_min": 1860.0,
+        "sm_mhz_median": 1860.0,
+        "power_w_max": 700.0,
+    }
+    assert results["cool"]["clocks"]["sm_mhz_median"] == 1980.0
+    assert results["cool"]["clocks"]["samples"] == 4
+    notes = benchmark.clock_notes(
+        {"shapes": [{"name": "prefill_b8_l2048_fp8", "contenders": results}]}
+    )
+    assert notes == [
+        "prefill_b8_l2048_fp8 hot: SM clock median 1860 MHz (min 1860, 4 samples) against "
+        "1980 MHz, power up to 700 W"
+    ]
