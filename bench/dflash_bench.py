@@ -525,10 +525,13 @@ class GpuClocks:
             return "nvidia-smi is not on PATH"
         self._log = tempfile.TemporaryFile(mode="w+")
         command = [exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
-        self._proc = subprocess.Popen(
-            [*command, "-lms", str(self.period_ms)], stdout=self._log, stderr=subprocess.DEVNULL
-        )
+        command += ["-i", self.gpu, "-lms", str(self.period_ms)]
+        self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.DEVNULL)
         return None
+
+    @property
+    def gpu(self) -> str:
+        return sampled_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def samples(self) -> list[tuple[float, float, float]]:
         """(epoch seconds, SM MHz, watts) of every sample so far."""
@@ -543,6 +546,14 @@ class GpuClocks:
             self._proc.terminate()
             self._proc.wait()
             self._proc = None
+
+
+def sampled_gpu(visible: str | None) -> str:
+    """The GPU nvidia-smi should sample (its ``-i``): the one the benchmark runs on, the first
+    of ``CUDA_VISIBLE_DEVICES`` (an index or a UUID; nvidia-smi itself ignores that variable and
+    would print a line per GPU of the host), else GPU 0."""
+    first = (visible or "").split(",")[0].strip()
+    return first or "0"
 
 
 def parse_clock_samples(lines: list[str]) -> list[tuple[float, float, float]]:
@@ -2134,7 +2145,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     clocks = GpuClocks() if backend == "gpu" else None
     off = clocks.start() if clocks is not None else "not sampled on the CPU backend"
     results["clock_sampling"] = (
-        f"nvidia-smi --query-gpu={GpuClocks.QUERY} every {clocks.period_ms} ms"
+        f"nvidia-smi --query-gpu={GpuClocks.QUERY} -i {clocks.gpu} every {clocks.period_ms} ms"
         if off is None
         else f"off: {off}"
     )

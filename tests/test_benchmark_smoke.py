@@ -345,3 +345,11 @@ def test_interleaved_timing_attributes_clock_samples_to_each_contender():
         "prefill_b8_l2048_fp8 hot: SM clock median 1860 MHz (min 1860, 4 samples) against "
         "1980 MHz, power up to 700 W"
     ]
+
+
+@pytest.mark.parametrize(
+    "visible, gpu",
+    [(None, "0"), ("", "0"), ("3", "3"), ("2,3", "2"), (" GPU-8f2a-41 ,1", "GPU-8f2a-41")],
+)
+def test_clocks_are_sampled_on_the_benchmarked_gpu_only(visible, gpu):
+    assert benchmark.sampled_gpu(visible) == gpu
