@@ -297,6 +297,12 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
       other = std::string("; rank ") + std::to_string(kRank) + " is the " + contractName(c) + " contract, which takes " +
               std::to_string(base_operand_count(c)) + " base inputs";
     }
+    // The slot contract's inputs plus a page table: Edge-LLM 0.10.1's call, which has the same
+    // node name and version but neither contract's addressing.
+    if (attrs.contract == Contract::kPaged && kRank == expectedRank(Contract::kSlot) &&
+        nbInputs == base_operand_count(Contract::kPaged))
+      other += "; 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call (the slot inputs and a page table), "
+               "which this plugin does not serve: export Edge-LLM 0.11's token-major node or 0.10's node";
     return "k_delta: expected rank " + std::to_string(expectedRank(attrs.contract)) + " for " + std::to_string(nbInputs) +
            " inputs, which is " + describeForm(form) + ", got rank " + std::to_string(kRank) + " " +
            dimsToString(inputs[0].dims) + other;

@@ -504,7 +504,8 @@ void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* reco
        setType(dtrt::kDELTA_START_POSITIONS, DataType::kINT64), false, true},
       {"delta_lengths float32", "delta_lengths: expected dtype int32", setType(dtrt::kDELTA_LENGTHS, DataType::kFLOAT),
        false, true},
-      {"7 inputs (the paged contract's count) with a slot k_delta", "k_delta: expected rank 3",
+      {"7 inputs (the paged contract's count) with a slot k_delta: Edge-LLM 0.10.1's call",
+       "are Edge-LLM 0.10.1's call (the slot inputs and a page table), which this plugin does not serve",
        [](std::vector<Tensor>& in, Tensor&) { in.push_back({"kv_page_table", DataType::kINT32, makeDims({2, 2, 2})}); }, true,
        false},
   };
