@@ -247,8 +247,8 @@ DFLASH_HOST_DEVICE PagedAddressing paged_addressing(KVUpdateParams const& p) {
 // Steps 1-2: the entry of token (owner, pos) in its sequence's K row of the page table,
 // [b, 0, page] (the V page is M entries further), counted from the layer's table; -1 when nothing
 // is written (owner outside [0, B), negative position, page index past M without ring).
-// *row = pos % P. Branch-free up to the one test. A layer's table starts layer * table_layer
-// entries in.
+// *row = pos % P. Branch-free but for the ring's choice, which is the same for every token. A
+// layer's table starts layer * table_layer entries in.
 DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t owner, int32_t pos, uint32_t* row) {
   uint32_t const upos = uint32_t(pos);  // for pos < 0 the quotients below are unused
   uint32_t const page = quotient(a.page, upos);
