@@ -526,7 +526,12 @@ class GpuClocks:
         self._log = tempfile.TemporaryFile(mode="w+")
         command = [exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
         command += ["-i", self.gpu, "-lms", str(self.period_ms)]
-        self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.DEVNULL)
+        try:
+            self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.DEVNULL)
+        except OSError as e:  # found but not runnable here: the run goes on without clocks
+            self._log.close()
+            self._log = None
+            return f"nvidia-smi could not be started ({e})"
         return None
 
     @property

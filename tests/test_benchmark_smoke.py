@@ -353,3 +353,15 @@ def test_interleaved_timing_attributes_clock_samples_to_each_contender():
 )
 def test_clocks_are_sampled_on_the_benchmarked_gpu_only(visible, gpu):
     assert benchmark.sampled_gpu(visible) == gpu
+
+
+def test_clock_sampling_that_cannot_start_says_why_and_samples_nothing(tmp_path, monkeypatch):
+    broken = tmp_path / "nvidia-smi"
+    broken.write_text("not a program\n")
+    broken.chmod(0o755)  # found on PATH, but exec fails: no interpreter line, not ELF
+    monkeypatch.setenv("PATH", str(tmp_path))
+    clocks = benchmark.GpuClocks()
+    why = clocks.start()
+    assert why is not None and why.startswith("nvidia-smi could not be started")
+    assert clocks.samples() == []
+    clocks.stop()
