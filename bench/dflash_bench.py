@@ -616,6 +616,29 @@ def clock_notes(results: dict) -> list[str]:
     ]
 
 
+def mark_clock_limited(results: dict) -> None:
+    """Marks each target of a shape in which a contender was measured at a lower median SM clock
+    than the run's highest (``clock_limited``: the contenders' names), so that a target met or
+    missed under a power limit says so where it is printed."""
+    measured = [
+        (e["name"], name, c["clocks"]["sm_mhz_median"])
+        for e in results["shapes"]
+        for name, c in e["contenders"].items()
+        if c.get("clocks")
+    ]
+    if not measured:
+        return
+    top = max(mhz for _, _, mhz in measured)
+    slow: dict[str, list[str]] = {}
+    for shape, name, mhz in measured:
+        if mhz < top:
+            slow.setdefault(shape, []).append(name)
+    for t in results["targets"]:
+        shape = t["target"].split(":", 1)[0]
+        if shape in slow:
+            t["clock_limited"] = slow[shape]
+
+
 def _calibrate(run: Callable[[int], float], min_time: float) -> int:
     """Calls per measurement so that one lasts at least ``min_time``, found in the steady state.
 
@@ -2164,13 +2187,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             clocks.stop()
     results["targets"] = evaluate_targets(results)
     results["clock_notes"] = clock_notes(results)
+    mark_clock_limited(results)
     results["wall_s"] = round(time.perf_counter() - t0, 1)
 
     print()
     print(format_table(results))
     print()
     for t in results["targets"]:
-        print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
+        limited = (
+            " (this shape ran below the top SM clock: see clocks)" if "clock_limited" in t else ""
+        )
+        print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}{limited}")
     print(f"  clocks: {results['clock_sampling']}")
     for note in results["clock_notes"]:
         print(f"  clocks: {note}")

@@ -365,3 +365,33 @@ def test_clock_sampling_that_cannot_start_says_why_and_samples_nothing(tmp_path,
     assert why is not None and why.startswith("nvidia-smi could not be started")
     assert clocks.samples() == []
     clocks.stop()
+
+
+def test_targets_of_a_shape_measured_below_the_top_clock_are_marked():
+    def clocks(mhz):
+        return {"samples": 5, "sm_mhz_min": mhz, "sm_mhz_median": mhz, "power_w_max": 690.0}
+
+    results = {
+        "shapes": [
+            {"name": "prefill_b8_l2048", "contenders": {"paged_jax": {"clocks": clocks(1980.0)}}},
+            {
+                "name": "prefill_b8_l2048_fp8",
+                "contenders": {
+                    "paged_jax": {"clocks": clocks(1950.0)},
+                    "knorm_jax": {"clocks": clocks(1965.0)},
+                    "copy": {"clocks": None},
+                },
+            },
+        ],
+        "targets": [
+            {"target": "prefill_b8_l2048: paged op within 10%", "met": True, "measured": ""},
+            {
+                "target": "prefill_b8_l2048_fp8: fused k-norm at most +10%",
+                "met": False,
+                "measured": "",
+            },
+        ],
+    }
+    benchmark.mark_clock_limited(results)
+    assert "clock_limited" not in results["targets"][0]
+    assert results["targets"][1]["clock_limited"] == ["paged_jax", "knorm_jax"]
