@@ -596,9 +596,9 @@ def clocks_during(
     }
 
 
-def clock_notes(results: dict) -> list[str]:
-    """One line per contender measured at a median SM clock below the highest median of the run:
-    the results that a power or thermal limit slowed down."""
+def _below_top_clock(results: dict) -> tuple[float | None, list[tuple[str, str, dict]]]:
+    """The highest median SM clock of the run's results, and the (shape, contender, clocks) of
+    every result measured at a lower median: the ones a power or thermal limit slowed down."""
     measured = [
         (e["name"], name, c["clocks"])
         for e in results["shapes"]
@@ -606,37 +606,32 @@ def clock_notes(results: dict) -> list[str]:
         if c.get("clocks")
     ]
     if not measured:
-        return []
+        return None, []
     top = max(k["sm_mhz_median"] for _, _, k in measured)
+    return top, [(shape, name, k) for shape, name, k in measured if k["sm_mhz_median"] < top]
+
+
+def clock_notes(results: dict) -> list[str]:
+    """One line per contender measured at a median SM clock below the highest median of the run."""
+    top, slow = _below_top_clock(results)
     return [
         f"{shape} {name}: SM clock median {k['sm_mhz_median']:.0f} MHz (min {k['sm_mhz_min']:.0f}, "
         f"{k['samples']} samples) against {top:.0f} MHz, power up to {k['power_w_max']:.0f} W"
-        for shape, name, k in measured
-        if k["sm_mhz_median"] < top
+        for shape, name, k in slow
     ]
 
 
 def mark_clock_limited(results: dict) -> None:
-    """Marks each target of a shape in which a contender was measured at a lower median SM clock
-    than the run's highest (``clock_limited``: the contenders' names), so that a target met or
-    missed under a power limit says so where it is printed."""
-    measured = [
-        (e["name"], name, c["clocks"]["sm_mhz_median"])
-        for e in results["shapes"]
-        for name, c in e["contenders"].items()
-        if c.get("clocks")
-    ]
-    if not measured:
-        return
-    top = max(mhz for _, _, mhz in measured)
-    slow: dict[str, list[str]] = {}
-    for shape, name, mhz in measured:
-        if mhz < top:
-            slow.setdefault(shape, []).append(name)
+    """Marks each target of a shape in which a contender was measured below the run's highest
+    median SM clock (``clock_limited``: the contenders' names), so that a target met or missed
+    under a power limit says so where it is printed."""
+    by_shape: dict[str, list[str]] = {}
+    for shape, name, _ in _below_top_clock(results)[1]:
+        by_shape.setdefault(shape, []).append(name)
     for t in results["targets"]:
         shape = t["target"].split(":", 1)[0]
-        if shape in slow:
-            t["clock_limited"] = slow[shape]
+        if shape in by_shape:
+            t["clock_limited"] = by_shape[shape]
 
 
 def _calibrate(run: Callable[[int], float], min_time: float) -> int:
