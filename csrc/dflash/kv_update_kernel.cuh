@@ -41,6 +41,11 @@
 // pays, the paged FP8 kernels' large launches, DFLASH_PAGED_STREAMING_LOADS does it.
 #define DFLASH_STREAMING_LOADS 0
 #endif
+#ifndef DFLASH_KEY_NORM_EARLY
+// 1: the butterfly kernels from float16 deltas into 16/32-bit pools norm the key before their
+// dependent load returns (kNormEarlyPacked in update_kernel); 0: after it, as the others.
+#define DFLASH_KEY_NORM_EARLY 1
+#endif
 
 // Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
@@ -295,7 +300,12 @@ inline constexpr int kPagedKind =
 // channel vectors, chunks c and c + G of 2G) summed, then an xor butterfly over the G lanes of the
 // head, widest offset first; every lane ends with the canonical sum (float addition commutes
 // exactly). Every lane of the warp must call it (a constant full mask: a computed one costs a
-// convergence check per shuffle, on the critical path at decode sizes).
+// convergence check per shuffle, on the critical path at decode sizes). For the common head of
+// 128 channels (G = 8) the lane gathers the other seven lanes' sums at once and adds them as the
+// butterfly would: the butterfly's value at lane i after the offsets 4, 2, 1 is
+// ((a_i + a_i^4) + (a_i^2 + a_i^6)) + ((a_i^1 + a_i^5) + (a_i^3 + a_i^7)), with a_j lane j's sum,
+// the same additions of the same operands; seven independent shuffles take one shuffle's latency
+// where three dependent ones took three (0.05 us at B=1 L=16, bench/kernel_variants).
 template <typename Delta, int VEC>
 __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, Geometry const& g,
                                                        typename Delta::Bits const (&bits0)[VEC],
@@ -317,13 +327,20 @@ __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, 
     return s;
   };
   float sum = add_rn(own(x0), own(x1));
-  // The head's own offsets, widest first. Unrolled over all five with a test per offset, the loop
-  // compiles to five shuffles whose unneeded results are discarded, on the critical path; so it
-  // is a loop, but unrolled for the common head of 128 channels (8 lanes: three shuffles).
+  // Other heads: the butterfly's offsets, widest first. Unrolled over all five with a test per
+  // offset, the loop compiles to five shuffles whose unneeded results are discarded, on the
+  // critical path; so it is a loop.
   if (g.head_items == 8) {
+    float lane[8];  // lane[k]: the sum of lane i ^ k
+    lane[0] = sum;
 #pragma unroll
-    for (uint32_t offset = 4; offset > 0; offset /= 2)
-      sum = add_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
+    for (int k = 1; k < 8; ++k) lane[k] = __shfl_xor_sync(0xffffffffu, sum, k);
+#pragma unroll
+    for (int offset = 4; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int k = 0; k < offset; ++k) lane[k] = add_rn(lane[k], lane[k + offset]);
+    }
+    sum = lane[0];
   } else {
 #pragma unroll 1
     for (uint32_t offset = g.head_items / 2; offset > 0; offset /= 2)
@@ -365,6 +382,21 @@ __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, Weigh
       x[i] = u;
     }
   }
+}
+
+// The k-norm of a float16 key pack into float16 codes (apply_norm's values, not widened): the
+// kernels that norm the key before its dependent load returns (kNormEarlyPacked) keep it in the
+// registers that held the delta.
+template <int VEC>
+__device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, VEC>& key, float inv_rms, WeightPack<F16, VEC> const& weight) {
+  static_assert(kWeightWords<F16, VEC>, "float16 weights are held in pairs");
+  float x[VEC];
+  decode_pack<F16, VEC>(key.v, x);
+  static_assert(alignof(Pack<uint16_t, VEC>) >= 4, "float16 packs of two or more codes are word-aligned");
+  uint32_t* const words = reinterpret_cast<uint32_t*>(key.v);
+#pragma unroll
+  for (int i = 0; i < VEC; i += 2)
+    words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
 template <typename Pool, int VEC>
@@ -547,6 +579,17 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (k_norm) k_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, k0.v, k1.v);
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
   }
+  // The float16 key into a 16/32-bit pool is normed here, while the dependent load is in flight,
+  // into its own registers; after it only RoPE and the store remain, as in the plain kernel
+  // (0.04-0.05 us faster at decode sizes in both contracts, bench/kernel_variants). Into an FP8
+  // pool and from bfloat16 deltas, where it measured slower, the norm stays after the load.
+  constexpr bool kNormEarlyPacked = kButterfly && DFLASH_KEY_NORM_EARLY && std::is_same_v<Delta, F16> && !kIsFp8<Pool>;
+  if constexpr (kNormEarlyPacked) {
+    if (k_norm) {
+      norm_f16_pack<VEC>(k0, k_inv_rms, w0);
+      if (pair) norm_f16_pack<VEC>(k1, k_inv_rms, w1);
+    }
+  }
   using Out = Pack<PBits, VEC>;
   float const inv_k = kIsFp8<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
   float const inv_v = kIsFp8<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
@@ -560,7 +603,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     float x0[VEC], x1[VEC];
     decode_pack<Delta, VEC>(k0.v, x0);
     decode_pack<Delta, VEC>(k1.v, x1);
-    if constexpr (NORM != kNoNorm) {
+    if constexpr (NORM != kNoNorm && !kNormEarlyPacked) {
       if (k_norm) {
         if constexpr (NORM == kRowNorm) k_inv_rms = row_inverse_rms<Delta>(p, k_delta + head_start);
         apply_norm<Delta, VEC>(x0, k_inv_rms, &w0);

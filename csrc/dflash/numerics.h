@@ -168,10 +168,21 @@ __device__ __forceinline__ uint32_t float2_to_float16x2_bits(float a, float b) {
 // conversion. `w_pair` holds the two weights as they lie in memory (a's in the low half): one word
 // of the loaded weight row. tools/packed_mul_check.cu compares the two over every pair of 16-bit
 // inputs.
-__device__ __forceinline__ float2 f16_pair_times(float a, float b, uint32_t w_pair) {
+// f16_pair_times_bits: the same two products as one word of float16 codes (a's in the low half),
+// not widened, for a kernel that keeps the normed key packed until it is rotated.
+__device__ __forceinline__ uint32_t f16_pair_times_bits(float a, float b, uint32_t w_pair) {
   __half2 w;
   memcpy(&w, &w_pair, sizeof(w));
-  return __half22float2(__hmul2_rn(__float22half2_rn(make_float2(a, b)), w));
+  __half2 const product = __hmul2_rn(__float22half2_rn(make_float2(a, b)), w);
+  uint32_t bits;
+  memcpy(&bits, &product, sizeof(bits));
+  return bits;
+}
+__device__ __forceinline__ float2 f16_pair_times(float a, float b, uint32_t w_pair) {
+  uint32_t const bits = f16_pair_times_bits(a, b, w_pair);
+  __half2 product;
+  memcpy(&product, &bits, sizeof(product));
+  return __half22float2(product);
 }
 __device__ __forceinline__ float2 bf16_pair_times(float a, float b, uint32_t w_pair) {
   __nv_bfloat162 w;
