@@ -665,6 +665,56 @@ def test_cuda_updates_the_callers_pool_in_place(library, contract, variant):
     assert_bits_equal(got, expected_pool(contract, problem))
 
 
+# A k-norm weight at an odd element offset (a view of a larger array; XLA's and TensorRT's buffers
+# are aligned) cannot be read a vector at a time: the CUDA launch takes the row form for it, which
+# must store the same bits as the butterfly kernels take for an aligned weight. Heads of 16 and
+# 128 channels: one and eight lanes per head in the butterfly.
+UNALIGNED_WEIGHT_CASES = [
+    (contract, dtype, head_dim)
+    for contract in CONTRACTS
+    for dtype in (F16, BF16)
+    for head_dim in (16, 128)
+]
+
+
+def _unaligned_weight_problem(contract, dtype, head_dim):
+    return build(contract, 47, dtype=dtype, k_norm=True, head_dim=head_dim, norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("contract,dtype,head_dim", UNALIGNED_WEIGHT_CASES)
+def test_cpu_unaligned_k_norm_weight(contract, dtype, head_dim):
+    problem = _unaligned_weight_problem(contract, dtype, head_dim)
+    pool = problem.past_key_value.copy()
+    call = raw_call(contract, problem, bits(pool)[0])
+    weight = call.args[-1]
+    padded = np.empty(weight.size + 1, weight.dtype)
+    padded[1:] = weight
+    call.args[-1] = padded[1:]
+    assert call.args[-1].ctypes.data % 16 != 0
+    call.run(_cpu())
+    assert_bits_equal(pool, expected_pool(contract, problem))
+
+
+@pytest.mark.parametrize("contract,dtype,head_dim", UNALIGNED_WEIGHT_CASES)
+def test_cuda_unaligned_k_norm_weight(contract, dtype, head_dim):
+    reason = _cuda_reason()
+    if reason:
+        pytest.skip(reason)
+    torch = _Torch()
+    problem = _unaligned_weight_problem(contract, dtype, head_dim)
+    host = problem.past_key_value.copy()
+    call = _on_device(torch, raw_call(contract, problem, bits(host)[0]))
+    weight = call.args[-1]
+    padded = torch.torch.empty(weight.numel() + 1, dtype=weight.dtype, device=weight.device)
+    padded[1:] = weight
+    call.args[-1] = padded[1:]
+    assert call.args[-1].data_ptr() % 16 != 0
+    device_pool = call.args[2]
+    assert call.run(_cuda_module()) is None
+    torch.synchronize()
+    assert_bits_equal(torch.to_host(device_pool).view(host.dtype), expected_pool(contract, problem))
+
+
 @pytest.mark.parametrize("contract", CONTRACTS)
 def test_cuda_jax_array_pool_is_refused(contract):
     """Writing into a jax.Array's buffer would change a value JAX still holds."""
