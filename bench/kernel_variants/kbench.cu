@@ -13,7 +13,8 @@
 // the K and V deltas copied, 16 bytes per thread, into the pool rows the page table gives them
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
 // into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
-// or at once ("copy flat").
+// or at once ("copy flat"). The chunk rows move the same traffic (+rope) with each block looping
+// over a contiguous run of tokens, the next step's loads issued before this step's stores ("pipe").
 #include "harness.h"
 
 #include <chrono>
@@ -82,6 +83,45 @@ __global__ void copy_rows(__half const* k, __half const* v, float const* rope, _
   for (int i = 0; i < TOKENS; ++i) {
     __stcs(reinterpret_cast<uint4*>(pool + k_row[i] * row_elems + e), kv[i]);
     __stcs(reinterpret_cast<uint4*>(pool + v_row[i] * row_elems + e), vv[i]);
+  }
+}
+
+// The chunked copy rows: the paged copy (+rope) with each block moving a contiguous run of
+// `chunk` tokens, blockDim.y tokens a step, so that a multiprocessor writes few pages at a time.
+// PIPE: the next step's page ids, deltas and rope row are loaded before this step's stores.
+template <bool PIPE>
+__global__ void copy_chunks(__half const* k, __half const* v, float const* rope, __half* pool, int const* positions,
+                            int const* owners, int const* table, int M, int N, int T, int chunk) {
+  int const e = threadIdx.x * 8;
+  size_t const row_elems = size_t(H) * D;
+  int const end = min(T, int(blockIdx.x + 1) * chunk);
+  int t = blockIdx.x * chunk + threadIdx.y;
+  if (t >= end) return;
+  struct Step {
+    uint4 k, v;
+    size_t k_row, v_row;
+  };
+  auto load = [&](int t) {
+    Step s;
+    s.k = __ldg(reinterpret_cast<uint4 const*>(k + size_t(t) * row_elems + e));
+    s.v = __ldg(reinterpret_cast<uint4 const*>(v + size_t(t) * row_elems + e));
+    s.k.x ^= __float_as_uint(__ldg(rope + size_t(t) * R + threadIdx.x % R));
+    int const b = __ldg(owners + t), pos = __ldg(positions + t);
+    int const* entry = table + (size_t(b) * 2) * M + pos / P;
+    s.k_row = size_t(__ldg(entry)) * P + pos % P, s.v_row = size_t(__ldg(entry + M)) * P + pos % P;
+    return s;
+  };
+  Step cur = load(t);
+  for (;;) {
+    int const next = t + blockDim.y;
+    bool const more = next < end;
+    Step ahead;
+    if (PIPE && more) ahead = load(next);
+    __stcs(reinterpret_cast<uint4*>(pool + cur.k_row * row_elems + e), cur.k);
+    __stcs(reinterpret_cast<uint4*>(pool + cur.v_row * row_elems + e), cur.v);
+    if (!more) break;
+    cur = PIPE ? ahead : load(next);
+    t = next;
   }
 }
 
@@ -196,19 +236,43 @@ int main() {
     };
     CopyRow const copies[] = {{"copy paged", kPaged, 1, false},     {"copy paged x2", kPaged, 2, false},
                               {"copy paged+rope", kPaged, 1, true}, {"copy paged+rope x2", kPaged, 2, true},
+                              {"copy paged+rope x4", kPaged, 4, true},
                               {"copy wait", kWait, 1, false},       {"copy flat", kFlat, 1, false},
                               {"copy paged b8", kPaged, 1, false, 8}, {"copy flat b8", kFlat, 1, false, 8}};
     for (CopyRow const& c : copies) {
       if (layers != 1 || T % (c.tokens * c.groups) != 0) continue;
       float const us = time_graph(st, [&](int i) {
         int j = i % sets;
-        auto* kernel = c.tokens == 1 ? copy_rows<1> : copy_rows<2>;
+        auto* kernel = c.tokens == 1 ? copy_rows<1> : c.tokens == 2 ? copy_rows<2> : copy_rows<4>;
         float const* rope_rows = c.rope ? paged_rope[shared_rope ? 0 : j] : nullptr;
         kernel<<<T / (c.tokens * c.groups), dim3(H * D / 8, c.groups), 0, st>>>(ks[j], vs[j], rope_rows, pool_mem,
                                                                               positions[j], owners, table, M, N, c.kind);
       }, reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 * 2 + (c.rope ? double(T) * R * 4 : 0.0);
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us, copied / us / 1e3,
+                  stamp().c_str());
+    }
+    // Chunked rows: groups of tokens per block, blocks per multiprocessor (132 multiprocessors).
+    struct ChunkRow {
+      char const* name;
+      bool pipe;
+      int groups, per_sm;
+    };
+    ChunkRow const chunks[] = {{"chunk+rope g8 2/sm", false, 8, 2},      {"chunk+rope g8 2/sm pipe", true, 8, 2},
+                               {"chunk+rope g4 4/sm pipe", true, 4, 4},  {"chunk+rope g2 8/sm pipe", true, 2, 8},
+                               {"chunk+rope g8 4/sm pipe", true, 8, 4},  {"chunk+rope g4 16/sm pipe", true, 4, 16},
+                               {"chunk+rope g1 16/sm pipe", true, 1, 16}};
+    for (ChunkRow const& c : chunks) {
+      if (layers != 1) continue;
+      int const blocks = 132 * c.per_sm, chunk = (T + blocks - 1) / blocks;
+      float const us = time_graph(st, [&](int i) {
+        int j = i % sets;
+        auto* kernel = c.pipe ? copy_chunks<true> : copy_chunks<false>;
+        kernel<<<(T + chunk - 1) / chunk, dim3(H * D / 8, c.groups), 0, st>>>(ks[j], vs[j], paged_rope[shared_rope ? 0 : j],
+                                                                           pool_mem, positions[j], owners, table, M, N, T, chunk);
+      }, reps, false, 30, replays);
+      double const copied = double(delta) * 2 * 2 * 2 + double(T) * R * 4;
+      std::printf("%-24s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us, copied / us / 1e3,
                   stamp().c_str());
     }
     for (float* r : paged_rope) CK(cudaFree(r));
