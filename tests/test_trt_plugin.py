@@ -283,6 +283,66 @@ def test_check_shapes_verdicts(harness, tmp_path):
             False,
             "past_key_value",
         ),
+        # k_delta's rank tells the contract; a wrong count is then named by the inputs missing
+        # or unexpected for that contract with these fields and this pool.
+        "paged_k_norm_without_weight": (
+            _paged_line("paged_k_norm_without_weight", fields="k_norm=1"),
+            False,
+            "k_norm_weight is missing: the paged contract (Edge-LLM 0.11, k_delta [T, H, D]) "
+            "with k_norm=1 and a kHALF pool takes 8 inputs",
+        ),
+        "slot_k_norm_without_weight": (
+            _slot_line("slot_k_norm_without_weight", fields="pages_per_slot=2,k_norm=1"),
+            False,
+            "k_norm_weight is missing: the slot contract (Edge-LLM 0.10, k_delta [B, L, H, D]) "
+            "with k_norm=1 and a kHALF pool takes 7 inputs",
+        ),
+        "paged_weight_without_k_norm": (
+            _paged_line("paged_weight_without_k_norm", extra=(_tensor("float16", 64),)),
+            False,
+            (
+                "input 7 (kHALF [64]) is unexpected: the paged contract",
+                "k_norm_weight only with the field k_norm=1, or k_scale and v_scale only with "
+                "a kFP8 pool",
+            ),
+        ),
+        "slot_weight_without_k_norm": (
+            _slot_line("slot_weight_without_k_norm", extra=(_tensor("float16", 64),)),
+            False,
+            ("input 6 (kHALF [64]) is unexpected: the slot contract", "k_norm_weight only with"),
+        ),
+        # TensorRT's per-tensor scale is [1]; [] is the JAX op's only.
+        "paged_scales_of_rank_0": (
+            _paged_line(
+                "paged_scales_of_rank_0",
+                pool="float8_e4m3fn",
+                extra=(_tensor("float32"), _tensor("float32")),
+            ),
+            False,
+            "k_scale: expected shape [1] or [H] = [2], got []",
+        ),
+        "slot_v_scale_of_rank_0": (
+            _slot_line(
+                "slot_v_scale_of_rank_0",
+                pool="float8_e4m3fn",
+                extra=(_tensor("float32", 2), _tensor("float32")),
+            ),
+            False,
+            "v_scale: expected shape [1] or [H] = [2], got []",
+        ),
+        # A misspelt field is refused, not ignored (rnig=1 would silently be no ring); the
+        # attributes that pick the creator, which the ONNX parser may pass on, are ignored.
+        "paged_misspelt_ring": (
+            _paged_line("paged_misspelt_ring", fields="rnig=1"),
+            False,
+            "field 'rnig': unknown: expected one of 'pages_per_slot', 'ring', 'k_norm', 'v_norm', "
+            "'norm_eps'",
+        ),
+        "paged_parser_attributes": (
+            _paged_line("paged_parser_attributes", fields="plugin_version=1,plugin_namespace=0"),
+            True,
+            None,
+        ),
     }
     everything = {**cases, **plugin_only}
     path = tmp_path / "cases.txt"
@@ -300,7 +360,11 @@ def test_check_shapes_verdicts(harness, tmp_path):
         if accepted:
             assert v["message"] == "", v
         else:
-            assert named in v["message"] and v["message"].startswith("DFlashTargetKVCacheUpdate"), v
+            assert v["message"].startswith("DFlashTargetKVCacheUpdate"), v
+            for part in named if isinstance(named, tuple) else (named,):
+                assert part in v["message"], (name, part, v["message"])
+    misspelt = verdicts["paged_misspelt_ring"]
+    assert misspelt["stage"] == "createPlugin", misspelt
     for name, (line, accepted, _) in cases.items():
         assert _python_verdict(line) is accepted, (
             f"{name}: jax_dflash._shapes disagrees with the plugin"

@@ -1,11 +1,14 @@
 // TensorRT descriptors and fields, translated for the shared core's checks (see the header).
 #include "DFlashPluginChecks.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
+#include <vector>
 
 namespace dflash::trt {
 
@@ -45,6 +48,16 @@ char const* typeName(DataType type) {
   }
 }
 
+std::string fieldTypeName(PluginFieldType type) {
+  // By value, so that headers without the newer types (kINT4, kFP4) still build.
+  static constexpr std::array<char const*, 14> kNames = {
+      "kFLOAT16", "kFLOAT32", "kFLOAT64", "kINT8",  "kINT16", "kINT32", "kCHAR",
+      "kDIMS",    "kUNKNOWN", "kBF16",    "kINT64", "kFP8",   "kINT4",  "kFP4"};
+  auto const value = static_cast<int32_t>(type);
+  if (value >= 0 && value < static_cast<int32_t>(kNames.size())) return kNames[value];
+  return "PluginFieldType " + std::to_string(value);
+}
+
 std::string dimsToString(Dims const& dims) {
   if (dims.nbDims < 0 || dims.nbDims > Dims::MAX_DIMS) return "(invalid rank " + std::to_string(dims.nbDims) + ")";
   std::string text = "[";
@@ -59,6 +72,9 @@ namespace {
 
 constexpr std::array<char const*, 5> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD, kV_NORM_FIELD,
                                                     kNORM_EPS_FIELD};
+// The node attributes that say which creator to use: TensorRT's ONNX parser may forward them as
+// fields, and they are not the plugin's.
+constexpr std::array<char const*, 2> kIgnoredFieldNames = {"plugin_version", "plugin_namespace"};
 
 std::string knownFields() {
   std::string text;
@@ -75,9 +91,8 @@ int64_t readInteger(PluginField const& field) {
     throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
   if (field.type == PluginFieldType::kINT32) return *static_cast<int32_t const*>(field.data);
   if (field.type == PluginFieldType::kINT64) return *static_cast<int64_t const*>(field.data);
-  throw std::invalid_argument(fieldWhere(field) + "expected type INT32 (PluginFieldType " +
-                              std::to_string(static_cast<int32_t>(PluginFieldType::kINT32)) + "), got type " +
-                              std::to_string(static_cast<int32_t>(field.type)));
+  throw std::invalid_argument(fieldWhere(field) + "expected type kINT32 (or kINT64), got " +
+                              fieldTypeName(field.type));
 }
 
 int32_t readFlag(PluginField const& field) {
@@ -92,9 +107,8 @@ float readEps(PluginField const& field) {
   if (field.length != 1)
     throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
   if (field.type != PluginFieldType::kFLOAT32)
-    throw std::invalid_argument(fieldWhere(field) + "expected type FLOAT32 (PluginFieldType " +
-                                std::to_string(static_cast<int32_t>(PluginFieldType::kFLOAT32)) + "), got type " +
-                                std::to_string(static_cast<int32_t>(field.type)));
+    throw std::invalid_argument(fieldWhere(field) + "expected type kFLOAT32, got " +
+                                fieldTypeName(field.type));
   float const value = *static_cast<float const*>(field.data);
   if (!(std::isfinite(value) && value > 0.0f))
     throw std::invalid_argument(fieldWhere(field) + "expected a finite float32 > 0, got " + std::to_string(value));
@@ -123,9 +137,12 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
     for (size_t k = 0; k < kFieldNames.size(); ++k)
       if (std::strcmp(field.name, kFieldNames[k]) == 0) known = k;
     if (known == kFieldNames.size()) {
-      logMessage(Severity::kWARNING, std::string(kPLUGIN_NAME) + ": ignoring unknown plugin field '" + field.name +
-                                         "' (known: " + knownFields() + ")");
-      continue;
+      if (std::any_of(kIgnoredFieldNames.begin(), kIgnoredFieldNames.end(),
+                      [&](char const* name) { return std::strcmp(field.name, name) == 0; }))
+        continue;
+      throw std::invalid_argument(fieldWhere(field) + "unknown: expected one of " + knownFields() + " (or '" +
+                                  kIgnoredFieldNames[0] + "', '" + kIgnoredFieldNames[1] +
+                                  "', which are ignored)");
     }
     if (seen[known]) throw std::invalid_argument(fieldWhere(field) + "given twice (expected each field at most once)");
     seen[known] = true;
@@ -151,12 +168,15 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
 namespace {
 
 char const* contractName(Contract contract) { return contract == Contract::kSlot ? "slot" : "paged"; }
+char const* contractOrigin(Contract contract) {
+  return contract == Contract::kSlot ? "Edge-LLM 0.10, k_delta [B, L, H, D]"
+                                     : "Edge-LLM 0.11, k_delta [T, H, D]";
+}
 
 // The inputs this form takes, for messages: "the slot contract: 6 base inputs + 2 scales (kFP8 pool)".
 std::string describeForm(CallForm const& form) {
   Contract const c = form.attrs.contract;
-  std::string text = std::string("the ") + contractName(c) + " contract (" +
-                     (c == Contract::kSlot ? "Edge-LLM 0.10, k_delta [B, L, H, D]" : "Edge-LLM 0.11, k_delta [T, H, D]") +
+  std::string text = std::string("the ") + contractName(c) + " contract (" + contractOrigin(c) +
                      "): " + std::to_string(base_operand_count(c)) + " base inputs";
   if (form.fp8Pool) text += " + k_scale, v_scale (kFP8 pool)";
   if (form.attrs.k_norm) text += " + k_norm_weight (k_norm=1)";
@@ -164,6 +184,113 @@ std::string describeForm(CallForm const& form) {
 }
 
 int32_t expectedRank(Contract contract) { return contract == Contract::kSlot ? 4 : 3; }
+char const* deltaDims(Contract contract) {
+  return contract == Contract::kSlot ? "[B, L, H, D]" : "[T, H, D]";
+}
+
+int32_t inputCount(Contract contract, bool fp8Pool, bool kNorm) {
+  return base_operand_count(contract) + (fp8Pool ? 2 : 0) + (kNorm ? 1 : 0);
+}
+
+bool isIntegerType(DataType type) {
+  return type == DataType::kINT32 || type == DataType::kINT64 || type == DataType::kINT8 ||
+         type == DataType::kUINT8 || type == DataType::kBOOL;
+}
+
+// The names of inputs [from, to) of a call of `count` inputs: "k_delta, v_delta, ...".
+std::string inputNames(UpdateAttrs const& attrs, int32_t count, int32_t from, int32_t to) {
+  std::string text;
+  for (int32_t i = std::max(from, 0); i < to; ++i)
+    text += std::string(text.empty() ? "" : ", ") + operand_name(attrs, i, count);
+  return text;
+}
+
+// What is known of input `index`: "kHALF [64]", "[64]" (no dtype yet), "kHALF" (no dims).
+std::string describeInput(CallFacts const& facts, int32_t index) {
+  if (facts.inputs == nullptr) return {};
+  std::string text = facts.typesKnown ? typeName(facts.inputs[index].type) : "";
+  if (facts.dimsKnown) text += (text.empty() ? "" : " ") + dimsToString(facts.inputs[index].dims);
+  return text;
+}
+
+// Whether input `index` may be a page table [B, 2, M] (an integer tensor of rank 3), as far as
+// it is known: the paged contract's input 6, never the slot contract's.
+bool mayBeTable(CallFacts const& facts, int32_t index) {
+  TrtTensor const& t = facts.inputs[index];
+  return (!facts.dimsKnown || t.dims.nbDims == 3) && (!facts.typesKnown || isIntegerType(t.type));
+}
+
+// A count that is not the form's: the inputs missing or unexpected, what the contract takes with
+// these fields and this pool (both pools' counts when the pool's dtype is not known yet), and
+// what else the count would fit.
+std::string countMismatch(UpdateAttrs const& attrs, CallFacts const& facts, int32_t nbInputs, bool poolKnown,
+                          DataType poolType) {
+  Contract const c = attrs.contract;
+  bool const fp8 = poolKnown && poolType == DataType::kFP8;
+  int32_t const plain = inputCount(c, false, attrs.k_norm), scaled = inputCount(c, true, attrs.k_norm);
+  // Measured against the pool's count, or (its dtype unknown) the nearer one below the count.
+  int32_t const expected = poolKnown ? (fp8 ? scaled : plain) : (nbInputs >= scaled ? scaled : plain);
+  std::string const count = std::to_string(expected);
+  std::string text;
+  if (nbInputs < expected) {
+    text = inputNames(attrs, expected, nbInputs, expected) + (expected - nbInputs == 1 ? " is" : " are") +
+           " missing: ";
+  } else {
+    int32_t const extra = nbInputs - expected;
+    std::string indices, described;
+    for (int32_t i = expected; i < nbInputs; ++i) {
+      indices += (i > expected ? ", " : "") + std::to_string(i);
+      if (extra <= 3) described += (i > expected ? ", " : "") + describeInput(facts, i);
+    }
+    text = (extra == 1 ? "input " : "inputs ") + indices + (described.empty() ? "" : " (" + described + ")") +
+           (extra == 1 ? " is" : " are") + " unexpected: ";
+  }
+  text += std::string("the ") + contractName(c) + " contract (" + contractOrigin(c) +
+          ") with k_norm=" + (attrs.k_norm ? "1" : "0");
+  if (poolKnown) {
+    text += std::string(" and a ") + typeName(poolType) + " pool takes " + count + " inputs (" +
+            inputNames(attrs, expected, 0, expected) + ")";
+  } else {
+    text += " takes " + std::to_string(plain) + " inputs (" + inputNames(attrs, plain, 0, plain) + "), or " +
+            std::to_string(scaled) + " with a kFP8 pool (+ k_scale, v_scale)";
+  }
+  text += ", got " + std::to_string(nbInputs) + " inputs";
+
+  bool const rankKnown = facts.inputs != nullptr && facts.dimsKnown && nbInputs > 0;
+  if (nbInputs > expected) {
+    // The slot contract's inputs plus a page table: Edge-LLM 0.10.1's call, which has the same
+    // node name and version but neither contract's addressing.
+    bool const edgeLlm0101 = rankKnown && c == Contract::kSlot && expected == kNB_INPUTS &&
+                             nbInputs == kNB_PAGED_INPUTS && mayBeTable(facts, kKV_PAGE_TABLE);
+    if (edgeLlm0101) {
+      text +=
+          "; 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call (the slot inputs and a page "
+          "table), which this plugin does not serve: export Edge-LLM 0.11's token-major node or 0.10's node";
+    } else if (!attrs.k_norm || !fp8) {
+      text += "; an input past these is ";
+      if (!attrs.k_norm) text += "k_norm_weight only with the field k_norm=1";
+      if (!attrs.k_norm && !fp8) text += ", or ";
+      if (!fp8) text += "k_scale and v_scale only with a kFP8 pool";
+    }
+  }
+  if (rankKnown) {
+    // The other contract's count, and input 6 what that contract has there: then k_delta's rank
+    // may be what is wrong.
+    Contract const other = c == Contract::kSlot ? Contract::kPaged : Contract::kSlot;
+    bool const counted = poolKnown ? nbInputs == inputCount(other, fp8, attrs.k_norm)
+                                   : nbInputs == inputCount(other, false, attrs.k_norm) ||
+                                         nbInputs == inputCount(other, true, attrs.k_norm);
+    bool const input6 = nbInputs <= kKV_PAGE_TABLE
+                            ? other == Contract::kSlot
+                            : mayBeTable(facts, kKV_PAGE_TABLE) == (other == Contract::kPaged);
+    if (counted && input6)
+      text += "; " + std::to_string(nbInputs) + " inputs would be the " + contractName(other) +
+              " contract's (" + contractOrigin(other) + "), but then k_delta: expected rank " +
+              std::to_string(expectedRank(other)) + " " + deltaDims(other) + ", got rank " +
+              std::to_string(facts.inputs[0].dims.nbDims) + " " + dimsToString(facts.inputs[0].dims);
+  }
+  return text;
+}
 
 // Appends TensorRT's name of a dtype the core can only call "another dtype".
 std::string withTrtType(std::string reason, DataType given) {
@@ -188,24 +315,53 @@ TensorDesc toTensorDesc(TrtTensor const& t) {
 
 }  // namespace
 
-std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallForm* form) {
+std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallFacts const& facts,
+                     CallForm* form) {
   if (nbOutputs != kNB_OUTPUTS) return "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
-  int32_t const extras = nbInputs - config.kNorm;
   CallForm f;
   f.nbInputs = nbInputs;
   f.attrs.k_norm = config.kNorm != 0;
   f.attrs.v_norm = config.vNorm != 0;
   f.attrs.norm_eps = config.normEps;
   f.attrs.ring = config.ring != 0;
-  switch (extras) {
-    case 6: f.attrs.contract = Contract::kSlot; break;
-    case 8: f.attrs.contract = Contract::kSlot; f.fp8Pool = true; break;
-    case 7: f.attrs.contract = Contract::kPaged; break;
-    case 9: f.attrs.contract = Contract::kPaged; f.fp8Pool = true; break;
-    default:
-      return "expected 6 inputs (slot contract) or 7 (paged contract), + 2 (k_scale, v_scale) for a kFP8 pool, + 1 "
-             "(k_norm_weight) when the field k_norm is 1 (k_norm=" + std::to_string(config.kNorm) + " here), got " +
-             std::to_string(nbInputs) + " inputs";
+  bool const rankKnown = facts.inputs != nullptr && facts.dimsKnown && nbInputs > 0;
+  bool const poolKnown = facts.inputs != nullptr && facts.typesKnown && nbInputs > kPAST_KEY_VALUE;
+  DataType const poolType = poolKnown ? facts.inputs[kPAST_KEY_VALUE].type : DataType::kHALF;
+  if (rankKnown) {
+    Dims const& k = facts.inputs[kK_DELTA].dims;
+    if (k.nbDims != expectedRank(Contract::kSlot) && k.nbDims != expectedRank(Contract::kPaged))
+      return "k_delta: expected rank 4 [B, L, H, D] (the slot contract, Edge-LLM 0.10) or rank 3 [T, H, D] "
+             "(the paged contract, Edge-LLM 0.11), got rank " +
+             std::to_string(k.nbDims) + " " + dimsToString(k);
+    f.attrs.contract = k.nbDims == expectedRank(Contract::kSlot) ? Contract::kSlot : Contract::kPaged;
+  } else if (poolKnown) {
+    bool const tableAt6 = nbInputs > kKV_PAGE_TABLE && isIntegerType(facts.inputs[kKV_PAGE_TABLE].type);
+    f.attrs.contract = tableAt6 ? Contract::kPaged : Contract::kSlot;
+  } else {
+    // Only the count: minus k_norm, 6 and 8 are the slot contract, 7 and 9 the paged one.
+    switch (nbInputs - config.kNorm) {
+      case 6: f.attrs.contract = Contract::kSlot; break;
+      case 8:
+        f.attrs.contract = Contract::kSlot;
+        f.fp8Pool = true;
+        break;
+      case 7: f.attrs.contract = Contract::kPaged; break;
+      case 9:
+        f.attrs.contract = Contract::kPaged;
+        f.fp8Pool = true;
+        break;
+      default:
+        return "expected 6 inputs (slot contract) or 7 (paged contract), + 2 (k_scale, v_scale) for a kFP8 "
+               "pool, + 1 (k_norm_weight) when the field k_norm is 1 (k_norm=" +
+               std::to_string(config.kNorm) + " here), got " + std::to_string(nbInputs) + " inputs";
+    }
+  }
+  if (rankKnown || poolKnown) {
+    Contract const c = f.attrs.contract;
+    int32_t const extras = nbInputs - inputCount(c, false, f.attrs.k_norm);
+    f.fp8Pool = poolKnown ? poolType == DataType::kFP8 : extras == 2;
+    if (nbInputs != inputCount(c, f.fp8Pool, f.attrs.k_norm) || (!poolKnown && extras != 0 && extras != 2))
+      return countMismatch(f.attrs, facts, nbInputs, poolKnown, poolType);
   }
   if (f.attrs.contract == Contract::kSlot) f.attrs.pages_per_slot = config.pagesPerSlot;
   *form = f;
@@ -232,6 +388,77 @@ std::string checkFieldsForContract(PluginConfig const& config, CallForm const& f
   return {};
 }
 
+// The sizes of a call with unknown dims, against every rule between them. The core checks only
+// the equalities between dims then (check_params needs every size), so each size still unknown
+// here takes the smallest value its rules allow given the known ones: check_params then fails on
+// a rule between known sizes only, or on a size in bytes that overflows int64 for every value the
+// unknown ones can take.
+std::string checkKnownSizes(TensorDesc const* ops, CallForm const& form, KVUpdateParams p,
+                            bool pagesPerSlotKnown) {
+  auto known = [](int64_t d) { return d != kUnknownDim; };
+  auto first = [&](std::initializer_list<int64_t> dims) {
+    for (int64_t d : dims)
+      if (known(d)) return d;
+    return kUnknownDim;
+  };
+  auto orElse = [&](int64_t d, int64_t fallback) { return known(d) ? d : fallback; };
+  // The TensorRT form is unbatched (pool rank 5) and every rank was checked: k_delta [B, L, H, D]
+  // or [T, H, D], rope [Rb, S, R] or [T, R], scales [1] or [H], k_norm_weight [D].
+  TensorDesc const& pool = ops[kPAST_KEY_VALUE];
+  TensorDesc const& k = ops[kK_DELTA];
+  TensorDesc const& v = ops[kV_DELTA];
+  TensorDesc const& rope = ops[kROPE_COS_SIN];
+  int32_t const r = k.rank;
+  int32_t const base = base_operand_count(form.attrs.contract);
+  p.scale_heads = form.fp8Pool ? orElse(first({ops[base].dims[0], ops[base + 1].dims[0]}), 1) : 1;
+  int64_t const weightDim = form.attrs.k_norm ? ops[form.nbInputs - 1].dims[0] : kUnknownDim;
+  p.page_size = orElse(pool.dims[2], kTOKENS_PER_PAGE);
+  p.num_kv_heads =
+      orElse(first({pool.dims[3], k.dims[r - 2], v.dims[r - 2]}), p.scale_heads > 1 ? p.scale_heads : 0);
+  p.rotary_dim = orElse(rope.dims[rope.rank - 1], 0);
+  p.head_dim = orElse(first({pool.dims[4], k.dims[r - 1], v.dims[r - 1], weightDim}), p.rotary_dim);
+  if (form.attrs.contract == Contract::kSlot) {
+    p.rope_seq_len = orElse(rope.dims[1], 0);
+    if (!pagesPerSlotKnown)
+      p.pages_per_slot = std::max<int64_t>(1, (p.rope_seq_len + p.page_size - 1) / p.page_size);
+    p.delta_len = orElse(first({k.dims[1], v.dims[1]}), 0);
+    int64_t const batch =
+        first({k.dims[0], v.dims[0], ops[kDELTA_START_POSITIONS].dims[0], ops[kDELTA_LENGTHS].dims[0]});
+    int64_t const ropeBatch = rope.dims[0];
+    // An unknown B takes a known Rb other than 1 (Rb is 1 or B), unless the pool's slots rule
+    // that out: then neither rule is between known sizes, and both are left to the shapes.
+    bool const batchFromRope = !known(batch) && known(ropeBatch) && ropeBatch != 1 &&
+                               (!known(pool.dims[1]) || ropeBatch <= pool.dims[1] / p.pages_per_slot);
+    p.batch = known(batch) ? batch : (batchFromRope ? ropeBatch : 0);
+    if (!known(ropeBatch))
+      p.rope_batch = p.batch == 0 ? 0 : 1;
+    else
+      p.rope_batch = known(batch) || batchFromRope || ropeBatch == 1 ? ropeBatch : 1;
+    int64_t pages = 0;
+    if (!known(pool.dims[1]) && __builtin_mul_overflow(p.pages_per_slot, p.batch, &pages))
+      return "past_key_value: numPages (dim 1) must be >= B * pages_per_slot, which overflows int64 (B = " +
+             std::to_string(p.batch) + ", pages_per_slot = " + std::to_string(p.pages_per_slot) + ")";
+    p.num_pages = orElse(pool.dims[1], pages);
+  } else {
+    TensorDesc const& table = ops[kKV_PAGE_TABLE];
+    p.num_tokens = orElse(first({k.dims[0], v.dims[0], rope.dims[0], ops[kDELTA_POSITIONS].dims[0],
+                                 ops[kDELTA_TOKEN_TO_SEQUENCE].dims[0]}),
+                          0);
+    p.rope_seq_len = p.num_tokens;
+    p.batch = orElse(table.dims[0], 0);
+    p.table_pages = orElse(table.dims[2], 0);
+    p.num_pages = orElse(pool.dims[1], p.table_pages);
+  }
+  return check_params(p);
+}
+
+// What TensorRT's descriptors say of the inputs, for callForm.
+std::vector<TrtTensor> descTensors(DynamicPluginTensorDesc const* descs, int32_t count) {
+  std::vector<TrtTensor> tensors;
+  for (int32_t i = 0; i < count; ++i) tensors.push_back(trtTensor(descs[i].desc));
+  return tensors;
+}
+
 }  // namespace
 
 DataType shapeCheckType(CallForm const& form, int32_t index) {
@@ -249,8 +476,13 @@ DataType shapeCheckType(CallForm const& form, int32_t index) {
 std::string checkInputTypes(PluginConfig const& config, DataType const* inputTypes, int32_t nbInputs, int32_t nbOutputs,
                             DataType* outputType) {
   if (inputTypes == nullptr) return "the input type array is null";
+  std::vector<TrtTensor> tensors(static_cast<size_t>(std::max(nbInputs, 0)));
+  for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = inputTypes[i];
   CallForm form;
-  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  if (std::string e = callForm(config, nbInputs, nbOutputs,
+                               {tensors.data(), /*dimsKnown=*/false, /*typesKnown=*/true}, &form);
+      !e.empty())
+    return e;
   DType const delta = toDType(inputTypes[0]);
   DType const pool = toDType(inputTypes[kPAST_KEY_VALUE]);
   for (int32_t i = 0; i < nbInputs; ++i)
@@ -263,8 +495,14 @@ std::string checkInputTypes(PluginConfig const& config, DataType const* inputTyp
 std::string checkFormatAt(PluginConfig const& config, int32_t pos, DynamicPluginTensorDesc const* inOut,
                           int32_t nbInputs, int32_t nbOutputs) {
   if (inOut == nullptr) return "inOut is null";
+  // The dtypes are what TensorRT is choosing (a kFP8 pool probed on a 16-bit call is a refusal,
+  // not a wrong count): the form comes from the dims and the count.
+  std::vector<TrtTensor> const tensors = descTensors(inOut, nbInputs);
   CallForm form;
-  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  if (std::string e = callForm(config, nbInputs, nbOutputs,
+                               {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, &form);
+      !e.empty())
+    return e;
   int32_t const nbTensors = nbInputs + nbOutputs;
   if (pos < 0 || pos >= nbTensors)
     return "expected pos in [0, " + std::to_string(nbTensors) + "), got " + std::to_string(pos);
@@ -277,37 +515,27 @@ std::string checkFormatAt(PluginConfig const& config, int32_t pos, DynamicPlugin
   return withTrtType(check_operand_dtype(form.attrs, pos, nbInputs, toDType(desc.type), delta, pool), desc.type);
 }
 
-std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs, TrtTensor const* output,
-                      int32_t nbOutputs, bool allowUnknown, bool needData, KVUpdateParams* params) {
+std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs,
+                      TrtTensor const* output, int32_t nbOutputs, CheckMode const& mode,
+                      KVUpdateParams* params) {
   if (inputs == nullptr) return "the input descriptors are null";
   CallForm form;
-  if (std::string e = callForm(config, nbInputs, nbOutputs, &form); !e.empty()) return e;
+  if (std::string e =
+          callForm(config, nbInputs, nbOutputs, {inputs, /*dimsKnown=*/true, /*typesKnown=*/true}, &form);
+      !e.empty())
+    return e;
+  PluginConfig fields = config;
+  bool const pending =
+      mode.pagesPerSlotPending && form.attrs.contract == Contract::kSlot && config.pagesPerSlot <= 0;
+  if (pending)
+    form.attrs.pages_per_slot = fields.pagesPerSlot = 1;  // a stand-in: its rules are skipped below
   UpdateAttrs const& attrs = form.attrs;
 
   for (int32_t i = 0; i < nbInputs; ++i)
     if (inputs[i].dims.nbDims < 0 || inputs[i].dims.nbDims > kMaxRank)
       return std::string(operand_name(attrs, i, nbInputs)) + ": expected a rank in [0, " + std::to_string(kMaxRank) +
              "], got " + std::to_string(inputs[i].dims.nbDims);
-  // k_delta's rank must be the contract's that the count chose (each contract has its own count).
-  int32_t const kRank = inputs[0].dims.nbDims;
-  if (kRank != expectedRank(attrs.contract)) {
-    std::string other;
-    if (kRank == expectedRank(Contract::kSlot) || kRank == expectedRank(Contract::kPaged)) {
-      Contract const c = kRank == expectedRank(Contract::kSlot) ? Contract::kSlot : Contract::kPaged;
-      other = std::string("; rank ") + std::to_string(kRank) + " is the " + contractName(c) + " contract, which takes " +
-              std::to_string(base_operand_count(c)) + " base inputs";
-    }
-    // The slot contract's inputs plus a page table: Edge-LLM 0.10.1's call, which has the same
-    // node name and version but neither contract's addressing.
-    if (attrs.contract == Contract::kPaged && kRank == expectedRank(Contract::kSlot) &&
-        nbInputs == base_operand_count(Contract::kPaged))
-      other += "; 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call (the slot inputs and a page table), "
-               "which this plugin does not serve: export Edge-LLM 0.11's token-major node or 0.10's node";
-    return "k_delta: expected rank " + std::to_string(expectedRank(attrs.contract)) + " for " + std::to_string(nbInputs) +
-           " inputs, which is " + describeForm(form) + ", got rank " + std::to_string(kRank) + " " +
-           dimsToString(inputs[0].dims) + other;
-  }
-  if (std::string e = checkFieldsForContract(config, form); !e.empty()) return e;
+  if (std::string e = checkFieldsForContract(fields, form); !e.empty()) return e;
 
   for (int32_t i = 0; i < nbInputs; ++i)
     if (std::string e = checkLinear(form, i, inputs[i].format); !e.empty()) return e;
@@ -321,14 +549,32 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
   if (pool.d[2] != kUnknownDim && pool.d[2] != kTOKENS_PER_PAGE)
     return "past_key_value: expected dim 2 == " + std::to_string(kTOKENS_PER_PAGE) +
            " tokens per page (the TensorRT contract), got " + dimsToString(pool);
+  // The core also takes a per-tensor scale of shape [] (the JAX op's); TensorRT's contract and its
+  // ONNX node give [1].
+  if (form.fp8Pool)
+    for (int32_t i = base_operand_count(attrs.contract); i < base_operand_count(attrs.contract) + 2; ++i)
+      if (inputs[i].dims.nbDims != 1)
+        return std::string(operand_name(attrs, i, nbInputs)) + ": expected shape [1] or [H] = [" +
+               (pool.d[3] == kUnknownDim ? std::string("?") : std::to_string(pool.d[3])) + "], got " +
+               dimsToString(inputs[i].dims);
 
   std::array<TensorDesc, kMAX_INPUTS> descs{};
   if (nbInputs > static_cast<int32_t>(descs.size()))
     return "expected at most " + std::to_string(descs.size()) + " inputs, got " + std::to_string(nbInputs) + " inputs";
-  for (int32_t i = 0; i < nbInputs; ++i) descs[i] = toTensorDesc(inputs[i]);
+  bool anyUnknown = false;
+  for (int32_t i = 0; i < nbInputs; ++i) {
+    descs[i] = toTensorDesc(inputs[i]);
+    for (int32_t d = 0; d < descs[i].rank; ++d) anyUnknown = anyUnknown || descs[i].dims[d] == kUnknownDim;
+  }
+  if (pending) descs[kPAST_KEY_VALUE].dims[1] = kUnknownDim;  // numPages' rules need pages_per_slot
+  anyUnknown = anyUnknown || pending;
   KVUpdateParams p;
-  if (std::string e = params_from_operands(descs.data(), nbInputs, attrs, &p, needData, allowUnknown); !e.empty())
+  if (std::string e =
+          params_from_operands(descs.data(), nbInputs, attrs, &p, mode.needData, mode.allowUnknown);
+      !e.empty())
     return e;
+  if (anyUnknown && mode.allowUnknown)
+    if (std::string e = checkKnownSizes(descs.data(), form, p, !pending); !e.empty()) return e;
   if (output != nullptr) {
     TensorDesc const out = toTensorDesc(*output);
     if (std::string e = check_result(out, toTensorDesc(inputs[kPAST_KEY_VALUE])); !e.empty()) return e;
@@ -342,8 +588,9 @@ std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc con
   if (in == nullptr) return "the input descriptors are null";
   if (out == nullptr) return "the output descriptors are null";
   if (nbInputs < 0 || nbInputs > kMAX_INPUTS || nbOutputs != kNB_OUTPUTS) {
+    std::vector<TrtTensor> const tensors = descTensors(in, nbInputs);
     CallForm form;
-    std::string e = callForm(config, nbInputs, nbOutputs, &form);
+    std::string e = callForm(config, nbInputs, nbOutputs, {tensors.data(), true, true}, &form);
     return e.empty() ? "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " + std::to_string(nbInputs) + " inputs" : e;
   }
   struct Bound {
@@ -360,8 +607,8 @@ std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc con
     };
     for (int32_t i = 0; i < nbInputs; ++i) inputs[i] = select(in[i]);
     TrtTensor const output = select(out[0]);
-    std::string e = checkCall(config, inputs.data(), nbInputs, &output, nbOutputs, bound.member == nullptr,
-                              /*needData=*/false, nullptr);
+    CheckMode const mode{/*allowUnknown=*/bound.member == nullptr};
+    std::string e = checkCall(config, inputs.data(), nbInputs, &output, nbOutputs, mode, nullptr);
     if (!e.empty()) return bound.name == nullptr ? e : std::string("profile ") + bound.name + " shapes: " + e;
   }
   return {};

@@ -3,7 +3,7 @@
 // The plugin has no shape rules of its own: every entry point turns TensorRT's DataTypes, Dims
 // (with -1 wildcards at build time) and fields into dflash::TensorDescs and dflash::UpdateAttrs
 // and asks dflash::params_from_operands / check_operand_dtype / check_result. What is TensorRT's
-// alone is here: which contract a call is (the input count and k_delta's rank), linear formats,
+// alone is here: which contract a call is (k_delta's rank, then the input count), linear formats,
 // 128 tokens per page, scales given as [1] or [H], and the fields.
 #pragma once
 
@@ -19,6 +19,8 @@ namespace dflash::trt {
 
 DType toDType(nvinfer1::DataType type);
 char const* typeName(nvinfer1::DataType type);
+// "kINT32", "kFLOAT32", ...; "PluginFieldType <n>" for a value the headers do not name.
+std::string fieldTypeName(nvinfer1::PluginFieldType type);
 std::string dimsToString(nvinfer1::Dims const& dims);
 
 // The most inputs a call has: 7 (paged) + k_scale, v_scale + k_norm_weight.
@@ -27,23 +29,15 @@ inline constexpr int32_t kMAX_INPUTS = 10;
 // ---- fields --------------------------------------------------------------------------------------
 
 // Reads createPlugin's fields. Throws std::invalid_argument naming the field on a wrong type,
-// length or value, or a field given twice; unknown fields are logged as warnings and ignored.
+// length or value, a field given twice, or an unknown field (a misspelt field would otherwise
+// leave its default in place without a word: `rnig=1` is no ring); plugin_version and
+// plugin_namespace, which TensorRT's ONNX parser may pass on with the node's attributes, are
+// ignored.
 PluginConfig readFields(nvinfer1::PluginFieldCollection const* fc);
 // "" when `value` is a valid pages_per_slot, else the reason.
 std::string checkPagesPerSlotValue(int64_t value);
 
 // ---- the form of a call ----------------------------------------------------------------------------
-
-// What the input count says: the contract (slot: 6 base inputs, paged: 7), whether k_scale and
-// v_scale follow (a kFP8 pool), then k_norm_weight (field k_norm = 1). Counts minus k_norm of 6
-// and 8 are the slot contract, 7 and 9 the paged one, so the count alone decides.
-struct CallForm {
-  UpdateAttrs attrs;
-  bool fp8Pool{false};
-  int32_t nbInputs{0};
-};
-// Fills *form from the fields and the counts; "" when the counts are valid.
-std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallForm* form);
 
 // One tensor as TensorRT describes it. dims may hold -1 (unknown) where allowUnknown is given.
 struct TrtTensor {
@@ -55,6 +49,33 @@ struct TrtTensor {
 inline TrtTensor trtTensor(nvinfer1::PluginTensorDesc const& desc, void const* data = nullptr) {
   return {desc.type, desc.format, desc.dims, data};
 }
+
+// What a call is: the contract (slot: 6 base inputs, paged: 7), whether k_scale and v_scale follow
+// (a kFP8 pool), then k_norm_weight (field k_norm = 1).
+struct CallForm {
+  UpdateAttrs attrs;
+  bool fp8Pool{false};
+  int32_t nbInputs{0};
+};
+
+// What an entry point knows of its inputs when it asks for the form: their ranks and dims (all
+// but getOutputDataTypes), their dtypes (getOutputDataTypes and the calls with descriptors, not
+// getOutputShapes nor supportsFormatCombination, where TensorRT has not chosen them yet).
+struct CallFacts {
+  TrtTensor const* inputs{nullptr};  // nbInputs of them; null: only the count is known
+  bool dimsKnown{false};
+  bool typesKnown{false};
+};
+
+// Fills *form from the fields and the facts; "" when the input count is the form's. The contract
+// is k_delta's rank (4: slot, Edge-LLM 0.10; 3: paged, 0.11) where the dims are known, else input
+// 6's dtype (the paged contract's kv_page_table is an integer tensor, the slot contract's input 6
+// a float extra or none), else the count. The scales follow from the pool's dtype where it is
+// known, else from the count. Deciding the contract before counting is what lets a wrong count
+// be reported as the inputs missing or unexpected for that contract with these fields and pool,
+// instead of as another contract whose rank k_delta does not have.
+std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallFacts const& facts,
+                     CallForm* form);
 
 // The dtypes a call of this form is checked with when TensorRT gives none (getOutputShapes):
 // float16 deltas, a float16 (or kFP8) pool, and the contract's fixed dtypes.
@@ -70,16 +91,26 @@ std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const
 std::string checkFormatAt(PluginConfig const& config, int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut,
                           int32_t nbInputs, int32_t nbOutputs);
 
+// How checkCall treats what is not known yet.
+struct CheckMode {
+  bool allowUnknown{false};  // -1 dims skip the rules that need them (build time)
+  bool needData{false};      // the inputs read must have device pointers (enqueue)
+  // A slot call whose pages_per_slot may still be set (setPagesPerSlot() after parsing): the
+  // rules that need it are skipped (getOutputShapes).
+  bool pagesPerSlotPending{false};
+};
+
 // Every rule on a whole call: the form, formats, dtypes, 128 tokens per page, the core's shape
 // rules (dims, their equalities, sizes and the int64 overflow of every tensor) and the output's
 // match with the pool. `output` may be null (getOutputShapes: the output is made from the pool).
-// With allowUnknown, -1 dims skip the rules that need them; with needData, the inputs read must
-// have device pointers. Fills *params (usable only when no dim was unknown).
-std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs, TrtTensor const* output,
-                      int32_t nbOutputs, bool allowUnknown, bool needData, KVUpdateParams* params);
+// With unknown dims, every rule between known sizes is still checked. Fills *params (usable only
+// when no dim was unknown).
+std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs,
+                      TrtTensor const* output, int32_t nbOutputs, CheckMode const& mode,
+                      KVUpdateParams* params);
 
-// configurePlugin: checkCall on the build-time descriptors (wildcards allowed), then on each of
-// the profile's min, opt and max shapes.
+// configurePlugin and getWorkspaceSize: checkCall on the build-time descriptors (wildcards
+// allowed), then on each of the profile's min, opt and max shapes.
 std::string checkProfile(PluginConfig const& config, nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
                          nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs);
 

@@ -1,16 +1,19 @@
 // The DFlash target KV-cache update as a TensorRT IPluginV3 plugin, and its creator.
 //
 // Every entry point that sees tensors (getOutputDataTypes, getOutputShapes,
-// supportsFormatCombination, configurePlugin, onShapeChange, enqueue) checks them through
-// DFlashPluginChecks.h, which hands them to the shared core's dflash::params_from_operands, the
-// function the JAX handlers call: the plugin and JAX accept and reject the same shapes.
+// supportsFormatCombination, configurePlugin, getWorkspaceSize, onShapeChange, enqueue) checks
+// them through DFlashPluginChecks.h, which hands them to the shared core's
+// dflash::params_from_operands, the function the JAX handlers call: the plugin and JAX accept and
+// reject the same shapes.
 #include "DFlashTargetKVCacheUpdatePlugin.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <stdexcept>
+#include <vector>
 
 #include "DFlashPluginChecks.h"
 #include "dflash/kv_update.h"
@@ -44,11 +47,20 @@ std::string checkRuntimeCall(PluginConfig const& config, PluginTensorDesc const*
                              KVUpdateParams* params) {
   if (in == nullptr) return "the input descriptors are null";
   if (out == nullptr) return "the output descriptors are null";
-  if (nbInputs < 0 || nbInputs > kMAX_INPUTS)
-    return "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " + std::to_string(nbInputs) + " inputs";
+  if (nbInputs < 0 || nbInputs > kMAX_INPUTS) {
+    // More inputs than any form has: only the message needs them all.
+    std::vector<TrtTensor> tensors;
+    for (int32_t i = 0; i < nbInputs; ++i) tensors.push_back(trtTensor(in[i]));
+    CallForm form;
+    std::string e = callForm(config, nbInputs, nbOutputs, {tensors.data(), true, true}, &form);
+    return e.empty() ? "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " +
+                           std::to_string(nbInputs) + " inputs"
+                     : e;
+  }
   auto const tensors = runtimeTensors(in, nbInputs, inputs);
   TrtTensor const output = trtTensor(out[0]);
-  return checkCall(config, tensors.data(), nbInputs, &output, nbOutputs, /*allowUnknown=*/false, needData, params);
+  CheckMode const mode{/*allowUnknown=*/false, needData};
+  return checkCall(config, tensors.data(), nbInputs, &output, nbOutputs, mode, params);
 }
 
 }  // namespace
@@ -144,33 +156,46 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs
       return fail("getOutputShapes", "the input and output shape arrays must not be null");
     if (nbShapeInputs != 0)
       return fail("getOutputShapes", "expected no shape inputs, got " + std::to_string(nbShapeInputs));
-    CallForm form;
-    if (std::string e = callForm(mConfig, nbInputs, nbOutputs, &form); !e.empty()) return fail("getOutputShapes", e);
-    // Constant dimensions are checked now, symbolic ones (-1 here) from configurePlugin on. No
-    // dtypes are known yet: the shapes are checked with the form's (getOutputDataTypes checks
-    // the real ones), and a pages_per_slot still to be set (setPagesPerSlot) is not needed yet.
-    PluginConfig config = mConfig;
-    if (form.attrs.contract == Contract::kSlot && config.pagesPerSlot <= 0) config.pagesPerSlot = 1;
-    std::array<TrtTensor, kMAX_INPUTS> tensors{};
+    // Constant dimensions are checked now, every rule between them even where others are
+    // symbolic (-1 here); the symbolic ones from configurePlugin on. No dtypes are known yet: the
+    // form comes from the ranks and the count, and the shapes are checked with the form's dtypes
+    // (getOutputDataTypes checks the real ones). A pages_per_slot still to be set
+    // (setPagesPerSlot) is not needed yet.
+    std::vector<TrtTensor> tensors(static_cast<size_t>(std::max(nbInputs, 0)));
+    int32_t badInput = -1, nullDim = -1;
     for (int32_t i = 0; i < nbInputs; ++i) {
       DimsExprs const& exprs = inputs[i];
-      if (exprs.nbDims < 0 || exprs.nbDims > Dims::MAX_DIMS)
-        return fail("getOutputShapes", std::string(operand_name(form.attrs, i, nbInputs)) + ": invalid rank " +
-                                           std::to_string(exprs.nbDims));
-      tensors[i].type = shapeCheckType(form, i);
       tensors[i].dims.nbDims = exprs.nbDims;
+      if (exprs.nbDims < 0 || exprs.nbDims > Dims::MAX_DIMS) {
+        if (badInput < 0) badInput = i;
+        continue;
+      }
       for (int32_t d = 0; d < exprs.nbDims; ++d) {
-        if (exprs.d[d] == nullptr)
-          return fail("getOutputShapes", std::string(operand_name(form.attrs, i, nbInputs)) + ": dimension " +
-                                             std::to_string(d) + " is null");
+        if (exprs.d[d] == nullptr) {
+          if (badInput < 0) {
+            badInput = i;
+            nullDim = d;
+          }
+          tensors[i].dims.d[d] = kUnknownDim;
+          continue;
+        }
         tensors[i].dims.d[d] = exprs.d[d]->isConstant() ? exprs.d[d]->getConstantValue() : kUnknownDim;
       }
     }
-    if (mConfig.pagesPerSlot <= 0 && form.attrs.contract == Contract::kSlot && nbInputs > kPAST_KEY_VALUE &&
-        tensors[kPAST_KEY_VALUE].dims.nbDims == 5)
-      tensors[kPAST_KEY_VALUE].dims.d[1] = kUnknownDim;  // its rules need pages_per_slot
-    if (std::string e = checkCall(config, tensors.data(), nbInputs, nullptr, nbOutputs, /*allowUnknown=*/true,
-                                  /*needData=*/false, nullptr);
+    CallForm form;
+    if (std::string e = callForm(mConfig, nbInputs, nbOutputs,
+                                 {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, &form);
+        !e.empty())
+      return fail("getOutputShapes", e);
+    if (badInput >= 0) {
+      std::string const name = operand_name(form.attrs, badInput, nbInputs);
+      return fail("getOutputShapes",
+                  nullDim >= 0 ? name + ": dimension " + std::to_string(nullDim) + " is null"
+                               : name + ": invalid rank " + std::to_string(inputs[badInput].nbDims));
+    }
+    for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = shapeCheckType(form, i);
+    CheckMode const mode{/*allowUnknown=*/true, /*needData=*/false, /*pagesPerSlotPending=*/true};
+    if (std::string e = checkCall(mConfig, tensors.data(), nbInputs, nullptr, nbOutputs, mode, nullptr);
         !e.empty())
       return fail("getOutputShapes", e);
     outputs[0] = inputs[kPAST_KEY_VALUE];  // the output is the pool
@@ -184,8 +209,13 @@ bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos, Dyn
                                                                 int32_t nbInputs, int32_t nbOutputs) noexcept {
   try {
     if (inOut == nullptr) return fail("supportsFormatCombination", "inOut is null"), false;
+    // A wrong count or k_delta rank is the call's error; a dtype or format is TensorRT's question.
+    std::vector<TrtTensor> tensors;
+    for (int32_t i = 0; i < nbInputs; ++i) tensors.push_back(trtTensor(inOut[i].desc));
     CallForm form;
-    if (std::string e = callForm(mConfig, nbInputs, nbOutputs, &form); !e.empty())
+    if (std::string e = callForm(mConfig, nbInputs, nbOutputs,
+                                 {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, &form);
+        !e.empty())
       return fail("supportsFormatCombination", e), false;
     if (pos < 0 || pos >= nbInputs + nbOutputs)
       return fail("supportsFormatCombination",
@@ -212,11 +242,27 @@ int32_t DFlashTargetKVCacheUpdatePlugin::configurePlugin(DynamicPluginTensorDesc
   }
 }
 
-size_t DFlashTargetKVCacheUpdatePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /*inputs*/,
-                                                         int32_t /*nbInputs*/,
-                                                         DynamicPluginTensorDesc const* /*outputs*/,
-                                                         int32_t /*nbOutputs*/) const noexcept {
-  return 0;  // the update works in place
+size_t DFlashTargetKVCacheUpdatePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs,
+                                                         int32_t nbInputs,
+                                                         DynamicPluginTensorDesc const* outputs,
+                                                         int32_t nbOutputs) const noexcept {
+  // The update works in place: 0 bytes for any call. TensorRT reads no failure from a size, so a
+  // bad call is only logged (and reported); configurePlugin, given the same descriptors, fails it.
+  try {
+    std::string reason;
+    if (inputs != nullptr && outputs != nullptr) {
+      reason = checkProfile(mConfig, inputs, nbInputs, outputs, nbOutputs);
+    } else {
+      CallForm form;
+      reason = callForm(mConfig, nbInputs, nbOutputs, {}, &form);
+      if (reason.empty())
+        reason = inputs == nullptr ? "the input descriptors are null" : "the output descriptors are null";
+    }
+    fail("getWorkspaceSize", reason);
+  } catch (std::exception const& e) {
+    fail("getWorkspaceSize", e.what());
+  }
+  return 0;
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::getAliasedInput(int32_t outputIndex) noexcept {

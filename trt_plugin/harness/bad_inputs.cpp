@@ -147,9 +147,16 @@ std::vector<Mutation> commonMutations(Case const& g) {
          while (in.size() < 11) in.push_back({"extra", DataType::kFLOAT, makeDims({1})});
        },
        true, true},
-      {"k_scale and v_scale with a 16-bit pool", "so an FP8 pool is expected", appendScales(g.H), true, true},
-      {"a kFP8 pool without k_scale and v_scale", "needs the k_scale and v_scale operands",
+      {"k_scale and v_scale with a 16-bit pool", "k_scale and v_scale only with a kFP8 pool",
+       appendScales(g.H), true, true},
+      {"a kFP8 pool without k_scale and v_scale", "k_scale, v_scale are missing",
        [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kFP8; }, true, true},
+      // An extra input is reported as one, with what it could be, not as the other contract.
+      {"k_norm_weight without the field k_norm=1", "k_norm_weight only with the field k_norm=1",
+       [delta = g.delta, D = g.D](std::vector<Tensor>& in, Tensor&) {
+         in.push_back({"k_norm_weight", delta, makeDims({D})});
+       },
+       true, true},
   };
   return m;
 }
@@ -166,8 +173,16 @@ std::vector<Mutation> extrasMutations(Case const& g) {
       {"k_norm_weight of length D - 1", "k_norm_weight: expected", setDim(w, 0, g.D - 1)},
       {"k_norm_weight float32 with other deltas", "k_norm_weight: expected dtype", setType(w, DataType::kFLOAT), false,
        true},
-      // One input short with k_norm=1 is the other contract's count: the message names both.
-      {"k_norm=1 without k_norm_weight", "k_norm=1", dropLast(1), true, true},
+      {"k_norm=1 without k_norm_weight", "k_norm_weight is missing", dropLast(1), true, true},
+      // TensorRT's per-tensor scale is [1]: the JAX op's [] is not TensorRT's contract (nor the
+      // ONNX node's).
+      {"k_scale of rank 0", "k_scale: expected shape [1] or [H] = [" + std::to_string(g.H) + "], got []",
+       setRank(ks, 0)},
+      {"v_scale of rank 0", "v_scale: expected shape [1] or [H] = [" + std::to_string(g.H) + "], got []",
+       setRank(ks + 1, 0)},
+      {"k_scale and v_scale of rank 0",
+       "k_scale: expected shape [1] or [H] = [" + std::to_string(g.H) + "], got []",
+       both(setRank(ks, 0), setRank(ks + 1, 0))},
   };
 }
 
@@ -292,11 +307,95 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
           "supportsFormatCombination refuses an unsupported combination with a verbose reason (not an error)" + t,
           logger().all());
   }
+  // getWorkspaceSize: 0 bytes for any call (TensorRT reads no failure from a size), a bad call
+  // logged as the other entry points log it.
+  {
+    logger().clear();
+    check(b->getWorkspaceSize(bd.in.data(), nb, &bd.out, 1) == 0 && logger().nbErrors() == 0,
+          "getWorkspaceSize of a good call is 0, without errors" + t, logger().all());
+    auto workspaceLogs = [&](std::string const& what, std::string const& expected,
+                             std::function<size_t()> call) {
+      logger().clear();
+      size_t const size = call();
+      check(size == 0 && logger().nbErrors() == 1 && logger().sawError("::getWorkspaceSize (bad): ") &&
+                logger().sawError(expected),
+            "getWorkspaceSize logs an error for " + what + t,
+            "expected '" + expected + "'; log: " + logger().all());
+    };
+    workspaceLogs("5 inputs", "got 5 inputs",
+                  [&] { return b->getWorkspaceSize(bd.in.data(), 5, &bd.out, 1); });
+    workspaceLogs("0 outputs", "expected 1 output",
+                  [&] { return b->getWorkspaceSize(bd.in.data(), nb, &bd.out, 0); });
+    workspaceLogs("null input descriptors", "the input descriptors are null",
+                  [&] { return b->getWorkspaceSize(nullptr, nb, &bd.out, 1); });
+    workspaceLogs("null descriptors and 5 inputs", "got 5 inputs",
+                  [&] { return b->getWorkspaceSize(nullptr, 5, nullptr, 1); });
+    BuildDescs bad = bd;
+    bad.in[dtrt::kPAST_KEY_VALUE].desc.dims.nbDims = 4;
+    workspaceLogs("a pool of rank 4", "past_key_value: expected rank 5",
+                  [&] { return b->getWorkspaceSize(bad.in.data(), nb, &bad.out, 1); });
+  }
   expectFailure("getCapabilityInterface(unknown type)" + t, "expected PluginCapabilityType",
                 [&] { return builder->getCapabilityInterface(static_cast<PluginCapabilityType>(9)); },
                 [](IPluginCapability* c) { return c == nullptr; });
   expectStatusFailure("getOutputDataTypes with null arrays" + t, "must not be null",
                       [&] { return b->getOutputDataTypes(nullptr, 1, nullptr, nb); });
+}
+
+// getOutputShapes with some dims symbolic: every rule between constant dims is checked (a size
+// may be constant in one tensor and symbolic in another), and the rules that need a symbolic dim
+// are left to configurePlugin.
+struct SymbolicCase {
+  std::string what;
+  std::string expected;  // empty: accepted
+  Change change;         // of the constants; may be empty
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> symbols;  // (input, dim) sharing one symbol each
+};
+
+void symbolicShapes(Case const& g, Fields const& fields, std::vector<SymbolicCase> const& cases) {
+  std::string const t = tag(g);
+  PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
+  if (!builder) return void(check(false, "createPlugin for symbolic shapes" + t, logger().all()));
+  IPluginV3OneBuildV2* b = build(builder.get());
+  for (SymbolicCase const& c : cases) {
+    std::vector<Tensor> in = inputs(g);
+    Tensor out = output(g);
+    if (c.change) c.change(in, out);
+    TestExprBuilder exprs;
+    std::vector<DimsExprs> shapes(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      shapes[i].nbDims = in[i].dims.nbDims;
+      for (int32_t d = 0; d < in[i].dims.nbDims; ++d) shapes[i].d[d] = exprs.constant(in[i].dims.d[d]);
+    }
+    for (auto const& group : c.symbols) {
+      IDimensionExpr const* symbol = exprs.symbol();
+      for (auto const& [i, d] : group) shapes[i].d[d] = symbol;
+    }
+    DimsExprs outExprs{};
+    auto call = [&] {
+      return b->getOutputShapes(shapes.data(), int32_t(shapes.size()), nullptr, 0, &outExprs, 1, exprs);
+    };
+    if (c.expected.empty()) {
+      logger().clear();
+      check(call() == 0 && logger().nbErrors() == 0, "getOutputShapes accepts " + c.what + t, logger().all());
+    } else {
+      expectStatusFailure("getOutputShapes: " + c.what + t, c.expected, call);
+    }
+  }
+}
+
+// configurePlugin's pass on the build-time dims checks the rules between constants too: the
+// call fails there, before any profile's shapes.
+void configureOnWildcards(Case const& g, Case lo, Case hi, std::string const& what,
+                          std::string const& expected) {
+  PluginPtr builder = makePlugin(nodeFields(g), TensorRTPhase::kBUILD);
+  if (!builder) return void(check(false, "createPlugin for " + what + tag(g), logger().all()));
+  BuildDescs bd = buildDescs(lo, g, hi);
+  logger().clear();
+  int32_t const status = build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+  check(status != 0 && logger().sawError(expected) && !logger().sawError("profile "),
+        "configurePlugin rejects " + what + " on the build-time dims" + tag(g),
+        "expected '" + expected + "' without a profile; log: " + logger().all());
 }
 
 Case slotGood() {
@@ -318,6 +417,12 @@ Case pagedGood() {
 Case withExtras(Case g) {
   g.name += "_fp8_k_norm";
   g.pool = DataType::kFP8, g.scaleHeads = g.H, g.kNorm = true, g.vNorm = true;
+  return g;
+}
+
+Case withKNorm(Case g) {
+  g.name += "_k_norm";
+  g.kNorm = true;
   return g;
 }
 
@@ -366,7 +471,8 @@ void fieldCases() {
     Fields f;
     float const value = 2.0f;
     f.add(dtrt::kPAGES_PER_SLOT_FIELD, PluginFieldType::kFLOAT32, &value, 1, sizeof(value));
-    rejected("pages_per_slot of type FLOAT32", "field 'pages_per_slot': expected type INT32", f);
+    rejected("pages_per_slot of type FLOAT32",
+             "field 'pages_per_slot': expected type kINT32 (or kINT64), got kFLOAT32", f);
   }
   for (int32_t value : {0, -3}) {
     Fields f;
@@ -405,7 +511,8 @@ void fieldCases() {
     }
     Fields f;
     f.addFloat32(name, 1.0f);
-    rejected(std::string(name) + " of type FLOAT32", std::string("field '") + name + "': expected type INT32", f);
+    rejected(std::string(name) + " of type FLOAT32",
+             std::string("field '") + name + "': expected type kINT32 (or kINT64), got kFLOAT32", f);
     Fields g;
     int32_t const values[2] = {1, 1};
     g.add(name, PluginFieldType::kINT32, values, 2, sizeof(values));
@@ -414,7 +521,7 @@ void fieldCases() {
   {
     Fields f;
     f.addInt32(dtrt::kNORM_EPS_FIELD, 1);
-    rejected("norm_eps of type INT32", "field 'norm_eps': expected type FLOAT32", f);
+    rejected("norm_eps of type INT32", "field 'norm_eps': expected type kFLOAT32, got kINT32", f);
     for (float value : {0.0f, -1e-6f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
       Fields g;
       g.addFloat32(dtrt::kNORM_EPS_FIELD, value);
@@ -426,14 +533,44 @@ void fieldCases() {
     rejected("norm_eps with 2 elements", "field 'norm_eps': expected 1 element", h);
   }
   {
+    // Field types by name, also those the plugin never takes.
+    Fields f;
+    int16_t const small = 1;
+    f.add(dtrt::kRING_FIELD, PluginFieldType::kINT16, &small, 1, sizeof(small));
+    rejected("ring of type INT16", "field 'ring': expected type kINT32 (or kINT64), got kINT16", f);
+    Fields g;
+    int32_t const one = 1;
+    g.add(dtrt::kK_NORM_FIELD, static_cast<PluginFieldType>(42), &one, 1, sizeof(one));
+    rejected("k_norm of an unnamed type",
+             "field 'k_norm': expected type kINT32 (or kINT64), got PluginFieldType 42", g);
+  }
+  for (char const* name : {"rnig", "pages_per_slots", "unknown_attribute"}) {
+    // A misspelt field would leave its default without a word (rnig=1: no ring).
     Fields f;
     f.addInt32(dtrt::kPAGES_PER_SLOT_FIELD, 2);
-    f.addInt32("unknown_attribute", 5);
+    f.addInt32(name, 1);
+    rejected(std::string("the unknown field '") + name + "'",
+             std::string("field '") + name +
+                 "': unknown: expected one of 'pages_per_slot', 'ring', 'k_norm', 'v_norm', 'norm_eps'",
+             f);
+  }
+  for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME}) {
+    // The node attributes that pick the creator, which TensorRT's ONNX parser may pass on.
+    Fields f;
+    char const version[] = "1";
+    char const ns[] = "";
+    f.add("plugin_version", PluginFieldType::kCHAR, version, 1, sizeof(version));
+    f.add("plugin_namespace", PluginFieldType::kCHAR, ns, 0, sizeof(ns));
+    f.addInt32(dtrt::kRING_FIELD, 1);
     PluginFieldCollection const fc = f.collection();
     logger().clear();
-    PluginPtr p(creator->createPlugin("p", &fc, TensorRTPhase::kBUILD));
-    check(p != nullptr && logger().saw(ILogger::Severity::kWARNING, "unknown_attribute") && logger().nbErrors() == 0,
-          "an unknown field is ignored with a warning", logger().all());
+    PluginPtr p(creator->createPlugin("p", &fc, phase));
+    auto* concrete = dynamic_cast<dtrt::DFlashTargetKVCacheUpdatePlugin*>(p.get());
+    bool const quiet = logger().nbErrors() == 0 && !logger().saw(ILogger::Severity::kWARNING, "plugin_");
+    check(concrete != nullptr && concrete->config().ring == 1 && quiet,
+          std::string("createPlugin(") + (phase == TensorRTPhase::kBUILD ? "kBUILD" : "kRUNTIME") +
+              ") ignores plugin_version and plugin_namespace",
+          logger().all());
   }
 
   // A slot plugin built without pages_per_slot: the builder may set it after parsing.
@@ -519,10 +656,64 @@ void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* reco
                         [](std::vector<Tensor>&, Tensor&) {}};
     rejectEverywhere(g, nodeFields(ringed), ring, context);
   }
+  rejectEverywhere(withKNorm(g), nodeFields(withKNorm(g)),
+                   {"k_norm=1 without k_norm_weight",
+                    "k_norm_weight is missing: the slot contract (Edge-LLM 0.10, k_delta [B, L, H, D]) with "
+                    "k_norm=1 and a kHALF pool takes 7 inputs",
+                    dropLast(1), true, true},
+                   context);
   Case const x = withExtras(g);
   runAll(x, extrasMutations(x), context);
   entryPointArguments(g, context, recorder);
   entryPointArguments(x, context, nullptr);
+
+  std::vector<std::pair<int32_t, int32_t>> const batch = {{0, 0}, {1, 0}, {4, 0}, {5, 0}};
+  std::vector<std::pair<int32_t, int32_t>> const len = {{0, 1}, {1, 1}};
+  std::vector<std::pair<int32_t, int32_t>> const seq = {{3, 1}};
+  std::vector<std::pair<int32_t, int32_t>> const pages = {{2, 1}};
+  Change const threeSeqs = [](std::vector<Tensor>& in, Tensor&) {
+    in[0].dims.d[0] = in[1].dims.d[0] = in[4].dims.d[0] = in[5].dims.d[0] = 3;
+  };
+  symbolicShapes(
+      g, nodeFields(g),
+      {{"B and L symbolic, rope [1, 257, 64] past the slot capacity 256",
+        "rope_cos_sin: length S must be <= the slot capacity pages_per_slot * P = 256, got S = 257",
+        setDim(dtrt::kROPE_COS_SIN, 1, 257),
+        {batch, len}},
+       {"B symbolic, numPages 5 not divisible by pages_per_slot 2",
+        "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = 2, got numPages = 5",
+        onPool([](Dims& d) { d.d[1] = 5; }),
+        {batch}},
+       {"B symbolic, rope [1, 128, 63] (R odd)",
+        "rope_cos_sin: rotary dim R must be even",
+        setDim(dtrt::kROPE_COS_SIN, 2, 63),
+        {batch}},
+       {"S symbolic, B = 3 past the pool's 2 slots",
+        "k_delta: batch B must be <= the pool's slots",
+        threeSeqs,
+        {seq}},
+       {"B and S symbolic, valid", "", {}, {batch, seq}},
+       {"numPages symbolic, B = 3", "", threeSeqs, {pages}},
+       // Rb is 1 or B and B fits the pool's slots: two rules with B, whose value is not known.
+       {"B symbolic, rope batch 3 past the pool's 2 slots", "", setDim(dtrt::kROPE_COS_SIN, 0, 3), {batch}}});
+  Case unset = g;
+  unset.name += "_pages_per_slot_not_set";
+  symbolicShapes(unset, Fields{},
+                 {{"B symbolic, S = 256 (pages_per_slot may be 2 or more)",
+                   "",
+                   setDim(dtrt::kROPE_COS_SIN, 1, 256),
+                   {batch}},
+                  {"numPages 5", "", onPool([](Dims& d) { d.d[1] = 5; }), {batch}},
+                  {"B symbolic, rope [1, 128, 63] (R odd)",
+                   "rope_cos_sin: rotary dim R must be even",
+                   setDim(dtrt::kROPE_COS_SIN, 2, 63),
+                   {batch}}});
+  {
+    Case odd = g, lo = g, hi = g;
+    odd.R = lo.R = hi.R = 63;
+    lo.B = 1, hi.B = 2;
+    configureOnWildcards(odd, lo, hi, "R odd with B dynamic", "rope_cos_sin: rotary dim R must be even");
+  }
 }
 
 void pagedBadInputs(IPluginResourceContext* context) {
@@ -544,9 +735,16 @@ void pagedBadInputs(IPluginResourceContext* context) {
        setType(dtrt::kDELTA_TOKEN_TO_SEQUENCE, DataType::kHALF), false, true},
       {"delta_positions int64", "delta_positions: expected dtype int32", setType(dtrt::kDELTA_POSITIONS, DataType::kINT64),
        false, true},
-      {"6 inputs (the slot contract's count) with a paged k_delta", "k_delta: expected rank 4 for 6 inputs",
+      // k_delta's rank tells the contract; the count is then checked against it.
+      {"6 inputs (the slot contract's count) with a paged k_delta",
+       "kv_page_table is missing: the paged contract (Edge-LLM 0.11, k_delta [T, H, D]) with k_norm=0 and a "
+       "kHALF pool takes 7 inputs",
        eraseAt(table, 1), true, false},
-      {"8 inputs with a 16-bit pool", "k_delta: expected rank 4 for 8 inputs",
+      {"6 inputs (the slot contract's count) with a paged k_delta: the rank named too",
+       "6 inputs would be the slot contract's (Edge-LLM 0.10, k_delta [B, L, H, D]), but then "
+       "k_delta: expected rank 4",
+       eraseAt(table, 1), true, false},
+      {"8 inputs with a 16-bit pool", "input 7 (kFLOAT [1]) is unexpected: the paged contract",
        [](std::vector<Tensor>& in, Tensor&) { in.push_back({"extra", DataType::kFLOAT, makeDims({1})}); }, true, false},
   };
   m.insert(m.end(), paged.begin(), paged.end());
@@ -560,10 +758,69 @@ void pagedBadInputs(IPluginResourceContext* context) {
                        [](std::vector<Tensor>&, Tensor&) {}};
     rejectEverywhere(g, f, pps, context);
   }
+  rejectEverywhere(
+      withKNorm(g), nodeFields(withKNorm(g)),
+      {"k_norm=1 without k_norm_weight",
+       "k_norm_weight is missing: the paged contract (Edge-LLM 0.11, k_delta [T, H, D]) with k_norm=1 and a "
+       "kHALF pool takes 8 inputs",
+       dropLast(1), true, true},
+      context);
   Case const x = withExtras(g);
   runAll(x, extrasMutations(x), context);
   entryPointArguments(g, context, nullptr);
   entryPointArguments(x, context, nullptr);
+
+  std::vector<std::pair<int32_t, int32_t>> const tokens = {{0, 0}, {1, 0}, {3, 0}, {4, 0}, {5, 0}};
+  std::vector<std::pair<int32_t, int32_t>> const rows = {{table, 0}};
+  std::vector<std::pair<int32_t, int32_t>> const pages = {{2, 1}};
+  std::vector<std::pair<int32_t, int32_t>> const poolHeads = {{2, 3}};
+  std::vector<std::pair<int32_t, int32_t>> const headDim = {{0, 2}, {1, 2}, {2, 4}};
+  symbolicShapes(
+      g, nodeFields(g),
+      {{"T symbolic, rope [T, 63] (R odd, D = 64)",
+        "rope_cos_sin: rotary dim R must be even",
+        setDim(dtrt::kROPE_COS_SIN, 1, 63),
+        {tokens}},
+       {"T symbolic, rope [T, 66] (R > D = 64)",
+        "rotary dim R must be even and <= head dim D = 64, got R = 66",
+        setDim(dtrt::kROPE_COS_SIN, 1, 66),
+        {tokens}},
+       {"T symbolic, kv_page_table [3, 2, 9] with N = 8 (M > N)",
+        "kv_page_table: pages per sequence M (last dim) must be <= numPages N = 8, got M = 9",
+        setDim(table, 2, 9),
+        {tokens}},
+       {"T and B symbolic, kv_page_table [B, 2, 9] with N = 8",
+        "kv_page_table: pages per sequence M (last dim) must be <= numPages N = 8, got M = 9",
+        setDim(table, 2, 9),
+        {tokens, rows}},
+       {"the pool's D symbolic, k_delta's 64, rope [T, 66]",
+        "rotary dim R must be even and <= head dim D = 64",
+        setDim(dtrt::kROPE_COS_SIN, 1, 66),
+        {tokens, {{2, 4}}}},
+       {"T, B and numPages symbolic, valid", "", {}, {tokens, rows, pages}},
+       {"numPages symbolic, kv_page_table [3, 2, 9]", "", setDim(table, 2, 9), {pages}},
+       {"D symbolic everywhere, rope [T, 66]", "", setDim(dtrt::kROPE_COS_SIN, 1, 66), {headDim}}});
+  int32_t const ks = kScaleIndex(x);
+  symbolicShapes(x, nodeFields(x),
+                 {{"the pool's H symbolic, k_delta's 2, scales [3]",
+                   "k_scale: expected 1 or H = 2 scales per layer, got 3",
+                   both(setDim(ks, 0, 3), setDim(ks + 1, 0, 3)),
+                   {poolHeads}},
+                  {"D symbolic but in k_norm_weight [64], rope [T, 66]",
+                   "rotary dim R must be even and <= head dim D = 64",
+                   setDim(dtrt::kROPE_COS_SIN, 1, 66),
+                   {headDim}},
+                  {"T and H symbolic, valid", "", {}, {tokens, poolHeads}}});
+  {
+    Case odd = g, lo = g, hi = g;
+    odd.R = lo.R = hi.R = 63;
+    lo.T = 1, hi.T = 64;
+    configureOnWildcards(odd, lo, hi, "R odd with T dynamic", "rope_cos_sin: rotary dim R must be even");
+    Case big = g;
+    big.M = lo.M = hi.M = 9;
+    lo.R = hi.R = 64;
+    configureOnWildcards(big, lo, hi, "M > N with T dynamic", "kv_page_table: pages per sequence M");
+  }
 }
 
 void overflowCases(IPluginResourceContext* context) {
