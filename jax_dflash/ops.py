@@ -58,10 +58,12 @@ def _index_operand(name, x):
             "np.asarray(..., np.int32) or jnp.asarray(..., jnp.int32) yourself)"
         )
     if np.dtype(dtype) != INDEX_DTYPE:
-        raise TypeError(
-            f"{name}: expected dtype int32, got {np.dtype(dtype)} (it is not converted: with "
-            "jax_enable_x64 off that would silently narrow it)"
+        why = (
+            " (it is not converted: with jax_enable_x64 off that would silently narrow it)"
+            if np.issubdtype(dtype, np.integer)
+            else " (it is not converted: indices are integers)"
         )
+        raise TypeError(f"{name}: expected dtype int32, got {np.dtype(dtype)}{why}")
     return x
 
 

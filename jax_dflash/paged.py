@@ -46,10 +46,13 @@ def token_positions(start_positions, lengths, width: int) -> tuple[jax.Array, ja
     width = _static_int("width", width, 0)
     starts = _int32_array("start_positions", start_positions)
     lengths = _int32_array("lengths", lengths)
-    if starts.ndim < 1 or lengths.shape != starts.shape:
+    if starts.ndim < 1:
         raise ValueError(
-            f"lengths: expected start_positions' shape {tuple(starts.shape)} (rank "
-            f">= 1), got {tuple(lengths.shape)}"
+            f"start_positions: expected shape [B] or [..., B] (rank >= 1), got {tuple(starts.shape)}"
+        )
+    if lengths.shape != starts.shape:
+        raise ValueError(
+            f"lengths: expected start_positions' shape {tuple(starts.shape)}, got {tuple(lengths.shape)}"
         )
     batch = starts.shape[-1]
     t = jnp.arange(width, dtype=jnp.int32)
@@ -66,10 +69,11 @@ def gather_rope(rope_cos_sin, delta_positions, delta_token_to_sequence) -> jax.A
     ``rope_cos_sin[0 if Rb == 1 else owner, position]``, or zeros where the position is negative
     or ``>= S``, or the token is padding (owner < 0, or owner >= Rb when Rb > 1)."""
     rope = jnp.asarray(rope_cos_sin)
-    if rope.dtype != jnp.float32 or rope.ndim != 3:
-        raise TypeError(
-            f"rope_cos_sin: expected a float32 [Rb, S, R] array, got {rope.dtype} "
-            f"of shape {tuple(rope.shape)}"
+    if rope.dtype != jnp.float32:
+        raise TypeError(f"rope_cos_sin: expected dtype float32, got {rope.dtype}")
+    if rope.ndim != 3:
+        raise ValueError(
+            f"rope_cos_sin: expected shape [Rb, S, R] (rank 3), got {tuple(rope.shape)}"
         )
     positions = _int32_array("delta_positions", delta_positions, 1)
     owners = _int32_array("delta_token_to_sequence", delta_token_to_sequence, 1)

@@ -452,8 +452,11 @@ def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
 @pytest.mark.parametrize(
     "argv, reason",
     [
-        (["--steps", str(10**12)], "--steps 1000000000000 --batch 8: the run would need about"),
-        (["--steps", str(10**8), "--no-check"], "at most 1000000 steps are allowed"),
+        (["--steps", str(10**12)], "--steps 1000000000000: expected at most 1000000 steps"),
+        (
+            ["--steps", str(10**8), "--no-check"],
+            "--steps 100000000: expected at most 1000000 steps",
+        ),
         (
             ["--contract", "paged", "--steps", "400000", "--no-check"],
             "--steps 400000 --batch 8: the paged plan simulates every sequence's every step",
@@ -485,10 +488,13 @@ def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, re
     assert out == ""
 
 
-def test_memory_estimate_names_the_size(capsys):
-    status, _, err = run_cli(capsys, "run", "--steps", str(10**12))
+def test_memory_estimate_names_the_size_and_the_limit(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_physical_memory", lambda: 2 << 20)  # a 2 MiB machine
+    status, _, err = run_cli(capsys, "run", "--steps", "1000")
     assert status == 2
-    assert "TiB of host memory" in err or "GiB of host memory" in err
+    assert "--steps 1000 --batch 8: the run would need about" in err
+    assert "MiB of host memory" in err and "expected at most 1.0 MiB, half of this machine's" in err
+    assert "steps" not in err.split("expected at most")[1]
 
 
 def test_json_path_that_is_a_folder_or_unwritable_exits_2_before_the_run(

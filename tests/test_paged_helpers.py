@@ -77,6 +77,11 @@ def test_identity_page_table_values():
     [
         (lambda: token_positions(np.zeros(2, I32), np.zeros(3, I32), 2), ValueError, "lengths"),
         (
+            lambda: token_positions(np.int32(0), np.int32(1), 2),
+            ValueError,
+            r"start_positions: expected shape \[B\] or \[\.\.\., B\] \(rank >= 1\), got \(\)",
+        ),
+        (
             lambda: token_positions(np.zeros(2, np.int64), np.zeros(2, I32), 2),
             TypeError,
             "start_positions",
@@ -92,8 +97,8 @@ def test_identity_page_table_values():
         ),
         (
             lambda: gather_rope(np.zeros((2, 2), np.float32), np.zeros(1, I32), np.zeros(1, I32)),
-            TypeError,
-            "rope_cos_sin",
+            ValueError,
+            r"rope_cos_sin: expected shape \[Rb, S, R\] \(rank 3\), got \(2, 2\)",
         ),
         (
             lambda: gather_rope(

@@ -425,7 +425,14 @@ def _paged_cases():
             _replace(p.args(), 6, table.astype(np.int64)),
             {},
             TypeError,
-            ["kv_page_table", "int32", "int64"],
+            ["kv_page_table", "int32", "int64", "silently narrow"],
+        ),
+        (
+            "table-float32",
+            _replace(p.args(), 6, table.astype(np.float32)),
+            {},
+            TypeError,
+            ["kv_page_table", "int32", "float32", "indices are integers"],
         ),
         (
             "owners-length",

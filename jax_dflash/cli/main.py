@@ -381,12 +381,13 @@ def validate_run(args, preset) -> dict:
     need = sum(parts.values())
     limit = int(_physical_memory() * HOST_MEMORY_SHARE)
     biggest = max(parts, key=parts.get)
-    if steps > MAX_STEPS or need > limit:
+    if steps > MAX_STEPS:
+        raise UsageError(f"--steps {steps}: expected at most {MAX_STEPS} steps")
+    if need > limit:
         raise UsageError(
             f"--steps {steps} --batch {batch}: the run would need about {human_bytes(need)} of "
-            f"host memory (mostly {biggest}: {human_bytes(parts[biggest])}; the limit is "
-            f"{human_bytes(limit)}, half of this machine's) and at most {MAX_STEPS} steps are "
-            f"allowed"
+            f"host memory (mostly {biggest}: {human_bytes(parts[biggest])}); expected at most "
+            f"{human_bytes(limit)}, half of this machine's"
             + (
                 "; --no-check drops the deltas kept for the check"
                 if biggest == "checked deltas"

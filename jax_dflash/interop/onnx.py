@@ -354,6 +354,20 @@ def check_plugin_operands(
                 f"{name}: expected dtype one of {list(DELTA_DTYPES)}, got {_dtype_name(x)}"
             )
     delta_rank = 3 if paged else 4
+    if (
+        paged
+        and len(_dims(operands[0])) == 4
+        and len(_dims(pool)) == 5
+        and len(operands) == len(base)
+    ):
+        # The slot contract's inputs plus a page table: Edge-LLM 0.10.1's call, which has the
+        # same node name and version but neither contract's addressing.
+        raise ValueError(
+            f"k_delta: expected rank 3 [T, H, D] for the 7-input node, got shape "
+            f"{_dims(operands[0])}: 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call "
+            "(the slot inputs and a page table), which is not served: export Edge-LLM 0.11's "
+            "token-major node or 0.10's node"
+        )
     if len(_dims(operands[0])) != delta_rank or len(_dims(pool)) != 5:
         layout = "[T, H, D]" if paged else "[B, L, H, D]"
         raise ValueError(
@@ -368,15 +382,18 @@ def check_plugin_operands(
         )
     heads = _dims(pool)[3]
     extras = dict(zip(expected[len(base) :], operands[len(base) :]))
-    for name in SCALE_INPUTS:
-        if name in extras:
-            scale = extras[name]
-            if _dims(scale) not in ((1,), (heads,)):
-                raise ValueError(
-                    f"{name}: expected shape [1] or [H] = [{heads}], got {list(_dims(scale))}"
-                )
-            if _dims(scale) == (1,):
-                extras[name] = _Aval((), scale.dtype)  # per tensor
+    scale_dims = {name: _dims(extras[name]) for name in SCALE_INPUTS if name in extras}
+    for name, dims in scale_dims.items():
+        if dims not in ((1,), (heads,)):
+            raise ValueError(f"{name}: expected shape [1] or [H] = [{heads}], got {list(dims)}")
+    if len(set(scale_dims.values())) > 1:
+        raise ValueError(
+            f"v_scale: expected k_scale's shape {list(scale_dims['k_scale'])}, "
+            f"got {list(scale_dims['v_scale'])}"
+        )
+    for name, dims in scale_dims.items():
+        if dims == (1,):
+            extras[name] = _Aval((), extras[name].dtype)  # per tensor
 
     if paged:
         return _shapes.check_update_paged(*operands[: len(base)], **extras)
