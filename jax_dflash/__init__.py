@@ -10,6 +10,7 @@ from importlib import metadata as _metadata
 _EXPORTS = {
     "gather_rope": "jax_dflash.paged",
     "identity_page_table": "jax_dflash.paged",
+    "onnx": None,  # the module jax_dflash.onnx: jax_dflash.interop.onnx under its short name
     "reference": None,  # the module jax_dflash.reference itself
     "rope_cos_sin": "jax_dflash.rope",
     "target_kv_cache_update": "jax_dflash.ops",

@@ -1,7 +1,7 @@
 """The package's layers, read from the source with ast (every import, function-level ones too).
 
-jax_dflash/*.py (the op) <- jax_dflash/interop/ <- jax_dflash/cli/ (and __main__.py, the
-``python -m jax_dflash`` entry): imports point down only, no cycle among the package's modules,
+jax_dflash/*.py (the op) <- jax_dflash/interop/ (and jax_dflash/onnx.py, its ONNX module under
+a short name) <- jax_dflash/cli/ (and __main__.py, the ``python -m jax_dflash`` entry): imports point down only, no cycle among the package's modules,
 nothing imports bench/ or tests/, and no application code (argparse, plotting) outside cli/.
 """
 
@@ -19,6 +19,9 @@ PACKAGE = "jax_dflash"
 EXTENSIONS = {"jax_dflash._dflash_cpu", "jax_dflash._dflash_cuda"}
 APP_ONLY = {"argparse", "matplotlib"}  # command-line and plotting code belongs in cli/ or bench/
 LAYERS = {"op": 0, "interop": 1, "cli": 2}
+# Top-level names of interop modules (the module object itself under a short name): they are in
+# the interop layer, and nothing in the op layer may import them either.
+INTEROP_ALIASES = {f"{PACKAGE}.onnx"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,8 @@ def layer_of(name: str) -> str:
         return parts[1]
     if name == f"{PACKAGE}.__main__":
         return "cli"
+    if name in INTEROP_ALIASES:
+        return "interop"
     return "op"
 
 
@@ -233,6 +238,14 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
                 "jax_dflash/interop/onnx.py": "",
             },
             "the op layer imports jax_dflash.interop.onnx",
+        ),
+        (
+            {
+                "jax_dflash/ops.py": "from jax_dflash import onnx\n",
+                "jax_dflash/onnx.py": "from jax_dflash.interop import onnx\n",
+                "jax_dflash/interop/onnx.py": "",
+            },
+            "the op layer imports jax_dflash.onnx (the interop layer above it)",
         ),
         (
             {

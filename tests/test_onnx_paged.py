@@ -383,6 +383,12 @@ def test_paged_node_rejects_bad_attributes(domain, attributes, error, match):
         ("k_norm without its weight", ValueError, "k_norm_weight: expected 8 inputs"),
         ("scale of a wrong shape", ValueError, r"k_scale: expected shape \[1\] or \[H\] = \[2\]"),
         ("layer-batched", ValueError, "the TensorRT plugin takes the unbatched form"),
+        ("scales of two shapes", ValueError, r"v_scale: expected k_scale's shape \[1\], got \[2\]"),
+        (
+            "Edge-LLM 0.10.1's call",
+            ValueError,
+            r"k_delta: expected rank 3 .* Edge-LLM 0\.10\.1's call",
+        ),
     ],
 )
 def test_paged_node_rejects_bad_inputs(case, error, match):
@@ -412,6 +418,12 @@ def test_paged_node_rejects_bad_inputs(case, error, match):
         inputs += ["k_scale", "v_scale"]
     elif case == "layer-batched":
         operands = list(_paged_problem(0, layers=2).args())
+    elif case == "scales of two shapes":
+        fp8 = _paged_problem(0, pool_dtype=FP8)
+        operands = [*fp8.args(), np.ones(1, np.float32), np.ones(2, np.float32)]
+        inputs += ["k_scale", "v_scale"]
+    elif case == "Edge-LLM 0.10.1's call":
+        operands = [*_slot_problem().args()[:6], operands[6]]
     domain = dflash_onnx.PLUGIN_DOMAIN if attributes else dflash_onnx.EDGE_LLM_DOMAIN
     with pytest.raises(error, match=match):
         _run_node(_node(domain, inputs, **attributes), operands)
@@ -621,3 +633,11 @@ def test_onnx_reference_matches_jax_cuda(dtype, options):
     update = jax.jit(lambda *a: jax_dflash.target_kv_cache_update_paged(*a, **kwargs))
     cuda_out = np.asarray(update(*[jax.device_put(a, gpus[0]) for a in problem.args()]))
     assert_bits_equal(cuda_out, onnx_out)
+
+
+def test_the_short_module_name_is_the_interop_module():
+    import jax_dflash.onnx as short
+
+    assert short is dflash_onnx
+    assert jax_dflash.onnx is dflash_onnx
+    assert short.make_paged_update_model is dflash_onnx.make_paged_update_model
