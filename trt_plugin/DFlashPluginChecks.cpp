@@ -5,7 +5,6 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -388,70 +387,6 @@ std::string checkFieldsForContract(PluginConfig const& config, CallForm const& f
   return {};
 }
 
-// The sizes of a call with unknown dims, against every rule between them. The core checks only
-// the equalities between dims then (check_params needs every size), so each size still unknown
-// here takes the smallest value its rules allow given the known ones: check_params then fails on
-// a rule between known sizes only, or on a size in bytes that overflows int64 for every value the
-// unknown ones can take.
-std::string checkKnownSizes(TensorDesc const* ops, CallForm const& form, KVUpdateParams p,
-                            bool pagesPerSlotKnown) {
-  auto known = [](int64_t d) { return d != kUnknownDim; };
-  auto first = [&](std::initializer_list<int64_t> dims) {
-    for (int64_t d : dims)
-      if (known(d)) return d;
-    return kUnknownDim;
-  };
-  auto orElse = [&](int64_t d, int64_t fallback) { return known(d) ? d : fallback; };
-  // The TensorRT form is unbatched (pool rank 5) and every rank was checked: k_delta [B, L, H, D]
-  // or [T, H, D], rope [Rb, S, R] or [T, R], scales [1] or [H], k_norm_weight [D].
-  TensorDesc const& pool = ops[kPAST_KEY_VALUE];
-  TensorDesc const& k = ops[kK_DELTA];
-  TensorDesc const& v = ops[kV_DELTA];
-  TensorDesc const& rope = ops[kROPE_COS_SIN];
-  int32_t const r = k.rank;
-  int32_t const base = base_operand_count(form.attrs.contract);
-  p.scale_heads = form.fp8Pool ? orElse(first({ops[base].dims[0], ops[base + 1].dims[0]}), 1) : 1;
-  int64_t const weightDim = form.attrs.k_norm ? ops[form.nbInputs - 1].dims[0] : kUnknownDim;
-  p.page_size = orElse(pool.dims[2], kTOKENS_PER_PAGE);
-  p.num_kv_heads =
-      orElse(first({pool.dims[3], k.dims[r - 2], v.dims[r - 2]}), p.scale_heads > 1 ? p.scale_heads : 0);
-  p.rotary_dim = orElse(rope.dims[rope.rank - 1], 0);
-  p.head_dim = orElse(first({pool.dims[4], k.dims[r - 1], v.dims[r - 1], weightDim}), p.rotary_dim);
-  if (form.attrs.contract == Contract::kSlot) {
-    p.rope_seq_len = orElse(rope.dims[1], 0);
-    if (!pagesPerSlotKnown)
-      p.pages_per_slot = std::max<int64_t>(1, (p.rope_seq_len + p.page_size - 1) / p.page_size);
-    p.delta_len = orElse(first({k.dims[1], v.dims[1]}), 0);
-    int64_t const batch =
-        first({k.dims[0], v.dims[0], ops[kDELTA_START_POSITIONS].dims[0], ops[kDELTA_LENGTHS].dims[0]});
-    int64_t const ropeBatch = rope.dims[0];
-    // An unknown B takes a known Rb other than 1 (Rb is 1 or B), unless the pool's slots rule
-    // that out: then neither rule is between known sizes, and both are left to the shapes.
-    bool const batchFromRope = !known(batch) && known(ropeBatch) && ropeBatch != 1 &&
-                               (!known(pool.dims[1]) || ropeBatch <= pool.dims[1] / p.pages_per_slot);
-    p.batch = known(batch) ? batch : (batchFromRope ? ropeBatch : 0);
-    if (!known(ropeBatch))
-      p.rope_batch = p.batch == 0 ? 0 : 1;
-    else
-      p.rope_batch = known(batch) || batchFromRope || ropeBatch == 1 ? ropeBatch : 1;
-    int64_t pages = 0;
-    if (!known(pool.dims[1]) && __builtin_mul_overflow(p.pages_per_slot, p.batch, &pages))
-      return "past_key_value: numPages (dim 1) must be >= B * pages_per_slot, which overflows int64 (B = " +
-             std::to_string(p.batch) + ", pages_per_slot = " + std::to_string(p.pages_per_slot) + ")";
-    p.num_pages = orElse(pool.dims[1], pages);
-  } else {
-    TensorDesc const& table = ops[kKV_PAGE_TABLE];
-    p.num_tokens = orElse(first({k.dims[0], v.dims[0], rope.dims[0], ops[kDELTA_POSITIONS].dims[0],
-                                 ops[kDELTA_TOKEN_TO_SEQUENCE].dims[0]}),
-                          0);
-    p.rope_seq_len = p.num_tokens;
-    p.batch = orElse(table.dims[0], 0);
-    p.table_pages = orElse(table.dims[2], 0);
-    p.num_pages = orElse(pool.dims[1], p.table_pages);
-  }
-  return check_params(p);
-}
-
 // What TensorRT's descriptors say of the inputs, for callForm.
 std::vector<TrtTensor> descTensors(DynamicPluginTensorDesc const* descs, int32_t count) {
   std::vector<TrtTensor> tensors;
@@ -527,8 +462,10 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
   PluginConfig fields = config;
   bool const pending =
       mode.pagesPerSlotPending && form.attrs.contract == Contract::kSlot && config.pagesPerSlot <= 0;
-  if (pending)
-    form.attrs.pages_per_slot = fields.pagesPerSlot = 1;  // a stand-in: its rules are skipped below
+  if (pending) {
+    fields.pagesPerSlot = 1;                     // present, as far as the fields' rules go
+    form.attrs.pages_per_slot = kUnknownDim;     // the core leaves the rules that need it
+  }
   UpdateAttrs const& attrs = form.attrs;
 
   for (int32_t i = 0; i < nbInputs; ++i)
@@ -561,20 +498,14 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
   std::array<TensorDesc, kMAX_INPUTS> descs{};
   if (nbInputs > static_cast<int32_t>(descs.size()))
     return "expected at most " + std::to_string(descs.size()) + " inputs, got " + std::to_string(nbInputs) + " inputs";
-  bool anyUnknown = false;
-  for (int32_t i = 0; i < nbInputs; ++i) {
-    descs[i] = toTensorDesc(inputs[i]);
-    for (int32_t d = 0; d < descs[i].rank; ++d) anyUnknown = anyUnknown || descs[i].dims[d] == kUnknownDim;
-  }
+  for (int32_t i = 0; i < nbInputs; ++i) descs[i] = toTensorDesc(inputs[i]);
   if (pending) descs[kPAST_KEY_VALUE].dims[1] = kUnknownDim;  // numPages' rules need pages_per_slot
-  anyUnknown = anyUnknown || pending;
+  // With unknown dims the core checks every rule between the known sizes.
   KVUpdateParams p;
   if (std::string e =
           params_from_operands(descs.data(), nbInputs, attrs, &p, mode.needData, mode.allowUnknown);
       !e.empty())
     return e;
-  if (anyUnknown && mode.allowUnknown)
-    if (std::string e = checkKnownSizes(descs.data(), form, p, !pending); !e.empty()) return e;
   if (output != nullptr) {
     TensorDesc const out = toTensorDesc(*output);
     if (std::string e = check_result(out, toTensorDesc(inputs[kPAST_KEY_VALUE])); !e.empty()) return e;

@@ -1,6 +1,8 @@
 #include "dflash/operands.h"
 
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 
 namespace dflash {
@@ -11,6 +13,12 @@ std::string str(int64_t v) { return std::to_string(v); }
 bool known(int64_t d) { return d != kUnknownDim; }
 // Equal, or one side not known yet.
 bool same(int64_t a, int64_t b) { return !known(a) || !known(b) || a == b; }
+// A size that several dims hold: the first of them that is known (they were checked equal).
+int64_t first_known(std::initializer_list<int64_t> dims) {
+  for (int64_t d : dims)
+    if (known(d)) return d;
+  return kUnknownDim;
+}
 
 std::string dims_text(TensorDesc const& t) {
   std::string text = "[";
@@ -73,6 +81,54 @@ class Checker {
   int32_t count_;
   std::string error_;
 };
+
+// The rules between known sizes, when some dims are not known yet (TensorRT's build time): each
+// size still unknown takes the smallest value its rules allow given the known ones, then
+// check_params runs, so that it fails on a rule between known sizes only, or on a size in bytes
+// that overflows int64 whatever the unknown sizes turn out to be. An unknown pages_per_slot (a
+// field TensorRT may set after parsing) leaves numPages unknown too: its rules need it.
+std::string check_known_sizes(KVUpdateParams p) {
+  auto fill = [](int64_t& size, int64_t value) {
+    if (!known(size)) size = value;
+  };
+  fill(p.num_layers, 1);
+  fill(p.num_kv_heads, p.scale_heads > 1 ? p.scale_heads : 0);
+  fill(p.rotary_dim, 0);
+  fill(p.head_dim, p.rotary_dim);
+  if (p.contract == Contract::kSlot) {
+    fill(p.rope_seq_len, 0);
+    fill(p.delta_len, 0);
+    if (!known(p.pages_per_slot)) p.num_pages = kUnknownDim;
+    if (!known(p.page_size))  // S <= pages_per_slot * P
+      p.page_size = known(p.pages_per_slot) && p.pages_per_slot > 0
+                        ? std::max<int64_t>(1, (p.rope_seq_len + p.pages_per_slot - 1) / p.pages_per_slot)
+                        : 1;
+    fill(p.pages_per_slot, std::max<int64_t>(1, (p.rope_seq_len + p.page_size - 1) / p.page_size));
+    // An unknown B takes a known Rb other than 1 (Rb is 1 or B), unless the pool's slots rule
+    // that out: then neither rule is between known sizes, and both are left to the shapes.
+    bool const batch_from_rope = !known(p.batch) && known(p.rope_batch) && p.rope_batch != 1 &&
+                                 (!known(p.num_pages) || p.rope_batch <= p.num_pages / p.pages_per_slot);
+    bool const batch_known = known(p.batch);
+    fill(p.batch, batch_from_rope ? p.rope_batch : 0);
+    if (!known(p.rope_batch))
+      p.rope_batch = p.batch == 0 ? 0 : 1;
+    else if (!batch_known && !batch_from_rope && p.rope_batch != 1)
+      p.rope_batch = 1;
+    int64_t pages = 0;
+    if (!known(p.num_pages) && __builtin_mul_overflow(p.pages_per_slot, p.batch, &pages))
+      return "past_key_value: numPages (dim 1) must be >= B * pages_per_slot, which overflows int64 (B = " +
+             str(p.batch) + ", pages_per_slot = " + str(p.pages_per_slot) + ")";
+    fill(p.num_pages, pages);
+  } else {
+    fill(p.num_tokens, known(p.rope_seq_len) ? p.rope_seq_len : 0);
+    fill(p.rope_seq_len, p.num_tokens);
+    fill(p.batch, 0);
+    fill(p.table_pages, 0);
+    fill(p.num_pages, p.table_pages);
+    fill(p.page_size, 1);
+  }
+  return check_params(p);
+}
 
 // Element count of t, or -1 when it overflows int64 (unknown dims count as 0).
 int64_t element_count(TensorDesc const& t) {
@@ -271,13 +327,15 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     return c.fail_shape(kKDelta, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) + " (from past_key_value " +
                                      dims_text(pool) + ")"),
            c.error();
+  // Each size from the first tensor that knows it (only TensorRT's build time has unknown dims).
+  p.num_kv_heads = first_known({p.num_kv_heads, k.dims[k.rank - 2], v.dims[k.rank - 2]});
+  p.head_dim = first_known({p.head_dim, k.dims[k.rank - 1], v.dims[k.rank - 1]});
   if (slot) {
-    p.batch = k.dims[lead];
-    p.delta_len = k.dims[lead + 1];
+    p.batch = first_known({k.dims[lead], v.dims[lead]});
+    p.delta_len = first_known({k.dims[lead + 1], v.dims[lead + 1]});
   } else {
-    p.num_tokens = k.dims[lead];
+    p.num_tokens = first_known({k.dims[lead], v.dims[lead]});
   }
-  int64_t const per_step = slot ? p.batch : p.num_tokens;  // entries of the int32 arrays
 
   // rope_cos_sin: [layers?, Rb, S, R] (slot) or [layers?, T, R] (paged).
   TensorDesc const& rope = c.op(kRope);
@@ -298,8 +356,10 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     if (!same(p.rope_seq_len, p.num_tokens))
       return c.fail_shape(kRope, "one row per token, T = " + str(p.num_tokens) + " (k_delta dim " + str(lead) + ")"),
              c.error();
+    p.num_tokens = p.rope_seq_len = first_known({p.num_tokens, p.rope_seq_len});
   }
   p.rotary_dim = rope.dims[rl + (slot ? 2 : 1)];
+  int64_t const per_step = slot ? p.batch : p.num_tokens;  // entries of the int32 arrays
 
   // The int32 arrays: starts + lengths (slot), positions + owners (paged): [n] or [layers, n],
   // both in one layout.
@@ -316,7 +376,10 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     if (i == first) per_layer = stacked;
     else if (stacked != per_layer)
       return c.fail_shape(i, std::string("the layout of ") + c.name(first) + " " + dims_text(c.op(first))), c.error();
+    int64_t& entries = slot ? p.batch : p.num_tokens;
+    entries = first_known({entries, t.dims[t.rank - 1]});
   }
+  if (!slot) p.rope_seq_len = p.num_tokens;  // one row per token
   p.positions_per_layer = per_layer;
 
   // kv_page_table: [layers?, B, 2, M].
@@ -343,7 +406,7 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
       return c.fail_shape(next, std::string("[] or [1] or [H] (H = ") + str(p.num_kv_heads) + ")" +
                                     (layered ? " or [layers, 1] / [layers, H]" : "")),
              c.error();
-    int64_t const heads = ks.rank == 0 ? 1 : ks.dims[ks.rank - 1];
+    int64_t const heads = ks.rank == 0 ? 1 : first_known({ks.dims[ks.rank - 1], vs.rank == ks.rank ? vs.dims[vs.rank - 1] : kUnknownDim});
     if (known(heads) && heads != 1 && !same(heads, p.num_kv_heads))
       return c.fail_shape(next, "1 or H = " + str(p.num_kv_heads) + " scales"), c.error();
     if (per_layer_scale && !same(ks.dims[0], layers))
@@ -352,6 +415,7 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     for (int32_t i = 0; vs_same && i < ks.rank; ++i) vs_same = same(vs.dims[i], ks.dims[i]);
     if (!vs_same) return c.fail_shape(next + 1, "k_scale's shape " + dims_text(ks)), c.error();
     p.scale_heads = known(heads) ? heads : 1;
+    if (!known(p.num_kv_heads) && p.scale_heads > 1) p.num_kv_heads = p.scale_heads;
     p.scale_per_layer = per_layer_scale;
     p.k_scale = static_cast<float const*>(ks.data);
     p.v_scale = static_cast<float const*>(vs.data);
@@ -365,6 +429,7 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
       return c.fail_shape(next, "[D] = [" + str(p.head_dim) + "]" + (layered ? " or [layers, D]" : "")), c.error();
     p.weight_per_layer = stacked;
     p.k_norm_weight = w.data;
+    p.head_dim = first_known({p.head_dim, w.dims[w.rank - 1]});
   }
 
   p.k_delta = c.op(kKDelta).data;
@@ -391,6 +456,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
       for (int32_t i = 0; i < count; ++i)
         if (c.op(i).data == nullptr && element_count(c.op(i)) > 0)
           return std::string(c.name(i)) + ": the data pointer is null for shape " + dims_text(c.op(i));
+  } else if (std::string e = check_known_sizes(p); !e.empty()) {
+    return e;
   }
   *out = p;
   return {};

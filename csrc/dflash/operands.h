@@ -52,7 +52,9 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
                                 DType delta_dtype, DType pool_dtype);
 
 // Checks `count` operands against the contract of `attrs` and fills *p (sizes, flags and the
-// data pointers). Dims may be kUnknownDim when `allow_unknown` (then *p is not usable). With
+// data pointers). Dims, and the slot contract's pages_per_slot, may be kUnknownDim when
+// `allow_unknown` (TensorRT's build time; then *p is not usable): every rule between the known
+// sizes is still checked, a size being known when any operand holding it has it. With
 // `need_data`, operands that will be read must have non-null data. Returns "" when valid, else
 // the reason.
 std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,

@@ -803,7 +803,7 @@ void pagedBadInputs(IPluginResourceContext* context) {
   int32_t const ks = kScaleIndex(x);
   symbolicShapes(x, nodeFields(x),
                  {{"the pool's H symbolic, k_delta's 2, scales [3]",
-                   "k_scale: expected 1 or H = 2 scales per layer, got 3",
+                   "k_scale: expected 1 or H = 2 scales, got shape [3]",
                    both(setDim(ks, 0, 3), setDim(ks + 1, 0, 3)),
                    {poolHeads}},
                   {"D symbolic but in k_norm_weight [64], rope [T, 66]",
