@@ -427,17 +427,16 @@ std::string checkInputTypes(PluginConfig const& config, DataType const* inputTyp
   return {};
 }
 
-std::string checkFormatAt(PluginConfig const& config, int32_t pos, DynamicPluginTensorDesc const* inOut,
+std::string formatCallForm(PluginConfig const& config, DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+                           int32_t nbOutputs, CallForm* form) {
+  if (inOut == nullptr) return "inOut is null";
+  std::vector<TrtTensor> const tensors = descTensors(inOut, nbInputs);
+  return callForm(config, nbInputs, nbOutputs, {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, form);
+}
+
+std::string checkFormatAt(CallForm const& form, int32_t pos, DynamicPluginTensorDesc const* inOut,
                           int32_t nbInputs, int32_t nbOutputs) {
   if (inOut == nullptr) return "inOut is null";
-  // The dtypes are what TensorRT is choosing (a kFP8 pool probed on a 16-bit call is a refusal,
-  // not a wrong count): the form comes from the dims and the count.
-  std::vector<TrtTensor> const tensors = descTensors(inOut, nbInputs);
-  CallForm form;
-  if (std::string e = callForm(config, nbInputs, nbOutputs,
-                               {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, &form);
-      !e.empty())
-    return e;
   int32_t const nbTensors = nbInputs + nbOutputs;
   if (pos < 0 || pos >= nbTensors)
     return "expected pos in [0, " + std::to_string(nbTensors) + "), got " + std::to_string(pos);

@@ -87,8 +87,13 @@ nvinfer1::DataType shapeCheckType(CallForm const& form, int32_t index);
 std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const* inputTypes, int32_t nbInputs,
                             int32_t nbOutputs, nvinfer1::DataType* outputType);
 
-// supportsFormatCombination: tensor `pos` (inputs, then the output) given inOut[0..pos] decided.
-std::string checkFormatAt(PluginConfig const& config, int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut,
+// supportsFormatCombination's form: from the dims and the count, not the dtypes, which TensorRT
+// is choosing (a kFP8 pool probed on a 16-bit call is a refusal, not a wrong count).
+std::string formatCallForm(PluginConfig const& config, nvinfer1::DynamicPluginTensorDesc const* inOut,
+                           int32_t nbInputs, int32_t nbOutputs, CallForm* form);
+// supportsFormatCombination: tensor `pos` (inputs, then the output) of a call of this form, given
+// inOut[0..pos] decided.
+std::string checkFormatAt(CallForm const& form, int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut,
                           int32_t nbInputs, int32_t nbOutputs);
 
 // How checkCall treats what is not known yet.

@@ -208,20 +208,15 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs
 bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
                                                                 int32_t nbInputs, int32_t nbOutputs) noexcept {
   try {
-    if (inOut == nullptr) return fail("supportsFormatCombination", "inOut is null"), false;
     // A wrong count or k_delta rank is the call's error; a dtype or format is TensorRT's question.
-    std::vector<TrtTensor> tensors;
-    for (int32_t i = 0; i < nbInputs; ++i) tensors.push_back(trtTensor(inOut[i].desc));
     CallForm form;
-    if (std::string e = callForm(mConfig, nbInputs, nbOutputs,
-                                 {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, &form);
-        !e.empty())
+    if (std::string e = formatCallForm(mConfig, inOut, nbInputs, nbOutputs, &form); !e.empty())
       return fail("supportsFormatCombination", e), false;
     if (pos < 0 || pos >= nbInputs + nbOutputs)
       return fail("supportsFormatCombination",
                   "expected pos in [0, " + std::to_string(nbInputs + nbOutputs) + "), got " + std::to_string(pos)),
              false;
-    if (std::string reason = checkFormatAt(mConfig, pos, inOut, nbInputs, nbOutputs); !reason.empty()) {
+    if (std::string reason = checkFormatAt(form, pos, inOut, nbInputs, nbOutputs); !reason.empty()) {
       // An unsupported combination is an ordinary answer while TensorRT searches, not an error.
       logMessage(Severity::kVERBOSE, std::string(kPLUGIN_NAME) + "::supportsFormatCombination: " + reason);
       return false;

@@ -406,7 +406,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
       return c.fail_shape(next, std::string("[] or [1] or [H] (H = ") + str(p.num_kv_heads) + ")" +
                                     (layered ? " or [layers, 1] / [layers, H]" : "")),
              c.error();
-    int64_t const heads = ks.rank == 0 ? 1 : first_known({ks.dims[ks.rank - 1], vs.rank == ks.rank ? vs.dims[vs.rank - 1] : kUnknownDim});
+    int64_t const v_heads = vs.rank == ks.rank && ks.rank > 0 ? vs.dims[vs.rank - 1] : kUnknownDim;
+    int64_t const heads = ks.rank == 0 ? 1 : first_known({ks.dims[ks.rank - 1], v_heads});
     if (known(heads) && heads != 1 && !same(heads, p.num_kv_heads))
       return c.fail_shape(next, "1 or H = " + str(p.num_kv_heads) + " scales"), c.error();
     if (per_layer_scale && !same(ks.dims[0], layers))
