@@ -40,9 +40,14 @@ build: venv
 	@$(PY) -c 'import pathlib, jax_dflash; print(*{p.read_text() for d in jax_dflash.__path__ \
 	  for p in pathlib.Path(d).glob("build_info.json")})' || true
 
+# The C/C++/CUDA sources, formatted by the pinned clang-format of the [dev] extra.
+CXX_SOURCES = $(shell git ls-files 'csrc/*' 'trt_plugin/*' 'tools/*' 'bench/*' | grep -E '\.(h|cc|cpp|cu|cuh)$$')
+
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	@echo "clang-format --dry-run -Werror ($(words $(CXX_SOURCES)) files)"
+	@$(VENV)/bin/clang-format --dry-run -Werror --style=file $(CXX_SOURCES)
 
 test: build
 	$(PY) -m pytest -q

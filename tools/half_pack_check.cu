@@ -4,7 +4,8 @@
 // flipped, so that NaN and finite values meet in one word). It runs in tools/gpu_session.sh's
 // parity stage.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/half_pack_check.cu -o /tmp/half_pack_check && /tmp/half_pack_check
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/half_pack_check.cu -o /tmp/half_pack_check &&
+//   /tmp/half_pack_check
 #include "dflash/numerics.h"
 #include "exhaustive_check.cuh"
 

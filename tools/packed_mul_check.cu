@@ -3,7 +3,8 @@
 // of 16-bit inputs (2^32 pairs each for float16 and bfloat16; NaN results compared after the
 // canonical NaN, as they are stored). It runs in tools/gpu_session.sh's parity stage.
 //
-//   nvcc -std=c++17 -O3 --fmad=false -arch=sm_90 -Icsrc tools/packed_mul_check.cu -o /tmp/packed_mul_check && /tmp/packed_mul_check
+//   nvcc -std=c++17 -O3 --fmad=false -arch=sm_90 -Icsrc tools/packed_mul_check.cu -o /tmp/packed_mul_check &&
+//   /tmp/packed_mul_check
 #include "dflash/numerics.h"
 #include "exhaustive_check.cuh"
 
@@ -18,8 +19,10 @@ struct PackedProduct {
     float const bu = dflash::bfloat16_bits_to_float(u), bw = dflash::bfloat16_bits_to_float(w);
     float2 const b = dflash::bf16_pair_times(bu, bw, bits);
     uint16_t const b_want = dflash::float_to_bfloat16_bits(dflash::mul_rn(bu, bw));
-    bool const f16_bad = dflash::float_to_float16_bits(h.x) != h_want || dflash::float_to_float16_bits(h.y) != h_want;
-    bool const bf16_bad = dflash::float_to_bfloat16_bits(b.x) != b_want || dflash::float_to_bfloat16_bits(b.y) != b_want;
+    bool const f16_bad =
+        dflash::float_to_float16_bits(h.x) != h_want || dflash::float_to_float16_bits(h.y) != h_want;
+    bool const bf16_bad =
+        dflash::float_to_bfloat16_bits(b.x) != b_want || dflash::float_to_bfloat16_bits(b.y) != b_want;
     return unsigned(f16_bad) | unsigned(bf16_bad) << 1;
   }
 };

@@ -58,7 +58,8 @@ std::string fieldTypeName(PluginFieldType type) {
 }
 
 std::string dimsToString(Dims const& dims) {
-  if (dims.nbDims < 0 || dims.nbDims > Dims::MAX_DIMS) return "(invalid rank " + std::to_string(dims.nbDims) + ")";
+  if (dims.nbDims < 0 || dims.nbDims > Dims::MAX_DIMS)
+    return "(invalid rank " + std::to_string(dims.nbDims) + ")";
   std::string text = "[";
   for (int32_t i = 0; i < dims.nbDims; ++i)
     text += (i ? ", " : "") + (dims.d[i] == kUnknownDim ? std::string("?") : std::to_string(dims.d[i]));
@@ -69,8 +70,8 @@ std::string dimsToString(Dims const& dims) {
 
 namespace {
 
-constexpr std::array<char const*, 5> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD, kV_NORM_FIELD,
-                                                    kNORM_EPS_FIELD};
+constexpr std::array<char const*, 5> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD,
+                                                    kV_NORM_FIELD, kNORM_EPS_FIELD};
 // The node attributes that say which creator to use: TensorRT's ONNX parser may forward them as
 // fields, and they are not the plugin's.
 constexpr std::array<char const*, 2> kIgnoredFieldNames = {"plugin_version", "plugin_namespace"};
@@ -87,7 +88,8 @@ std::string fieldWhere(PluginField const& field) { return std::string("field '")
 int64_t readInteger(PluginField const& field) {
   if (field.data == nullptr) throw std::invalid_argument(fieldWhere(field) + "data is null");
   if (field.length != 1)
-    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
+    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " +
+                                std::to_string(field.length));
   if (field.type == PluginFieldType::kINT32) return *static_cast<int32_t const*>(field.data);
   if (field.type == PluginFieldType::kINT64) return *static_cast<int64_t const*>(field.data);
   throw std::invalid_argument(fieldWhere(field) + "expected type kINT32 (or kINT64), got " +
@@ -104,13 +106,15 @@ int32_t readFlag(PluginField const& field) {
 float readEps(PluginField const& field) {
   if (field.data == nullptr) throw std::invalid_argument(fieldWhere(field) + "data is null");
   if (field.length != 1)
-    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " + std::to_string(field.length));
+    throw std::invalid_argument(fieldWhere(field) + "expected 1 element, got " +
+                                std::to_string(field.length));
   if (field.type != PluginFieldType::kFLOAT32)
     throw std::invalid_argument(fieldWhere(field) + "expected type kFLOAT32, got " +
                                 fieldTypeName(field.type));
   float const value = *static_cast<float const*>(field.data);
   if (!(std::isfinite(value) && value > 0.0f))
-    throw std::invalid_argument(fieldWhere(field) + "expected a finite float32 > 0, got " + std::to_string(value));
+    throw std::invalid_argument(fieldWhere(field) + "expected a finite float32 > 0, got " +
+                                std::to_string(value));
   return value;
 }
 
@@ -118,7 +122,8 @@ float readEps(PluginField const& field) {
 
 std::string checkPagesPerSlotValue(int64_t value) {
   if (value <= 0 || value > std::numeric_limits<int32_t>::max())
-    return std::string("field '") + kPAGES_PER_SLOT_FIELD + "': expected an int32 > 0, got " + std::to_string(value);
+    return std::string("field '") + kPAGES_PER_SLOT_FIELD + "': expected an int32 > 0, got " +
+           std::to_string(value);
   return {};
 }
 
@@ -143,7 +148,8 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
                                   kIgnoredFieldNames[0] + "', '" + kIgnoredFieldNames[1] +
                                   "', which are ignored)");
     }
-    if (seen[known]) throw std::invalid_argument(fieldWhere(field) + "given twice (expected each field at most once)");
+    if (seen[known])
+      throw std::invalid_argument(fieldWhere(field) + "given twice (expected each field at most once)");
     seen[known] = true;
     if (known == 0) {
       int64_t const value = readInteger(field);
@@ -293,14 +299,16 @@ std::string countMismatch(UpdateAttrs const& attrs, CallFacts const& facts, int3
 
 // Appends TensorRT's name of a dtype the core can only call "another dtype".
 std::string withTrtType(std::string reason, DataType given) {
-  if (!reason.empty() && toDType(given) == DType::kOther) reason += std::string(" (TensorRT DataType ") + typeName(given) + ")";
+  if (!reason.empty() && toDType(given) == DType::kOther)
+    reason += std::string(" (TensorRT DataType ") + typeName(given) + ")";
   return reason;
 }
 
 std::string checkLinear(CallForm const& form, int32_t index, TensorFormat format) {
   if (format == TensorFormat::kLINEAR) return {};
   return std::string(operand_name(form.attrs, index, form.nbInputs)) +
-         ": expected the linear format (TensorFormat::kLINEAR), got format " + std::to_string(static_cast<int32_t>(format));
+         ": expected the linear format (TensorFormat::kLINEAR), got format " +
+         std::to_string(static_cast<int32_t>(format));
 }
 
 TensorDesc toTensorDesc(TrtTensor const& t) {
@@ -316,7 +324,8 @@ TensorDesc toTensorDesc(TrtTensor const& t) {
 
 std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallFacts const& facts,
                      CallForm* form) {
-  if (nbOutputs != kNB_OUTPUTS) return "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
+  if (nbOutputs != kNB_OUTPUTS)
+    return "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
   CallForm f;
   f.nbInputs = nbInputs;
   f.attrs.k_norm = config.kNorm != 0;
@@ -381,8 +390,8 @@ std::string checkFieldsForContract(PluginConfig const& config, CallForm const& f
              std::to_string(config.pagesPerSlot);
   } else if (config.pagesPerSlot != 0) {
     return std::string("field '") + kPAGES_PER_SLOT_FIELD + "' is for the slot contract only (got " +
-           std::to_string(config.pagesPerSlot) + "); these " + std::to_string(form.nbInputs) + " inputs are " +
-           describeForm(form);
+           std::to_string(config.pagesPerSlot) + "); these " + std::to_string(form.nbInputs) +
+           " inputs are " + describeForm(form);
   }
   return {};
 }
@@ -399,7 +408,8 @@ std::vector<TrtTensor> descTensors(DynamicPluginTensorDesc const* descs, int32_t
 DataType shapeCheckType(CallForm const& form, int32_t index) {
   int32_t const base = base_operand_count(form.attrs.contract);
   if (index == 0 || index == 1) return DataType::kHALF;
-  if (index == kPAST_KEY_VALUE || index == form.nbInputs) return form.fp8Pool ? DataType::kFP8 : DataType::kHALF;
+  if (index == kPAST_KEY_VALUE || index == form.nbInputs)
+    return form.fp8Pool ? DataType::kFP8 : DataType::kHALF;
   if (index == kROPE_COS_SIN) return DataType::kFLOAT;
   if (index < base) return DataType::kINT32;
   if (form.fp8Pool && index < base + 2) return DataType::kFLOAT;
@@ -408,8 +418,8 @@ DataType shapeCheckType(CallForm const& form, int32_t index) {
 
 // ---- the checks ------------------------------------------------------------------------------------
 
-std::string checkInputTypes(PluginConfig const& config, DataType const* inputTypes, int32_t nbInputs, int32_t nbOutputs,
-                            DataType* outputType) {
+std::string checkInputTypes(PluginConfig const& config, DataType const* inputTypes, int32_t nbInputs,
+                            int32_t nbOutputs, DataType* outputType) {
   if (inputTypes == nullptr) return "the input type array is null";
   std::vector<TrtTensor> tensors(static_cast<size_t>(std::max(nbInputs, 0)));
   for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = inputTypes[i];
@@ -421,8 +431,10 @@ std::string checkInputTypes(PluginConfig const& config, DataType const* inputTyp
   DType const delta = toDType(inputTypes[0]);
   DType const pool = toDType(inputTypes[kPAST_KEY_VALUE]);
   for (int32_t i = 0; i < nbInputs; ++i)
-    if (std::string e = check_operand_dtype(form.attrs, i, nbInputs, toDType(inputTypes[i]), delta, pool); !e.empty())
-      return withTrtType(e, inputTypes[i]) + " (" + std::to_string(nbInputs) + " inputs: " + describeForm(form) + ")";
+    if (std::string e = check_operand_dtype(form.attrs, i, nbInputs, toDType(inputTypes[i]), delta, pool);
+        !e.empty())
+      return withTrtType(e, inputTypes[i]) + " (" + std::to_string(nbInputs) +
+             " inputs: " + describeForm(form) + ")";
   if (outputType != nullptr) *outputType = inputTypes[kPAST_KEY_VALUE];
   return {};
 }
@@ -431,7 +443,8 @@ std::string formatCallForm(PluginConfig const& config, DynamicPluginTensorDesc c
                            int32_t nbOutputs, CallForm* form) {
   if (inOut == nullptr) return "inOut is null";
   std::vector<TrtTensor> const tensors = descTensors(inOut, nbInputs);
-  return callForm(config, nbInputs, nbOutputs, {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false}, form);
+  return callForm(config, nbInputs, nbOutputs, {tensors.data(), /*dimsKnown=*/true, /*typesKnown=*/false},
+                  form);
 }
 
 std::string checkFormatAt(CallForm const& form, int32_t pos, DynamicPluginTensorDesc const* inOut,
@@ -445,8 +458,9 @@ std::string checkFormatAt(CallForm const& form, int32_t pos, DynamicPluginTensor
   // TensorRT decides the tensors in order: only inOut[0..pos] may be read.
   DType const delta = toDType(inOut[0].desc.type);
   DType const pool = pos >= kPAST_KEY_VALUE ? toDType(inOut[kPAST_KEY_VALUE].desc.type)
-                                             : (form.fp8Pool ? DType::kFloat8E4M3 : delta);
-  return withTrtType(check_operand_dtype(form.attrs, pos, nbInputs, toDType(desc.type), delta, pool), desc.type);
+                                            : (form.fp8Pool ? DType::kFloat8E4M3 : delta);
+  return withTrtType(check_operand_dtype(form.attrs, pos, nbInputs, toDType(desc.type), delta, pool),
+                     desc.type);
 }
 
 std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs,
@@ -469,8 +483,8 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
 
   for (int32_t i = 0; i < nbInputs; ++i)
     if (inputs[i].dims.nbDims < 0 || inputs[i].dims.nbDims > kMaxRank)
-      return std::string(operand_name(attrs, i, nbInputs)) + ": expected a rank in [0, " + std::to_string(kMaxRank) +
-             "], got " + std::to_string(inputs[i].dims.nbDims);
+      return std::string(operand_name(attrs, i, nbInputs)) + ": expected a rank in [0, " +
+             std::to_string(kMaxRank) + "], got " + std::to_string(inputs[i].dims.nbDims);
   if (std::string e = checkFieldsForContract(fields, form); !e.empty()) return e;
 
   for (int32_t i = 0; i < nbInputs; ++i)
@@ -480,8 +494,8 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
 
   Dims const& pool = inputs[kPAST_KEY_VALUE].dims;
   if (pool.nbDims != 5)  // the core also takes a leading layers axis; TensorRT's contract has none
-    return "past_key_value: expected rank 5 [2, N, " + std::to_string(kTOKENS_PER_PAGE) + ", H, D], got rank " +
-           std::to_string(pool.nbDims) + " " + dimsToString(pool);
+    return "past_key_value: expected rank 5 [2, N, " + std::to_string(kTOKENS_PER_PAGE) +
+           ", H, D], got rank " + std::to_string(pool.nbDims) + " " + dimsToString(pool);
   if (pool.d[2] != kUnknownDim && pool.d[2] != kTOKENS_PER_PAGE)
     return "past_key_value: expected dim 2 == " + std::to_string(kTOKENS_PER_PAGE) +
            " tokens per page (the TensorRT contract), got " + dimsToString(pool);
@@ -496,7 +510,8 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
 
   std::array<TensorDesc, kMAX_INPUTS> descs{};
   if (nbInputs > static_cast<int32_t>(descs.size()))
-    return "expected at most " + std::to_string(descs.size()) + " inputs, got " + std::to_string(nbInputs) + " inputs";
+    return "expected at most " + std::to_string(descs.size()) + " inputs, got " + std::to_string(nbInputs) +
+           " inputs";
   for (int32_t i = 0; i < nbInputs; ++i) descs[i] = toTensorDesc(inputs[i]);
   if (pending) descs[kPAST_KEY_VALUE].dims[1] = kUnknownDim;  // numPages' rules need pages_per_slot
   // With unknown dims the core checks every rule between the known sizes.
@@ -521,14 +536,17 @@ std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc con
     std::vector<TrtTensor> const tensors = descTensors(in, nbInputs);
     CallForm form;
     std::string e = callForm(config, nbInputs, nbOutputs, {tensors.data(), true, true}, &form);
-    return e.empty() ? "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " + std::to_string(nbInputs) + " inputs" : e;
+    return e.empty() ? "expected at most " + std::to_string(kMAX_INPUTS) + " inputs, got " +
+                           std::to_string(nbInputs) + " inputs"
+                     : e;
   }
   struct Bound {
     char const* name;
-    Dims DynamicPluginTensorDesc::*member;  // null: the build-time dims (with wildcards)
+    Dims DynamicPluginTensorDesc::* member;  // null: the build-time dims (with wildcards)
   };
-  for (Bound bound : {Bound{nullptr, nullptr}, Bound{"min", &DynamicPluginTensorDesc::min},
-                      Bound{"opt", &DynamicPluginTensorDesc::opt}, Bound{"max", &DynamicPluginTensorDesc::max}}) {
+  for (Bound bound :
+       {Bound{nullptr, nullptr}, Bound{"min", &DynamicPluginTensorDesc::min},
+        Bound{"opt", &DynamicPluginTensorDesc::opt}, Bound{"max", &DynamicPluginTensorDesc::max}}) {
     std::array<TrtTensor, kMAX_INPUTS> inputs{};
     auto select = [&](DynamicPluginTensorDesc const& d) {
       TrtTensor t = trtTensor(d.desc);
@@ -571,8 +589,7 @@ int32_t checkOrFail(std::string const& reason, char const* function, std::string
     std::string const text = std::string(kPLUGIN_NAME) + "::" + function + " (" + pluginName + "): " + reason;
     logMessage(Severity::kERROR, text);
     if (recorder != nullptr) recorder->reportError(nvinfer1::ErrorCode::kINVALID_ARGUMENT, text.c_str());
-  } catch (...) {
-  }
+  } catch (...) {}
   return kSTATUS_FAILURE;
 }
 

@@ -84,8 +84,8 @@ nvinfer1::DataType shapeCheckType(CallForm const& form, int32_t index);
 // ---- the checks, one per entry point ---------------------------------------------------------------
 
 // getOutputDataTypes: every input's dtype, and the output's (the pool's) through *outputType.
-std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const* inputTypes, int32_t nbInputs,
-                            int32_t nbOutputs, nvinfer1::DataType* outputType);
+std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const* inputTypes,
+                            int32_t nbInputs, int32_t nbOutputs, nvinfer1::DataType* outputType);
 
 // supportsFormatCombination's form: from the dims and the count, not the dtypes, which TensorRT
 // is choosing (a kFP8 pool probed on a 16-bit call is a refusal, not a wrong count).
@@ -116,8 +116,8 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
 
 // configurePlugin and getWorkspaceSize: checkCall on the build-time descriptors (wildcards
 // allowed), then on each of the profile's min, opt and max shapes.
-std::string checkProfile(PluginConfig const& config, nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-                         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs);
+std::string checkProfile(PluginConfig const& config, nvinfer1::DynamicPluginTensorDesc const* in,
+                         int32_t nbInputs, nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs);
 
 // The bytes of a tensor, or -1 when the product overflows int64.
 int64_t tensorBytes(nvinfer1::Dims const& dims, nvinfer1::DataType type);

@@ -58,12 +58,14 @@ LoadedTensorRT findLoadedTensorRT() {
   LoadedTensorRT found;
   if (void* symbol = dlsym(RTLD_DEFAULT, "getPluginRegistry")) {
     found.getPluginRegistry = reinterpret_cast<GetPluginRegistryFn>(symbol);
-    found.getInferLibVersion = reinterpret_cast<GetInferLibVersionFn>(dlsym(RTLD_DEFAULT, "getInferLibVersion"));
+    found.getInferLibVersion =
+        reinterpret_cast<GetInferLibVersionFn>(dlsym(RTLD_DEFAULT, "getInferLibVersion"));
     return found;
   }
   // Libraries loaded with RTLD_LOCAL (Python's bindings) are reachable by name without loading anything new.
-  for (char const* soname : {"libnvinfer.so.10", "libnvinfer_lean.so.10", "libnvinfer_dispatch.so.10", "libnvinfer.so.11",
-                             "libnvinfer_lean.so.11", "libnvinfer_dispatch.so.11", "libnvinfer.so", "libnvinfer_lean.so"}) {
+  for (char const* soname :
+       {"libnvinfer.so.10", "libnvinfer_lean.so.10", "libnvinfer_dispatch.so.10", "libnvinfer.so.11",
+        "libnvinfer_lean.so.11", "libnvinfer_dispatch.so.11", "libnvinfer.so", "libnvinfer_lean.so"}) {
     if (void* handle = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD)) {
       found.getPluginRegistry = reinterpret_cast<GetPluginRegistryFn>(dlsym(handle, "getPluginRegistry"));
       found.getInferLibVersion = reinterpret_cast<GetInferLibVersionFn>(dlsym(handle, "getInferLibVersion"));
@@ -90,8 +92,7 @@ void logMessage(nvinfer1::ILogger::Severity severity, std::string const& message
     } else if (severity <= nvinfer1::ILogger::Severity::kWARNING) {
       std::fprintf(stderr, "[dflash_trt_plugin] %s: %s\n", severityName(severity), message.c_str());
     }
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 }  // namespace dflash::trt
@@ -110,7 +111,9 @@ nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
   return creators;
 }
 
-void setDFlashPluginLogger(void* logger) { dflash::trt::setPluginLogger(static_cast<nvinfer1::ILogger*>(logger)); }
+void setDFlashPluginLogger(void* logger) {
+  dflash::trt::setPluginLogger(static_cast<nvinfer1::ILogger*>(logger));
+}
 
 bool initDFlashPluginWithRegistry(void* registry, void* logger, char const* pluginNamespace) {
   try {
@@ -126,8 +129,9 @@ bool initDFlashPluginWithRegistry(void* registry, void* logger, char const* plug
     std::lock_guard<std::mutex> lock(dflash::trt::gRegisteredMutex);
     if (!trtRegistry->registerCreator(*creator, ns.c_str())) {
       logMessage(Severity::kERROR, std::string("initDFlashPluginWithRegistry: the registry refused ") +
-                                       dflash::trt::kPLUGIN_NAME + " version " + dflash::trt::kPLUGIN_VERSION +
-                                       " in namespace '" + ns + "' (already registered?)");
+                                       dflash::trt::kPLUGIN_NAME + " version " +
+                                       dflash::trt::kPLUGIN_VERSION + " in namespace '" + ns +
+                                       "' (already registered?)");
       return false;
     }
     dflash::trt::registeredCreators().push_back(std::move(creator));
@@ -136,9 +140,7 @@ bool initDFlashPluginWithRegistry(void* registry, void* logger, char const* plug
     return true;
   } catch (std::exception const& e) {
     logMessage(Severity::kERROR, std::string("initDFlashPluginWithRegistry: ") + e.what());
-  } catch (...) {
-    logMessage(Severity::kERROR, "initDFlashPluginWithRegistry: unknown exception");
-  }
+  } catch (...) { logMessage(Severity::kERROR, "initDFlashPluginWithRegistry: unknown exception"); }
   return false;
 }
 
@@ -147,9 +149,10 @@ bool initDFlashPlugin(void* logger, char const* pluginNamespace) {
     if (logger != nullptr) dflash::trt::setPluginLogger(static_cast<nvinfer1::ILogger*>(logger));
     dflash::trt::LoadedTensorRT const loaded = dflash::trt::findLoadedTensorRT();
     if (loaded.getPluginRegistry == nullptr) {
-      logMessage(Severity::kERROR,
-                 "initDFlashPlugin: getPluginRegistry was not found: load libnvinfer (or libnvinfer_lean) first, or "
-                 "call initDFlashPluginWithRegistry with the registry");
+      logMessage(
+          Severity::kERROR,
+          "initDFlashPlugin: getPluginRegistry was not found: load libnvinfer (or libnvinfer_lean) first, or "
+          "call initDFlashPluginWithRegistry with the registry");
       return false;
     }
     // The registry is called through the vtable of the headers this library was built with;
@@ -157,17 +160,16 @@ bool initDFlashPlugin(void* logger, char const* pluginNamespace) {
     // IPluginV2 methods), so only the loadLibrary path (getCreators) is safe across majors.
     int32_t const loadedVersion = loaded.getInferLibVersion ? loaded.getInferLibVersion() : 0;
     if (loadedVersion / 10000 != NV_TENSORRT_MAJOR) {
-      logMessage(Severity::kERROR,
-                 "initDFlashPlugin: the loaded TensorRT is version " + std::to_string(loadedVersion) +
-                     " but this library was built with TensorRT " + std::to_string(NV_TENSORRT_MAJOR) +
-                     " headers, whose IPluginRegistry differs: load the library with IPluginRegistry::loadLibrary "
-                     "(trtexec --dynamicPlugins) instead, or rebuild it against that TensorRT (TENSORRT_ROOT)");
+      logMessage(
+          Severity::kERROR,
+          "initDFlashPlugin: the loaded TensorRT is version " + std::to_string(loadedVersion) +
+              " but this library was built with TensorRT " + std::to_string(NV_TENSORRT_MAJOR) +
+              " headers, whose IPluginRegistry differs: load the library with IPluginRegistry::loadLibrary "
+              "(trtexec --dynamicPlugins) instead, or rebuild it against that TensorRT (TENSORRT_ROOT)");
       return false;
     }
     return initDFlashPluginWithRegistry(loaded.getPluginRegistry(), nullptr, pluginNamespace);
-  } catch (...) {
-    logMessage(Severity::kERROR, "initDFlashPlugin: unknown exception");
-  }
+  } catch (...) { logMessage(Severity::kERROR, "initDFlashPlugin: unknown exception"); }
   return false;
 }
 

@@ -43,8 +43,8 @@ std::array<TrtTensor, kMAX_INPUTS> runtimeTensors(PluginTensorDesc const* in, in
 }
 
 std::string checkRuntimeCall(PluginConfig const& config, PluginTensorDesc const* in, int32_t nbInputs,
-                             PluginTensorDesc const* out, int32_t nbOutputs, void const* const* inputs, bool needData,
-                             KVUpdateParams* params) {
+                             PluginTensorDesc const* out, int32_t nbOutputs, void const* const* inputs,
+                             bool needData, KVUpdateParams* params) {
   if (in == nullptr) return "the input descriptors are null";
   if (out == nullptr) return "the output descriptors are null";
   if (nbInputs < 0 || nbInputs > kMAX_INPUTS) {
@@ -73,7 +73,8 @@ DFlashTargetKVCacheUpdatePlugin::DFlashTargetKVCacheUpdatePlugin(std::string con
                                                                  PluginFieldCollection const* fc)
     : mName(name), mConfig(readFields(fc)) {}
 
-int32_t DFlashTargetKVCacheUpdatePlugin::fail(char const* function, std::string const& message) const noexcept {
+int32_t DFlashTargetKVCacheUpdatePlugin::fail(char const* function,
+                                              std::string const& message) const noexcept {
   return checkOrFail(message, function, mName, mErrorRecorder);
 }
 
@@ -87,9 +88,7 @@ nvinfer1::IPluginCapability* DFlashTargetKVCacheUpdatePlugin::getCapabilityInter
     }
     fail("getCapabilityInterface", "expected PluginCapabilityType kCORE, kBUILD or kRUNTIME, got " +
                                        std::to_string(static_cast<int32_t>(type)));
-  } catch (std::exception const& e) {
-    fail("getCapabilityInterface", e.what());
-  }
+  } catch (std::exception const& e) { fail("getCapabilityInterface", e.what()); }
   return nullptr;
 }
 
@@ -100,22 +99,20 @@ nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePlugin::clone() noexcept {
     copy->mConfig = mConfig;
     copy->mErrorRecorder = mErrorRecorder;
     return copy.release();
-  } catch (std::exception const& e) {
-    fail("clone", e.what());
-  }
+  } catch (std::exception const& e) { fail("clone", e.what()); }
   return nullptr;
 }
 
 char const* DFlashTargetKVCacheUpdatePlugin::getPluginName() const noexcept { return kPLUGIN_NAME; }
 char const* DFlashTargetKVCacheUpdatePlugin::getPluginVersion() const noexcept { return kPLUGIN_VERSION; }
-char const* DFlashTargetKVCacheUpdatePlugin::getPluginNamespace() const noexcept { return mNamespace.c_str(); }
+char const* DFlashTargetKVCacheUpdatePlugin::getPluginNamespace() const noexcept {
+  return mNamespace.c_str();
+}
 
 void DFlashTargetKVCacheUpdatePlugin::setPluginNamespace(char const* pluginNamespace) noexcept {
   try {
     mNamespace = pluginNamespace == nullptr ? "" : pluginNamespace;
-  } catch (std::exception const& e) {
-    fail("setPluginNamespace", e.what());
-  }
+  } catch (std::exception const& e) { fail("setPluginNamespace", e.what()); }
 }
 
 void DFlashTargetKVCacheUpdatePlugin::setPagesPerSlot(int32_t pagesPerSlot) noexcept {
@@ -125,8 +122,7 @@ void DFlashTargetKVCacheUpdatePlugin::setPagesPerSlot(int32_t pagesPerSlot) noex
       return;
     }
     mConfig.pagesPerSlot = pagesPerSlot;
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::getNbOutputs() const noexcept { return kNB_OUTPUTS; }
@@ -142,14 +138,13 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputDataTypes(DataType* outputType
       return fail("getOutputDataTypes", e);
     outputTypes[0] = outputType;  // the pool's
     return kSTATUS_SUCCESS;
-  } catch (std::exception const& e) {
-    return fail("getOutputDataTypes", e.what());
-  }
+  } catch (std::exception const& e) { return fail("getOutputDataTypes", e.what()); }
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
-                                                         DimsExprs const* /*shapeInputs*/, int32_t nbShapeInputs,
-                                                         DimsExprs* outputs, int32_t nbOutputs,
+                                                         DimsExprs const* /*shapeInputs*/,
+                                                         int32_t nbShapeInputs, DimsExprs* outputs,
+                                                         int32_t nbOutputs,
                                                          nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept {
   try {
     if (inputs == nullptr || outputs == nullptr)
@@ -200,21 +195,21 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs
       return fail("getOutputShapes", e);
     outputs[0] = inputs[kPAST_KEY_VALUE];  // the output is the pool
     return kSTATUS_SUCCESS;
-  } catch (std::exception const& e) {
-    return fail("getOutputShapes", e.what());
-  }
+  } catch (std::exception const& e) { return fail("getOutputShapes", e.what()); }
 }
 
-bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
-                                                                int32_t nbInputs, int32_t nbOutputs) noexcept {
+bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos,
+                                                                DynamicPluginTensorDesc const* inOut,
+                                                                int32_t nbInputs,
+                                                                int32_t nbOutputs) noexcept {
   try {
     // A wrong count or k_delta rank is the call's error; a dtype or format is TensorRT's question.
     CallForm form;
     if (std::string e = formatCallForm(mConfig, inOut, nbInputs, nbOutputs, &form); !e.empty())
       return fail("supportsFormatCombination", e), false;
     if (pos < 0 || pos >= nbInputs + nbOutputs)
-      return fail("supportsFormatCombination",
-                  "expected pos in [0, " + std::to_string(nbInputs + nbOutputs) + "), got " + std::to_string(pos)),
+      return fail("supportsFormatCombination", "expected pos in [0, " + std::to_string(nbInputs + nbOutputs) +
+                                                   "), got " + std::to_string(pos)),
              false;
     if (std::string reason = checkFormatAt(form, pos, inOut, nbInputs, nbOutputs); !reason.empty()) {
       // An unsupported combination is an ordinary answer while TensorRT searches, not an error.
@@ -222,9 +217,7 @@ bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos, Dyn
       return false;
     }
     return true;
-  } catch (std::exception const& e) {
-    return fail("supportsFormatCombination", e.what()), false;
-  }
+  } catch (std::exception const& e) { return fail("supportsFormatCombination", e.what()), false; }
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -232,9 +225,7 @@ int32_t DFlashTargetKVCacheUpdatePlugin::configurePlugin(DynamicPluginTensorDesc
                                                          int32_t nbOutputs) noexcept {
   try {
     return fail("configurePlugin", checkProfile(mConfig, in, nbInputs, out, nbOutputs));
-  } catch (std::exception const& e) {
-    return fail("configurePlugin", e.what());
-  }
+  } catch (std::exception const& e) { return fail("configurePlugin", e.what()); }
 }
 
 size_t DFlashTargetKVCacheUpdatePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs,
@@ -254,9 +245,7 @@ size_t DFlashTargetKVCacheUpdatePlugin::getWorkspaceSize(DynamicPluginTensorDesc
         reason = inputs == nullptr ? "the input descriptors are null" : "the output descriptors are null";
     }
     fail("getWorkspaceSize", reason);
-  } catch (std::exception const& e) {
-    fail("getWorkspaceSize", e.what());
-  }
+  } catch (std::exception const& e) { fail("getWorkspaceSize", e.what()); }
   return 0;
 }
 
@@ -265,21 +254,22 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getAliasedInput(int32_t outputIndex) no
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
-                                                       PluginTensorDesc const* out, int32_t nbOutputs) noexcept {
+                                                       PluginTensorDesc const* out,
+                                                       int32_t nbOutputs) noexcept {
   try {
     mNbInputs = nbInputs;  // enqueue is not told the count
-    return fail("onShapeChange",
-                       checkRuntimeCall(mConfig, in, nbInputs, out, nbOutputs, nullptr, /*needData=*/false, nullptr));
-  } catch (std::exception const& e) {
-    return fail("onShapeChange", e.what());
-  }
+    return fail("onShapeChange", checkRuntimeCall(mConfig, in, nbInputs, out, nbOutputs, nullptr,
+                                                  /*needData=*/false, nullptr));
+  } catch (std::exception const& e) { return fail("onShapeChange", e.what()); }
 }
 
-int32_t DFlashTargetKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
-                                                 void const* const* inputs, void* const* outputs, void* /*workspace*/,
-                                                 cudaStream_t stream) noexcept {
+int32_t DFlashTargetKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDesc,
+                                                 PluginTensorDesc const* outputDesc,
+                                                 void const* const* inputs, void* const* outputs,
+                                                 void* /*workspace*/, cudaStream_t stream) noexcept {
   try {
-    if (inputs == nullptr || outputs == nullptr) return fail("enqueue", "the input and output pointer arrays must not be null");
+    if (inputs == nullptr || outputs == nullptr)
+      return fail("enqueue", "the input and output pointer arrays must not be null");
     if (inputDesc == nullptr) return fail("enqueue", "the input descriptors are null");
     if (outputDesc == nullptr) return fail("enqueue", "the output descriptors are null");
     // TensorRT tells onShapeChange the input count, not enqueue. Without an onShapeChange first,
@@ -306,33 +296,33 @@ int32_t DFlashTargetKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDe
       cudaError_t const copied =
           cudaMemcpyAsync(outputs[0], past, static_cast<size_t>(poolBytes), cudaMemcpyDeviceToDevice, stream);
       if (copied != cudaSuccess)
-        return fail("enqueue", std::string("copying the pool to the (unaliased) output: ") + cudaGetErrorString(copied));
+        return fail("enqueue",
+                    std::string("copying the pool to the (unaliased) output: ") + cudaGetErrorString(copied));
     }
     p.pool = outputs[0];
     if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)
       return fail("enqueue", std::string("kernel launch failed: ") + cudaGetErrorString(status));
     return kSTATUS_SUCCESS;
-  } catch (std::exception const& e) {
-    return fail("enqueue", e.what());
-  }
+  } catch (std::exception const& e) { return fail("enqueue", e.what()); }
 }
 
-nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePlugin::attachToContext(nvinfer1::IPluginResourceContext* context) noexcept {
+nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePlugin::attachToContext(
+    nvinfer1::IPluginResourceContext* context) noexcept {
   try {
     if (context == nullptr) return fail("attachToContext", "the resource context is null"), nullptr;
     nvinfer1::IPluginV3* copy = clone();
-    if (copy != nullptr) static_cast<DFlashTargetKVCacheUpdatePlugin*>(copy)->mErrorRecorder = context->getErrorRecorder();
+    if (copy != nullptr)
+      static_cast<DFlashTargetKVCacheUpdatePlugin*>(copy)->mErrorRecorder = context->getErrorRecorder();
     return copy;
-  } catch (std::exception const& e) {
-    return fail("attachToContext", e.what()), nullptr;
-  }
+  } catch (std::exception const& e) { return fail("attachToContext", e.what()), nullptr; }
 }
 
 PluginFieldCollection const* DFlashTargetKVCacheUpdatePlugin::getFieldsToSerialize() noexcept {
   // Every field but an unset pages_per_slot (the paged contract has none; 0 is not a valid value).
   int32_t n = 0;
   if (mConfig.pagesPerSlot > 0)
-    mSerializedField[n++] = PluginField(kPAGES_PER_SLOT_FIELD, &mConfig.pagesPerSlot, PluginFieldType::kINT32, 1);
+    mSerializedField[n++] =
+        PluginField(kPAGES_PER_SLOT_FIELD, &mConfig.pagesPerSlot, PluginFieldType::kINT32, 1);
   mSerializedField[n++] = PluginField(kRING_FIELD, &mConfig.ring, PluginFieldType::kINT32, 1);
   mSerializedField[n++] = PluginField(kK_NORM_FIELD, &mConfig.kNorm, PluginFieldType::kINT32, 1);
   mSerializedField[n++] = PluginField(kV_NORM_FIELD, &mConfig.vNorm, PluginFieldType::kINT32, 1);
@@ -355,11 +345,15 @@ DFlashTargetKVCacheUpdatePluginCreator::DFlashTargetKVCacheUpdatePluginCreator()
 }
 
 char const* DFlashTargetKVCacheUpdatePluginCreator::getPluginName() const noexcept { return kPLUGIN_NAME; }
-char const* DFlashTargetKVCacheUpdatePluginCreator::getPluginVersion() const noexcept { return kPLUGIN_VERSION; }
+char const* DFlashTargetKVCacheUpdatePluginCreator::getPluginVersion() const noexcept {
+  return kPLUGIN_VERSION;
+}
 PluginFieldCollection const* DFlashTargetKVCacheUpdatePluginCreator::getFieldNames() noexcept {
   return &mFieldCollection;
 }
-char const* DFlashTargetKVCacheUpdatePluginCreator::getPluginNamespace() const noexcept { return mNamespace.c_str(); }
+char const* DFlashTargetKVCacheUpdatePluginCreator::getPluginNamespace() const noexcept {
+  return mNamespace.c_str();
+}
 
 void DFlashTargetKVCacheUpdatePluginCreator::setPluginNamespace(char const* pluginNamespace) noexcept {
   try {
@@ -369,19 +363,19 @@ void DFlashTargetKVCacheUpdatePluginCreator::setPluginNamespace(char const* plug
   }
 }
 
-nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePluginCreator::createPlugin(char const* name, PluginFieldCollection const* fc,
-                                                                         nvinfer1::TensorRTPhase phase) noexcept {
+nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePluginCreator::createPlugin(
+    char const* name, PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept {
   try {
     if (name == nullptr) throw std::invalid_argument("the plugin name is null");
     if (phase != nvinfer1::TensorRTPhase::kBUILD && phase != nvinfer1::TensorRTPhase::kRUNTIME)
-      throw std::invalid_argument("expected phase kBUILD or kRUNTIME, got " + std::to_string(static_cast<int32_t>(phase)));
+      throw std::invalid_argument("expected phase kBUILD or kRUNTIME, got " +
+                                  std::to_string(static_cast<int32_t>(phase)));
     auto plugin = std::make_unique<DFlashTargetKVCacheUpdatePlugin>(name, fc);
     plugin->setPluginNamespace(mNamespace.c_str());
     return plugin.release();
   } catch (std::exception const& e) {
     logMessage(Severity::kERROR, std::string(kPLUGIN_NAME) + "Creator::createPlugin: " + e.what());
-  } catch (...) {
-  }
+  } catch (...) {}
   return nullptr;
 }
 

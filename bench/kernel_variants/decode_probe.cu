@@ -56,8 +56,7 @@ __device__ __forceinline__ void store8(__half* p, float const (&x)[8]) {
   __stcs(reinterpret_cast<uint4*>(p), raw);
 }
 
-template <int POS, int ROPE, int PDL>
-__global__ void __launch_bounds__(128) probe_kernel(ProbeArgs a) {
+template <int POS, int ROPE, int PDL> __global__ void __launch_bounds__(128) probe_kernel(ProbeArgs a) {
   if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (PDL) asm volatile("griddepcontrol.launch_dependents;");
   constexpr int HALF = R / 2, VEC = 8, PAIRS = HALF / VEC;
@@ -68,10 +67,14 @@ __global__ void __launch_bounds__(128) probe_kernel(ProbeArgs a) {
   unsigned const h = item / PAIRS, channel = (item - h * PAIRS) * VEC;
   size_t const src = size_t(token) * H * D + h * D + channel;
   int start;
-  if (POS == 1) start = __ldg(a.starts + b);
-  else if (POS == 2) start = int(((b * 37u + a.seed * 101u) * 2654435761u >> 8) % unsigned(a.cap - a.L));
-  else if (POS == 3) start = int((b * 37u + a.seed * unsigned(a.L)) % unsigned(a.cap - a.L));
-  else start = int((b * 37) % (a.cap - a.L));
+  if (POS == 1)
+    start = __ldg(a.starts + b);
+  else if (POS == 2)
+    start = int(((b * 37u + a.seed * 101u) * 2654435761u >> 8) % unsigned(a.cap - a.L));
+  else if (POS == 3)
+    start = int((b * 37u + a.seed * unsigned(a.L)) % unsigned(a.cap - a.L));
+  else
+    start = int((b * 37) % (a.cap - a.L));
   float k0[8], k1[8], v0[8], v1[8];
   load8(a.k + src, k0), load8(a.k + src + HALF, k1);
   load8(a.v + src, v0), load8(a.v + src + HALF, v1);
@@ -158,55 +161,85 @@ int main(int argc, char** argv) {
       std::printf("shipped slot kernel, direct nodes     %7.3f us\n", time_graph(st, shipped, chain));
       std::printf("shipped slot kernel, advancing starts %7.3f us\n",
                   time_graph(st, [&](int i) { slot(i, advancing[i]); }, chain));
-      std::printf("shipped paged kernel, direct nodes    %7.3f us\n", time_graph(st, [&](int i) {
-        int const j = i % sets;
-        launch(paged_params(1, T, B, pps, N, ks[j], vs[j], pool, rope, positions[i % pos_sets], owners, table), st);
-      }, chain));
+      std::printf("shipped paged kernel, direct nodes    %7.3f us\n",
+                  time_graph(
+                      st,
+                      [&](int i) {
+                        int const j = i % sets;
+                        launch(paged_params(1, T, B, pps, N, ks[j], vs[j], pool, rope,
+                                            positions[i % pos_sets], owners, table),
+                               st);
+                      },
+                      chain));
       if (!only_shipped) {
-        std::printf("shipped slot kernel, child-graph nodes %6.3f us\n", time_graph(st, shipped, chain, true));
+        std::printf("shipped slot kernel, child-graph nodes %6.3f us\n",
+                    time_graph(st, shipped, chain, true));
         std::printf("empty kernel, direct                  %7.3f us\n",
                     time_graph(st, [&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain));
         std::printf("empty kernel, child-graph             %7.3f us\n",
                     time_graph(st, [&](int) { empty_kernel<<<1, 32, 0, st>>>(dummy); }, chain, true));
-        std::printf("memcpy kv bytes, fixed dst            %7.3f us\n", time_graph(st, [&](int i) {
-          int const j = i % sets;
-          CK(cudaMemcpyAsync(copy_dst, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
-          CK(cudaMemcpyAsync(static_cast<char*>(copy_dst) + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2,
-                             cudaMemcpyDeviceToDevice, st));
-        }, chain));
+        std::printf(
+            "memcpy kv bytes, fixed dst            %7.3f us\n",
+            time_graph(
+                st,
+                [&](int i) {
+                  int const j = i % sets;
+                  CK(cudaMemcpyAsync(copy_dst, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
+                  CK(cudaMemcpyAsync(static_cast<char*>(copy_dst) + size_t(kv_bytes) / 2, vs[j],
+                                     size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
+                },
+                chain));
         size_t const span = pool_elems * 2 - size_t(kv_bytes);  // a new place of the pool each time
-        std::printf("memcpy kv bytes, rotating dst         %7.3f us\n", time_graph(st, [&](int i) {
-          int const j = i % sets;
-          char* d = reinterpret_cast<char*>(pool) + (size_t(i) * 7919 * 4096) % span / 256 * 256;
-          CK(cudaMemcpyAsync(d, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
-          CK(cudaMemcpyAsync(d + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
-        }, chain));
+        std::printf("memcpy kv bytes, rotating dst         %7.3f us\n",
+                    time_graph(
+                        st,
+                        [&](int i) {
+                          int const j = i % sets;
+                          char* d =
+                              reinterpret_cast<char*>(pool) + (size_t(i) * 7919 * 4096) % span / 256 * 256;
+                          CK(cudaMemcpyAsync(d, ks[j], size_t(kv_bytes) / 2, cudaMemcpyDeviceToDevice, st));
+                          CK(cudaMemcpyAsync(d + size_t(kv_bytes) / 2, vs[j], size_t(kv_bytes) / 2,
+                                             cudaMemcpyDeviceToDevice, st));
+                        },
+                        chain));
         for (int tpb : {1, 2}) {
           auto probe = [&](auto kernel, bool pdl) {
-            return time_graph(st, [&](int i) {
-              int const j = i % sets;
-              ProbeArgs a{ks[j], vs[j], pool, rope, starts[j], B, L, cap, unsigned(i)};
-              cudaLaunchConfig_t cfg = {};
-              cfg.gridDim = dim3(unsigned((T + tpb - 1) / tpb));
-              cfg.blockDim = dim3(64, unsigned(tpb));
-              cfg.stream = st;
-              cudaLaunchAttribute attr[1];
-              attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-              attr[0].val.programmaticStreamSerializationAllowed = 1;
-              cfg.attrs = attr;
-              cfg.numAttrs = pdl ? 1 : 0;
-              CK(cudaLaunchKernelEx(&cfg, kernel, a));
-            }, chain);
+            return time_graph(
+                st,
+                [&](int i) {
+                  int const j = i % sets;
+                  ProbeArgs a{ks[j], vs[j], pool, rope, starts[j], B, L, cap, unsigned(i)};
+                  cudaLaunchConfig_t cfg = {};
+                  cfg.gridDim = dim3(unsigned((T + tpb - 1) / tpb));
+                  cfg.blockDim = dim3(64, unsigned(tpb));
+                  cfg.stream = st;
+                  cudaLaunchAttribute attr[1];
+                  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                  attr[0].val.programmaticStreamSerializationAllowed = 1;
+                  cfg.attrs = attr;
+                  cfg.numAttrs = pdl ? 1 : 0;
+                  CK(cudaLaunchKernelEx(&cfg, kernel, a));
+                },
+                chain);
           };
-          std::printf("tpb=%d probe pos+rope                 %7.3f us\n", tpb, probe(probe_kernel<1, 1, 0>, false));
-          std::printf("tpb=%d probe pos, no rope             %7.3f us\n", tpb, probe(probe_kernel<1, 0, 0>, false));
-          std::printf("tpb=%d probe no pos, rope             %7.3f us\n", tpb, probe(probe_kernel<0, 1, 0>, false));
-          std::printf("tpb=%d probe new pos, rope            %7.3f us\n", tpb, probe(probe_kernel<2, 1, 0>, false));
-          std::printf("tpb=%d probe new pos, no rope         %7.3f us\n", tpb, probe(probe_kernel<2, 0, 0>, false));
-          std::printf("tpb=%d probe advancing pos, rope      %7.3f us\n", tpb, probe(probe_kernel<3, 1, 0>, false));
-          std::printf("tpb=%d probe no pos, no rope          %7.3f us\n", tpb, probe(probe_kernel<0, 0, 0>, false));
-          std::printf("tpb=%d probe pos+rope, PDL            %7.3f us\n", tpb, probe(probe_kernel<1, 1, 1>, true));
-          std::printf("tpb=%d probe no pos no rope, PDL      %7.3f us\n", tpb, probe(probe_kernel<0, 0, 1>, true));
+          std::printf("tpb=%d probe pos+rope                 %7.3f us\n", tpb,
+                      probe(probe_kernel<1, 1, 0>, false));
+          std::printf("tpb=%d probe pos, no rope             %7.3f us\n", tpb,
+                      probe(probe_kernel<1, 0, 0>, false));
+          std::printf("tpb=%d probe no pos, rope             %7.3f us\n", tpb,
+                      probe(probe_kernel<0, 1, 0>, false));
+          std::printf("tpb=%d probe new pos, rope            %7.3f us\n", tpb,
+                      probe(probe_kernel<2, 1, 0>, false));
+          std::printf("tpb=%d probe new pos, no rope         %7.3f us\n", tpb,
+                      probe(probe_kernel<2, 0, 0>, false));
+          std::printf("tpb=%d probe advancing pos, rope      %7.3f us\n", tpb,
+                      probe(probe_kernel<3, 1, 0>, false));
+          std::printf("tpb=%d probe no pos, no rope          %7.3f us\n", tpb,
+                      probe(probe_kernel<0, 0, 0>, false));
+          std::printf("tpb=%d probe pos+rope, PDL            %7.3f us\n", tpb,
+                      probe(probe_kernel<1, 1, 1>, true));
+          std::printf("tpb=%d probe no pos no rope, PDL      %7.3f us\n", tpb,
+                      probe(probe_kernel<0, 0, 1>, true));
         }
       }
       for (int* x : advancing) CK(cudaFree(x));

@@ -18,13 +18,13 @@
 #include "dflash/kv_update_cuda.h"
 #include "dflash/operands.h"
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e = (x);                                                               \
-    if (e != cudaSuccess) {                                                            \
-      std::printf("CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__);    \
-      std::exit(1);                                                                    \
-    }                                                                                  \
+#define CK(x)                                                                       \
+  do {                                                                              \
+    cudaError_t e = (x);                                                            \
+    if (e != cudaSuccess) {                                                         \
+      std::printf("CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      std::exit(1);                                                                 \
+    }                                                                               \
   } while (0)
 
 namespace harness {
@@ -43,8 +43,7 @@ inline __half* device_halves(size_t n, unsigned seed) {
   return p;
 }
 
-template <typename T>
-T* device_copy(std::vector<T> const& host) {
+template <typename T> T* device_copy(std::vector<T> const& host) {
   T* p;
   CK(cudaMalloc(&p, host.size() * sizeof(T)));
   CK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
@@ -91,7 +90,8 @@ inline dflash::TensorDesc desc(dflash::DType dtype, std::initializer_list<int64_
   return d;
 }
 
-inline dflash::KVUpdateParams checked(std::vector<dflash::TensorDesc> const& operands, dflash::UpdateAttrs const& attrs) {
+inline dflash::KVUpdateParams checked(std::vector<dflash::TensorDesc> const& operands,
+                                      dflash::UpdateAttrs const& attrs) {
   dflash::KVUpdateParams p;
   std::string const error =
       dflash::params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
@@ -124,9 +124,9 @@ inline void add_extras(std::vector<dflash::TensorDesc>& ops, dflash::UpdateAttrs
   }
 }
 
-inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, void const* k, void const* v, void* pool,
-                                          float const* rope, int rope_len, int const* starts, int const* lengths,
-                                          Flavor const& f = {}) {
+inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, void const* k, void const* v,
+                                          void* pool, float const* rope, int rope_len, int const* starts,
+                                          int const* lengths, Flavor const& f = {}) {
   using dflash::DType;
   int64_t const N = int64_t(B) * pps;
   std::vector<dflash::TensorDesc> ops;
@@ -134,7 +134,8 @@ inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, voi
     ops = {desc(f.delta, {layers, B, L, H, D}, k), desc(f.delta, {layers, B, L, H, D}, v),
            desc(f.pool, {layers, 2, N, P, H, D}, pool)};
   } else {
-    ops = {desc(f.delta, {B, L, H, D}, k), desc(f.delta, {B, L, H, D}, v), desc(f.pool, {2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {B, L, H, D}, k), desc(f.delta, {B, L, H, D}, v),
+           desc(f.pool, {2, N, P, H, D}, pool)};
   }
   ops.push_back(desc(DType::kFloat32, {1, rope_len, R}, rope));
   ops.push_back(desc(DType::kInt32, {B}, starts));
@@ -147,9 +148,9 @@ inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, voi
 }
 
 // Paged contract: k/v [(layers,) T, H, D], pool [(layers,) 2, N, P, H, D], rope [T, R], table [B, 2, M].
-inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int N, void const* k, void const* v,
-                                           void* pool, float const* rope, int const* positions, int const* owners,
-                                           int const* table, Flavor const& f = {}) {
+inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int N, void const* k,
+                                           void const* v, void* pool, float const* rope, int const* positions,
+                                           int const* owners, int const* table, Flavor const& f = {}) {
   using dflash::DType;
   std::vector<dflash::TensorDesc> ops;
   if (layers > 1) {
@@ -191,8 +192,8 @@ inline void launch(dflash::KVUpdateParams const& p, cudaStream_t stream) {
 // Median microseconds per enqueue(i) call: `chain` calls captured in one graph (as plain nodes, or
 // each call its own child graph, as XLA's command buffers record an FFI call), `rounds` timed
 // samples of `replays` replays each, after 3 warm-up replays.
-inline float time_graph(cudaStream_t st, std::function<void(int)> const& enqueue, int chain, bool child_nodes = false,
-                        int rounds = 25, int replays = 10) {
+inline float time_graph(cudaStream_t st, std::function<void(int)> const& enqueue, int chain,
+                        bool child_nodes = false, int rounds = 25, int replays = 10) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   if (!child_nodes) {

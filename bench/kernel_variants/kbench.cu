@@ -5,12 +5,12 @@
 // replays. One line per row and shape. KB_TABLE=identity gives each sequence its pages in order,
 // KB_TABLE=grouped a random permutation of runs of 8 pages (2 MB of a float16 plane) with the pages
 // of a run in order (default: a random permutation of the pool's pages, as in the main benchmark).
-// KB_SETS=n rotates among n input sets at every shape. KB_ROPE=shared gives every input set of the paged rows the same token-aligned rope rows (as in
-// L2 right after the gather that writes them), instead of rotating them with the deltas.
-// KB_SHAPES and KB_REPLAYS (see main) select shapes and lengthen the samples; KB_STAMP prints the
-// time each row ended.
-// The copy rows (one layer) are floors of the paged rows' memory traffic, without RoPE or checks:
-// the K and V deltas copied, 16 bytes per thread, into the pool rows the page table gives them
+// KB_SETS=n rotates among n input sets at every shape. KB_ROPE=shared gives every input set of the paged rows
+// the same token-aligned rope rows (as in L2 right after the gather that writes them), instead of rotating
+// them with the deltas. KB_SHAPES and KB_REPLAYS (see main) select shapes and lengthen the samples; KB_STAMP
+// prints the time each row ended. The copy rows (one layer) are floors of the paged rows' memory traffic,
+// without RoPE or checks: the K and V deltas copied, 16 bytes per thread, into the pool rows the page table
+// gives them
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
 // into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
 // or at once ("copy flat"). The chunk rows move the same traffic (+rope) with each block looping
@@ -27,7 +27,8 @@
 #define DFLASH_STR(x) DFLASH_STR2(x)
 #if defined(DFLASH_BLOCK_THREADS) && defined(DFLASH_STREAMING_STORES) && defined(DFLASH_MAX_VEC_BYTES) && \
     defined(DFLASH_NORM_MIN_BLOCKS)
-#define KNOBS "DFLASH_BLOCK_THREADS=" DFLASH_STR(DFLASH_BLOCK_THREADS) " DFLASH_STREAMING_STORES=" \
+#define KNOBS \
+  "DFLASH_BLOCK_THREADS=" DFLASH_STR(DFLASH_BLOCK_THREADS) " DFLASH_STREAMING_STORES=" \
   DFLASH_STR(DFLASH_STREAMING_STORES) " DFLASH_MAX_VEC_BYTES=" DFLASH_STR(DFLASH_MAX_VEC_BYTES) \
   " DFLASH_NORM_MIN_BLOCKS=" DFLASH_STR(DFLASH_NORM_MIN_BLOCKS)
 #else
@@ -41,7 +42,8 @@ std::string stamp() {
   if (!std::getenv("KB_STAMP")) return "";
   auto const now = std::chrono::system_clock::now();
   std::time_t const secs = std::chrono::system_clock::to_time_t(now);
-  int const ms = int(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+  int const ms =
+      int(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
   char buf[32];
   std::strftime(buf, sizeof buf, "%H:%M:%S", std::gmtime(&secs));
   return std::string("  at ") + buf + "." + std::to_string(1000 + ms).substr(1);
@@ -53,9 +55,9 @@ std::string stamp() {
 // plane; kPaged: where the paged contract writes them; kWait: at t, but only once the page ids
 // have arrived (the paged rows' dependent loads without their scattered destinations).
 enum CopyKind { kFlat, kPaged, kWait };
-template <int TOKENS>
-__global__ void copy_rows(__half const* k, __half const* v, float const* rope, __half* pool, int const* positions,
-                          int const* owners, int const* table, int M, int N, CopyKind kind) {
+template <int TOKENS> __global__ void copy_rows(__half const* k, __half const* v, float const* rope,
+                                                __half* pool, int const* positions, int const* owners,
+                                                int const* table, int M, int N, CopyKind kind) {
   int const e = threadIdx.x * 8;
   size_t const row_elems = size_t(H) * D;
   uint4 kv[TOKENS], vv[TOKENS];
@@ -89,9 +91,9 @@ __global__ void copy_rows(__half const* k, __half const* v, float const* rope, _
 // The chunked copy rows: the paged copy (+rope) with each block moving a contiguous run of
 // `chunk` tokens, blockDim.y tokens a step, so that a multiprocessor writes few pages at a time.
 // PIPE: the next step's page ids, deltas and rope row are loaded before this step's stores.
-template <bool PIPE>
-__global__ void copy_chunks(__half const* k, __half const* v, float const* rope, __half* pool, int const* positions,
-                            int const* owners, int const* table, int M, int N, int T, int chunk) {
+template <bool PIPE> __global__ void copy_chunks(__half const* k, __half const* v, float const* rope,
+                                                 __half* pool, int const* positions, int const* owners,
+                                                 int const* table, int M, int N, int T, int chunk) {
   int const e = threadIdx.x * 8;
   size_t const row_elems = size_t(H) * D;
   int const end = min(T, int(blockIdx.x + 1) * chunk);
@@ -143,7 +145,8 @@ int main() {
   for (auto const& c : cases) {
     int const B = c[0], L = c[1], layers = c[2], T = B * L, N = B * M;
     if (shapes_env) {
-      std::string const name = std::to_string(B) + "x" + std::to_string(L) + (layers > 1 ? "x" + std::to_string(layers) : "");
+      std::string const name =
+          std::to_string(B) + "x" + std::to_string(L) + (layers > 1 ? "x" + std::to_string(layers) : "");
       std::string const list = "," + std::string(shapes_env) + ",";
       if (list.find("," + name + ",") == std::string::npos) continue;
     }
@@ -171,7 +174,8 @@ int main() {
       int const run = 8, runs = N / run;
       std::vector<int> k_runs(runs), v_runs(runs);
       for (int i = 0; i < runs; ++i) k_runs[i] = v_runs[i] = i;
-      if (kind == "grouped") std::shuffle(k_runs.begin(), k_runs.end(), rng), std::shuffle(v_runs.begin(), v_runs.end(), rng);
+      if (kind == "grouped")
+        std::shuffle(k_runs.begin(), k_runs.end(), rng), std::shuffle(v_runs.begin(), v_runs.end(), rng);
       for (int b = 0; b < B; ++b)
         for (int i = 0; i < M; ++i) {
           int const page = b * M + i;
@@ -216,14 +220,20 @@ int main() {
     for (Row const& r : rows) {
       bool const fp8 = r.flavor.pool == DType::kFloat8E4M3;
       double const row_bytes = double(delta) * 2 * (2 + (fp8 ? 1 : 2)) + double(layers) * T * R * 4;
-      float const us = time_graph(st, [&](int i) {
-        int j = i % sets;
-        if (r.paged)
-          launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[shared_rope ? 0 : j], positions[j], owners, table,
-                              r.flavor), st);
-        else
-          launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor), st);
-      }, reps, false, 30, replays);
+      float const us = time_graph(
+          st,
+          [&](int i) {
+            int j = i % sets;
+            if (r.paged)
+              launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[shared_rope ? 0 : j],
+                                  positions[j], owners, table, r.flavor),
+                     st);
+            else
+              launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths,
+                                 r.flavor),
+                     st);
+          },
+          reps, false, 30, replays);
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", r.name, B, L, layers, us,
                   row_bytes / us / 1e3, stamp().c_str());
     }
@@ -234,23 +244,27 @@ int main() {
       bool rope;
       int groups = 1;  // token groups per block
     };
-    CopyRow const copies[] = {{"copy paged", kPaged, 1, false},     {"copy paged x2", kPaged, 2, false},
-                              {"copy paged+rope", kPaged, 1, true}, {"copy paged+rope x2", kPaged, 2, true},
-                              {"copy paged+rope x4", kPaged, 4, true},
-                              {"copy wait", kWait, 1, false},       {"copy flat", kFlat, 1, false},
-                              {"copy paged b8", kPaged, 1, false, 8}, {"copy flat b8", kFlat, 1, false, 8}};
+    CopyRow const copies[] = {
+        {"copy paged", kPaged, 1, false},        {"copy paged x2", kPaged, 2, false},
+        {"copy paged+rope", kPaged, 1, true},    {"copy paged+rope x2", kPaged, 2, true},
+        {"copy paged+rope x4", kPaged, 4, true}, {"copy wait", kWait, 1, false},
+        {"copy flat", kFlat, 1, false},          {"copy paged b8", kPaged, 1, false, 8},
+        {"copy flat b8", kFlat, 1, false, 8}};
     for (CopyRow const& c : copies) {
       if (layers != 1 || T % (c.tokens * c.groups) != 0) continue;
-      float const us = time_graph(st, [&](int i) {
-        int j = i % sets;
-        auto* kernel = c.tokens == 1 ? copy_rows<1> : c.tokens == 2 ? copy_rows<2> : copy_rows<4>;
-        float const* rope_rows = c.rope ? paged_rope[shared_rope ? 0 : j] : nullptr;
-        kernel<<<T / (c.tokens * c.groups), dim3(H * D / 8, c.groups), 0, st>>>(ks[j], vs[j], rope_rows, pool_mem,
-                                                                              positions[j], owners, table, M, N, c.kind);
-      }, reps, false, 30, replays);
+      float const us = time_graph(
+          st,
+          [&](int i) {
+            int j = i % sets;
+            auto* kernel = c.tokens == 1 ? copy_rows<1> : c.tokens == 2 ? copy_rows<2> : copy_rows<4>;
+            float const* rope_rows = c.rope ? paged_rope[shared_rope ? 0 : j] : nullptr;
+            kernel<<<T / (c.tokens * c.groups), dim3(H * D / 8, c.groups), 0, st>>>(
+                ks[j], vs[j], rope_rows, pool_mem, positions[j], owners, table, M, N, c.kind);
+          },
+          reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 * 2 + (c.rope ? double(T) * R * 4 : 0.0);
-      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us, copied / us / 1e3,
-                  stamp().c_str());
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us,
+                  copied / us / 1e3, stamp().c_str());
     }
     // Chunked rows: groups of tokens per block, blocks per multiprocessor (132 multiprocessors).
     struct ChunkRow {
@@ -258,22 +272,27 @@ int main() {
       bool pipe;
       int groups, per_sm;
     };
-    ChunkRow const chunks[] = {{"chunk+rope g8 2/sm", false, 8, 2},      {"chunk+rope g8 2/sm pipe", true, 8, 2},
-                               {"chunk+rope g4 4/sm pipe", true, 4, 4},  {"chunk+rope g2 8/sm pipe", true, 2, 8},
-                               {"chunk+rope g8 4/sm pipe", true, 8, 4},  {"chunk+rope g4 16/sm pipe", true, 4, 16},
-                               {"chunk+rope g1 16/sm pipe", true, 1, 16}};
+    ChunkRow const chunks[] = {
+        {"chunk+rope g8 2/sm", false, 8, 2},      {"chunk+rope g8 2/sm pipe", true, 8, 2},
+        {"chunk+rope g4 4/sm pipe", true, 4, 4},  {"chunk+rope g2 8/sm pipe", true, 2, 8},
+        {"chunk+rope g8 4/sm pipe", true, 8, 4},  {"chunk+rope g4 16/sm pipe", true, 4, 16},
+        {"chunk+rope g1 16/sm pipe", true, 1, 16}};
     for (ChunkRow const& c : chunks) {
       if (layers != 1) continue;
       int const blocks = 132 * c.per_sm, chunk = (T + blocks - 1) / blocks;
-      float const us = time_graph(st, [&](int i) {
-        int j = i % sets;
-        auto* kernel = c.pipe ? copy_chunks<true> : copy_chunks<false>;
-        kernel<<<(T + chunk - 1) / chunk, dim3(H * D / 8, c.groups), 0, st>>>(ks[j], vs[j], paged_rope[shared_rope ? 0 : j],
-                                                                           pool_mem, positions[j], owners, table, M, N, T, chunk);
-      }, reps, false, 30, replays);
+      float const us = time_graph(
+          st,
+          [&](int i) {
+            int j = i % sets;
+            auto* kernel = c.pipe ? copy_chunks<true> : copy_chunks<false>;
+            kernel<<<(T + chunk - 1) / chunk, dim3(H * D / 8, c.groups), 0, st>>>(
+                ks[j], vs[j], paged_rope[shared_rope ? 0 : j], pool_mem, positions[j], owners, table, M, N, T,
+                chunk);
+          },
+          reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 * 2 + double(T) * R * 4;
-      std::printf("%-24s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us, copied / us / 1e3,
-                  stamp().c_str());
+      std::printf("%-24s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us,
+                  copied / us / 1e3, stamp().c_str());
     }
     for (float* r : paged_rope) CK(cudaFree(r));
     CK(cudaFree(owners));

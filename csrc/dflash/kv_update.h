@@ -123,12 +123,8 @@ struct KVUpdateParams {
 DFLASH_HOST_DEVICE bool fp8_pool(KVUpdateParams const& p) {
   return p.pool_dtype == DType::kFloat8E4M3 || p.pool_dtype == DType::kFloat8E5M2;
 }
-DFLASH_HOST_DEVICE int64_t max_batch(KVUpdateParams const& p) {
-  return p.num_pages / p.pages_per_slot;
-}
-DFLASH_HOST_DEVICE int64_t slot_capacity(KVUpdateParams const& p) {
-  return p.pages_per_slot * p.page_size;
-}
+DFLASH_HOST_DEVICE int64_t max_batch(KVUpdateParams const& p) { return p.num_pages / p.pages_per_slot; }
+DFLASH_HOST_DEVICE int64_t slot_capacity(KVUpdateParams const& p) { return p.pages_per_slot * p.page_size; }
 // Tokens of one layer's deltas: B * L (slot) or T (paged).
 DFLASH_HOST_DEVICE int64_t tokens_per_layer(KVUpdateParams const& p) {
   return p.contract == Contract::kSlot ? p.batch * p.delta_len : p.num_tokens;
@@ -137,20 +133,14 @@ DFLASH_HOST_DEVICE int64_t tokens_per_layer(KVUpdateParams const& p) {
 // ---- layout math ------------------------------------------------------------------------------
 
 // Elements between consecutive tokens (rows) of one pool plane, and of one delta.
-DFLASH_HOST_DEVICE int64_t token_stride(KVUpdateParams const& p) {
-  return p.num_kv_heads * p.head_dim;
-}
+DFLASH_HOST_DEVICE int64_t token_stride(KVUpdateParams const& p) { return p.num_kv_heads * p.head_dim; }
 // Elements in one page of one pool plane: P rows.
-DFLASH_HOST_DEVICE int64_t pool_page_elems(KVUpdateParams const& p) {
-  return p.page_size * token_stride(p);
-}
+DFLASH_HOST_DEVICE int64_t pool_page_elems(KVUpdateParams const& p) { return p.page_size * token_stride(p); }
 // Elements in one plane (K or V) of one layer's pool.
 DFLASH_HOST_DEVICE int64_t pool_plane_elems(KVUpdateParams const& p) {
   return p.num_pages * p.page_size * token_stride(p);
 }
-DFLASH_HOST_DEVICE int64_t pool_layer_elems(KVUpdateParams const& p) {
-  return 2 * pool_plane_elems(p);
-}
+DFLASH_HOST_DEVICE int64_t pool_layer_elems(KVUpdateParams const& p) { return 2 * pool_plane_elems(p); }
 
 // Both contracts see one layer's pool as rows [2N * P] of [H, D]: K rows first, then V rows.
 // A written token has a K row and a V row; everything else about addressing is which rows.
@@ -164,8 +154,7 @@ struct PoolRows {
 // ones. Slot b owns pages [b * pages_per_slot, (b + 1) * pages_per_slot), so page * P + row is
 // simply slot * cap + pos (the pool is [2, maxBatch, cap, H, D] in memory): no division on the
 // hot path. Arithmetic is 64-bit so that no int32 start can wrap around into the slot.
-DFLASH_HOST_DEVICE int64_t written_position(int64_t start, int64_t length, int64_t t,
-                                            int64_t capacity) {
+DFLASH_HOST_DEVICE int64_t written_position(int64_t start, int64_t length, int64_t t, int64_t capacity) {
   if (t >= length) return -1;
   int64_t const pos = start + t;
   if (pos < 0 || pos >= capacity) return -1;
@@ -249,7 +238,8 @@ DFLASH_HOST_DEVICE PagedAddressing paged_addressing(KVUpdateParams const& p) {
 // is written (owner outside [0, B), negative position, page index past M without ring).
 // *row = pos % P. Branch-free but for the ring's choice, which is the same for every token. A
 // layer's table starts layer * table_layer entries in.
-DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t owner, int32_t pos, uint32_t* row) {
+DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t owner, int32_t pos,
+                                            uint32_t* row) {
   uint32_t const upos = uint32_t(pos);  // for pos < 0 the quotients below are unused
   uint32_t const page = quotient(a.page, upos);
   *row = upos - page * a.page.d;
@@ -268,7 +258,8 @@ DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t ow
 DFLASH_HOST_DEVICE bool page_ids_valid(PagedAddressing const& a, int32_t k_page, int32_t v_page) {
   return uint32_t(k_page) < a.k_pages && uint32_t(v_page) - a.v_first < a.v_pages;
 }
-DFLASH_HOST_DEVICE PoolRows paged_rows(PagedAddressing const& a, int32_t k_page, int32_t v_page, uint32_t row) {
+DFLASH_HOST_DEVICE PoolRows paged_rows(PagedAddressing const& a, int32_t k_page, int32_t v_page,
+                                       uint32_t row) {
   PoolRows rows;
   if (!page_ids_valid(a, k_page, v_page)) return rows;
   rows.k_row = int64_t(uint32_t(k_page)) * a.page_size + row;
@@ -277,8 +268,7 @@ DFLASH_HOST_DEVICE PoolRows paged_rows(PagedAddressing const& a, int32_t k_page,
 }
 // Offset (elements) of the first delta element of token t of sequence b (slot), or of token t
 // (paged: b ignored), in layer `layer`.
-DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b,
-                                              int64_t t) {
+DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b, int64_t t) {
   int64_t const token = p.contract == Contract::kSlot ? b * p.delta_len + t : t;
   return (layer * tokens_per_layer(p) + token) * token_stride(p);
 }
@@ -291,8 +281,7 @@ DFLASH_HOST_DEVICE int64_t position_index(KVUpdateParams const& p, int64_t layer
 
 // Offset (floats) of the rope row: slot cos_sin[layer?, rb, pos] (rb = 0 when the table is
 // shared by the batch); paged cos_sin[layer?, t] (token-aligned, `row` = t).
-DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t layer, int64_t b,
-                                           int64_t row) {
+DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t layer, int64_t b, int64_t row) {
   int64_t const rl = p.rope_per_layer ? layer : 0;
   if (p.contract == Contract::kPaged) return (rl * p.num_tokens + row) * p.rotary_dim;
   int64_t const rb = p.rope_batch == 1 ? 0 : b;

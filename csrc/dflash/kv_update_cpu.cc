@@ -51,8 +51,8 @@ __attribute__((target("avx2,f16c"))) inline void store8(uint16_t* y, __m256 v, b
 }
 
 // Rotate-half on 8 channel pairs in registers: rope_channel()'s operations and order, so its bits.
-__attribute__((target("avx2,f16c"))) inline void rope8(__m256 x0, __m256 x1, float const* cos, float const* sin,
-                                                        __m256* y0, __m256* y1) {
+__attribute__((target("avx2,f16c"))) inline void rope8(__m256 x0, __m256 x1, float const* cos,
+                                                       float const* sin, __m256* y0, __m256* y1) {
   __m256 const c = _mm256_loadu_ps(cos), s = _mm256_loadu_ps(sin);
   *y0 = _mm256_sub_ps(_mm256_mul_ps(x0, c), _mm256_mul_ps(x1, s));
   *y1 = _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x0, s));
@@ -61,9 +61,9 @@ __attribute__((target("avx2,f16c"))) inline void rope8(__m256 x0, __m256 x1, flo
 // One head's rotate-half on 16-bit storage, 8 channels per step: widen, rotate and narrow in
 // registers.
 __attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t const* x,
-                                                                          float const* cos_sin,
-                                                                          int64_t rotary_dim,
-                                                                          uint16_t* y, bool bf16) {
+                                                                        float const* cos_sin,
+                                                                        int64_t rotary_dim, uint16_t* y,
+                                                                        bool bf16) {
   int64_t const half = rotary_dim / 2;
   float const* cos = cos_sin;
   float const* sin = cos_sin + half;
@@ -75,8 +75,12 @@ __attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t
     store8(y + i + half, y1, bf16);
   }
   for (; i < half; ++i) {
-    auto const load = [bf16](uint16_t v) { return bf16 ? bfloat16_bits_to_float(v) : float16_bits_to_float(v); };
-    auto const store = [bf16](float v) { return bf16 ? float_to_bfloat16_bits(v) : float_to_float16_bits(v); };
+    auto const load = [bf16](uint16_t v) {
+      return bf16 ? bfloat16_bits_to_float(v) : float16_bits_to_float(v);
+    };
+    auto const store = [bf16](float v) {
+      return bf16 ? float_to_bfloat16_bits(v) : float_to_float16_bits(v);
+    };
     float const x0 = load(x[i]), x1 = load(x[i + half]);
     y[i] = store(rope_channel(x0, x1, cos[i], sin[i], /*first_half=*/true));
     y[i + half] = store(rope_channel(x1, x0, cos[i], sin[i], /*first_half=*/false));
@@ -87,9 +91,8 @@ __attribute__((target("avx2,f16c"))) inline void rotate_half_16bit_avx2(uint16_t
 // call, so the per-call cost (this function cannot be inlined into code built without AVX2) is
 // paid once per token, not once per head.
 __attribute__((target("avx2,f16c"))) void write_rotated_key_16bit_avx2(KVUpdateParams const& p,
-                                                                         uint16_t const* k,
-                                                                         float const* cos_sin,
-                                                                         uint16_t* dst) {
+                                                                       uint16_t const* k,
+                                                                       float const* cos_sin, uint16_t* dst) {
   bool const bf16 = p.delta_dtype == DType::kBFloat16;
   int64_t const pass = p.head_dim - p.rotary_dim;
   for (int64_t head = 0; head < p.num_kv_heads * p.head_dim; head += p.head_dim) {
@@ -118,12 +121,14 @@ bool has_avx2_f16c() {
 // NaN payloads inside the passes do not matter: every store writes the canonical NaN.
 
 #if DFLASH_X86
-__attribute__((target("avx2,f16c"))) int64_t widen_16bit_avx2(uint16_t const* src, float* x, int64_t n, bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t widen_16bit_avx2(uint16_t const* src, float* x, int64_t n,
+                                                              bool bf16) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, load8(src + j, bf16));
   return j;
 }
-__attribute__((target("avx2,f16c"))) int64_t narrow_16bit_avx2(float const* y, uint16_t* dst, int64_t n, bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t narrow_16bit_avx2(float const* y, uint16_t* dst, int64_t n,
+                                                               bool bf16) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_loadu_ps(y + j), bf16);
   return j;
@@ -132,8 +137,9 @@ __attribute__((target("avx2,f16c"))) int64_t narrow_16bit_avx2(float const* y, u
 // the same integer steps and the same float add for subnormals, so the same bits.
 __attribute__((target("avx2,f16c"))) inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(int(v)); }
 
-template <typename F>
-__attribute__((target("avx2,f16c"))) int64_t narrow_fp8_avx2(float const* y, uint8_t* out, int64_t n, float inv_scale) {
+template <typename F> __attribute__((target("avx2,f16c"))) int64_t narrow_fp8_avx2(float const* y,
+                                                                                   uint8_t* out, int64_t n,
+                                                                                   float inv_scale) {
   __m256 const inv = _mm256_set1_ps(inv_scale);
   __m256 const magic = _mm256_castsi256_ps(splat(F::kSubnormalMagicBits));
   int64_t j = 0;
@@ -144,11 +150,13 @@ __attribute__((target("avx2,f16c"))) int64_t narrow_fp8_avx2(float const* y, uin
     __m256i r = _mm256_add_epi32(a, splat((1u << (F::kShift - 1)) - 1u));
     r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(a, F::kShift), splat(1u)));
     __m256i const exponent = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), splat(127u - F::kBias));
-    __m256i const normal = _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
-                                           _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
-    __m256i const subnormal =
-        _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
-    __m256i code = _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
+    __m256i const normal =
+        _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
+                        _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
+    __m256i const subnormal = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
+    __m256i code =
+        _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
     code = _mm256_blendv_epi8(code, splat(F::kMaxCode), _mm256_cmpgt_epi32(a, splat(F::kMaxBits - 1u)));
     code = _mm256_or_si256(code, sign);
     code = _mm256_blendv_epi8(code, splat(kFloat8NaN), _mm256_cmpgt_epi32(a, splat(0x7f800000u)));
@@ -171,8 +179,8 @@ __attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 v, bool bf16) {
 
 // The norm's scaling of a 16-bit row: x <- round(x * inv_rms), then, with a weight,
 // x <- round(x * w) (SPEC.md "Fused norms"; numerics.h's operations on 8 lanes).
-__attribute__((target("avx2,f16c"))) int64_t normalize_16bit_avx2(float* x, int64_t n, float inv_rms, float const* w,
-                                                                   bool bf16) {
+__attribute__((target("avx2,f16c"))) int64_t normalize_16bit_avx2(float* x, int64_t n, float inv_rms,
+                                                                  float const* w, bool bf16) {
   __m256 const inv = _mm256_set1_ps(inv_rms);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -184,8 +192,8 @@ __attribute__((target("avx2,f16c"))) int64_t normalize_16bit_avx2(float* x, int6
 }
 
 // y <- x rotated (rotate-half over the first 2 * half channels): the pairs i < the result.
-__attribute__((target("avx2,f16c"))) int64_t rotate_half_avx2(float const* x, float const* cos_sin, int64_t half,
-                                                               float* y) {
+__attribute__((target("avx2,f16c"))) int64_t rotate_half_avx2(float const* x, float const* cos_sin,
+                                                              int64_t half, float* y) {
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
     __m256 y0, y1;
@@ -281,8 +289,10 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       for (int64_t j = begin; j < end; ++j) out[j] = float_to_float32_bits(y[j]);
       return;
     }
-    case DType::kFloat8E4M3: return narrow_fp8<E4M3Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
-    case DType::kFloat8E5M2: return narrow_fp8<E5M2Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
+    case DType::kFloat8E4M3:
+      return narrow_fp8<E4M3Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
+    case DType::kFloat8E5M2:
+      return narrow_fp8<E5M2Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
     default: return;
   }
 }
@@ -330,8 +340,8 @@ struct HeadWriter {
     return halving_sum(sums.data(), norm_tree_leaves(p.head_dim));
   }
 
-  void write(void const* src, void* dst, bool norm, void const* weight, float const* cos_sin,
-             float inv_scale, bool copy_unrotated) {
+  void write(void const* src, void* dst, bool norm, void const* weight, float const* cos_sin, float inv_scale,
+             bool copy_unrotated) {
     int64_t const head_dim = p.head_dim, rotary_dim = cos_sin != nullptr ? p.rotary_dim : 0;
     float* const xs = x.data();
     float* const ys = y.data();
@@ -358,8 +368,8 @@ struct HeadWriter {
     if (copy_unrotated) {
       narrow_row(p.pool_dtype, ys, dst, 0, rotary_dim, inv_scale);
       int64_t const elem = dtype_bytes(p.pool_dtype);
-      std::memcpy(static_cast<char*>(dst) + rotary_dim * elem, static_cast<char const*>(src) + rotary_dim * elem,
-                  size_t((head_dim - rotary_dim) * elem));
+      std::memcpy(static_cast<char*>(dst) + rotary_dim * elem,
+                  static_cast<char const*>(src) + rotary_dim * elem, size_t((head_dim - rotary_dim) * elem));
     } else {
       for (int64_t j = rotary_dim; j < head_dim; ++j) ys[j] = xs[j];
       narrow_row(p.pool_dtype, ys, dst, 0, head_dim, inv_scale);
@@ -384,8 +394,8 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
   bool const same = p.delta_dtype == p.pool_dtype;
   bool const rotate = cos_sin != nullptr && p.rotary_dim > 0;
   int64_t const head_bytes = p.head_dim * delta_elem;
-  void const* weight = p.k_norm ? static_cast<char const*>(p.k_norm_weight) + weight_offset(p, layer) * delta_elem
-                                : nullptr;
+  void const* weight =
+      p.k_norm ? static_cast<char const*>(p.k_norm_weight) + weight_offset(p, layer) * delta_elem : nullptr;
 
   if (same && !p.k_norm && !rotate) {
     std::memcpy(k_dst, k_src, size_t(stride * pool_elem));
@@ -445,8 +455,9 @@ void update_slot(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
     for (int64_t t = 0; t < p.delta_len; ++t) {
       int64_t const pos = written_position(start, length, t, capacity);
       if (pos < 0) continue;
-      float const* cos_sin =
-          pos < p.rope_seq_len && p.rotary_dim > 0 ? p.rope_cos_sin + rope_row_offset(p, layer, b, pos) : nullptr;
+      float const* cos_sin = pos < p.rope_seq_len && p.rotary_dim > 0
+                                 ? p.rope_cos_sin + rope_row_offset(p, layer, b, pos)
+                                 : nullptr;
       write_token(p, heads, layer, delta_token_offset(p, layer, b, t), slot_rows(p, b, pos), cos_sin);
     }
   }

@@ -15,8 +15,7 @@ namespace {
 
 using namespace kernel;
 
-template <Contract C, typename Pool>
-cudaError_t for_delta(KVUpdateParams const& p, cudaStream_t stream) {
+template <Contract C, typename Pool> cudaError_t for_delta(KVUpdateParams const& p, cudaStream_t stream) {
   switch (p.delta_dtype) {
     case DType::kFloat16: return launch_widest<C, F16, Pool>(p, stream);
     case DType::kBFloat16: return launch_widest<C, BF16, Pool>(p, stream);
@@ -25,8 +24,7 @@ cudaError_t for_delta(KVUpdateParams const& p, cudaStream_t stream) {
   }
 }
 
-template <Contract C>
-cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t stream) {
+template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t stream) {
   switch (p.pool_dtype) {
     case DType::kFloat16: return for_delta<C, F16>(p, stream);
     case DType::kBFloat16: return for_delta<C, BF16>(p, stream);
@@ -41,7 +39,8 @@ cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t stream) {
 
 cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t stream) {
   if (p.num_layers * tokens_per_layer(p) == 0 || p.num_kv_heads * p.head_dim == 0) return cudaSuccess;
-  return p.contract == Contract::kSlot ? for_pool<Contract::kSlot>(p, stream) : for_pool<Contract::kPaged>(p, stream);
+  return p.contract == Contract::kSlot ? for_pool<Contract::kSlot>(p, stream)
+                                       : for_pool<Contract::kPaged>(p, stream);
 }
 
 }  // namespace dflash

@@ -86,8 +86,7 @@ namespace kernel {
 // Makes the values of `pack` be computed here, in program order: an empty asm that reads them.
 // Without it the compiler sinks the paged kernel's arithmetic below the branch on the page ids,
 // so that it runs only after the page-table load returns instead of while it is in flight.
-template <typename P>
-__device__ __forceinline__ void keep_computed(P const& pack) {
+template <typename P> __device__ __forceinline__ void keep_computed(P const& pack) {
   constexpr int kWords = (int(sizeof(P)) + 3) / 4;
   uint32_t words[kWords] = {};
   memcpy(words, &pack, sizeof(P));
@@ -101,7 +100,9 @@ struct F16 {
   static constexpr DType kDType = DType::kFloat16;
   static __device__ __forceinline__ float decode(Bits b) { return float16_bits_to_float(b); }
   static __device__ __forceinline__ Bits encode(float f) { return float_to_float16_bits(f); }
-  static __device__ __forceinline__ uint32_t encode2(float a, float b) { return float2_to_float16x2_bits(a, b); }
+  static __device__ __forceinline__ uint32_t encode2(float a, float b) {
+    return float2_to_float16x2_bits(a, b);
+  }
 };
 struct BF16 {
   using Bits = uint16_t;
@@ -133,8 +134,7 @@ struct E5M2 {
     return float4_to_e5m2x4_bits(a, b, c, d);
   }
 };
-template <typename T>
-inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+template <typename T> inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
 
 // Widening a delta vector, and the fused norms' round trips through the delta dtype, two channels
 // per packed conversion (on values: no reinterpreted memory). The round trips skip the canonical
@@ -146,8 +146,7 @@ __device__ __forceinline__ void decode_pack(typename Delta::Bits const (&bits)[V
 }
 
 // x[i] and x[i + 1] rounded to the delta dtype and widened again.
-template <typename Delta>
-__device__ __forceinline__ void round_pair(float& a, float& b) {
+template <typename Delta> __device__ __forceinline__ void round_pair(float& a, float& b) {
   if constexpr (std::is_same_v<Delta, F16>) {
     float2 const f = __half22float2(__float22half2_rn(make_float2(a, b)));
     a = f.x, b = f.y;
@@ -158,20 +157,28 @@ __device__ __forceinline__ void round_pair(float& a, float& b) {
 }
 
 // VEC elements moved as one or two aligned words (at most 16 bytes per memory instruction).
-template <typename Bits, int VEC>
-struct alignas(sizeof(Bits) * VEC > 16 ? 16 : sizeof(Bits) * VEC) Pack {
+template <typename Bits, int VEC> struct alignas(sizeof(Bits) * VEC > 16 ? 16 : sizeof(Bits) * VEC) Pack {
   Bits v[VEC];
 };
 
 template <int BYTES> struct Word;
-template <> struct Word<16> { using type = uint4; };
-template <> struct Word<8> { using type = uint2; };
-template <> struct Word<4> { using type = unsigned int; };
-template <> struct Word<2> { using type = unsigned short; };
-template <> struct Word<1> { using type = unsigned char; };
+template <> struct Word<16> {
+  using type = uint4;
+};
+template <> struct Word<8> {
+  using type = uint2;
+};
+template <> struct Word<4> {
+  using type = unsigned int;
+};
+template <> struct Word<2> {
+  using type = unsigned short;
+};
+template <> struct Word<1> {
+  using type = unsigned char;
+};
 
-template <typename P, bool STREAMING = false>
-__device__ __forceinline__ P load_pack(void const* ptr) {
+template <typename P, bool STREAMING = false> __device__ __forceinline__ P load_pack(void const* ptr) {
   constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
   using W = typename Word<kBytes>::type;
   P pack;
@@ -187,8 +194,7 @@ __device__ __forceinline__ P load_pack(void const* ptr) {
   return pack;
 }
 
-template <typename P>
-__device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
+template <typename P> __device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
   constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
   using W = typename Word<kBytes>::type;
   W* dst = static_cast<W*>(ptr);
@@ -205,17 +211,19 @@ __device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
 
 // The k-norm weight's VEC channels as a kernel holds them: 16-bit channels in pairs, one word
 // each, as loaded and as the packed weight product takes them (apply_norm); else one element each.
-template <typename Delta, int VEC>
-inline constexpr bool kWeightWords = sizeof(typename Delta::Bits) == 2 && VEC % 2 == 0;
-template <typename Delta, int VEC>
-using WeightPack = std::conditional_t<kWeightWords<Delta, VEC>, Pack<uint32_t, (VEC + 1) / 2>, Pack<typename Delta::Bits, VEC>>;
+template <typename Delta, int VEC> inline constexpr bool kWeightWords =
+    sizeof(typename Delta::Bits) == 2 && VEC % 2 == 0;
+template <typename Delta, int VEC> using WeightPack =
+    std::conditional_t<kWeightWords<Delta, VEC>, Pack<uint32_t, (VEC + 1) / 2>,
+                       Pack<typename Delta::Bits, VEC>>;
 
 // A weight pack at `ptr`: vector loads where the row is aligned for them, else element loads put
 // together into the same words. Held as 16-bit elements instead, the pack made the compiler split
 // the vector load's words at once, which waits for the load there, before the kernel's other
 // loads issue (0.3 us at decode sizes).
 template <typename Delta, int VEC>
-__device__ __forceinline__ WeightPack<Delta, VEC> load_weight_pack(typename Delta::Bits const* ptr, bool vectors) {
+__device__ __forceinline__ WeightPack<Delta, VEC> load_weight_pack(typename Delta::Bits const* ptr,
+                                                                   bool vectors) {
   using WP = WeightPack<Delta, VEC>;
   if (vectors) return load_pack<WP>(ptr);
   WP pack;
@@ -250,21 +258,19 @@ struct Geometry {
 // geometry in the paged kernels' parameters only: ptxas' allocation of the slot kernels depends on
 // their parameter layout (with these constants in it the slot k-norm took 76 registers instead of
 // 72, one resident block fewer), and this layout is the one measured for the paged kernels.
-template <Contract C>
-struct Launch {
+template <Contract C> struct Launch {
   Geometry g;
 };
-template <>
-struct Launch<Contract::kPaged> {
+template <> struct Launch<Contract::kPaged> {
   Geometry g;
   PagedAddressing paged;  // the page-table steps' constants
   int64_t layer_elems;    // pool_layer_elems
   int64_t page_elems;     // pool_page_elems
 };
 
-template <int VEC>
-__device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin, bool float4_ok,
-                                             float (&c)[VEC], float (&s)[VEC]) {
+template <int VEC> __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
+                                                                bool float4_ok, float (&c)[VEC],
+                                                                float (&s)[VEC]) {
   if constexpr (VEC % 4 == 0) {
     if (float4_ok) {
 #pragma unroll
@@ -287,14 +293,15 @@ __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
 // of V) and for any norm with v_norm. Separate instantiations, so that each carries only its own
 // registers and stack (the row form's sum needs an array).
 enum NormForm : int { kNoNorm = 0, kButterflyNorm = 1, kRowNorm = 2, kButterflyKeyNorm = 3 };
-template <int NORM>
-inline constexpr bool kIsButterfly = NORM == kButterflyNorm || NORM == kButterflyKeyNorm;
+template <int NORM> inline constexpr bool kIsButterfly = NORM == kButterflyNorm || NORM == kButterflyKeyNorm;
 
 // The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_STREAMING_LOADS and
 // DFLASH_PAGED_INDEX_BRANCH.
-template <typename Delta, typename Pool, int NORM>
-inline constexpr int kPagedKind =
-    NORM == kNoNorm ? (kIsFp8<Pool> ? 2 : 1) : !kIsFp8<Pool> ? 4 : std::is_same_v<Delta, BF16> ? 16 : 8;
+template <typename Delta, typename Pool, int NORM> inline constexpr int kPagedKind =
+    NORM == kNoNorm               ? (kIsFp8<Pool> ? 2 : 1)
+    : !kIsFp8<Pool>               ? 4
+    : std::is_same_v<Delta, BF16> ? 16
+                                  : 8;
 
 // The inverse RMS of one head by a butterfly: this thread's own chunks (its pair of VEC = 8
 // channel vectors, chunks c and c + G of 2G) summed, then an xor butterfly over the G lanes of the
@@ -313,7 +320,7 @@ __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, 
   float x0[VEC], x1[VEC];
   decode_pack<Delta, VEC>(bits0, x0);
   decode_pack<Delta, VEC>(bits1, x1);
-  auto own = [](float const (&x)[VEC]) {
+  auto own = [](float const(&x)[VEC]) {
     float s = mul_rn(x[0], x[0]);
 #pragma unroll
     for (int i = 1; i < VEC; ++i) {
@@ -358,14 +365,16 @@ __device__ __forceinline__ float row_inverse_rms(KVUpdateParams const& p, typena
 
 // x[i] <- the normed value of channel `channel + i` (SPEC.md "Fused norms" 4-5).
 template <typename Delta, int VEC>
-__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, WeightPack<Delta, VEC> const* weight) {
+__device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms,
+                                           WeightPack<Delta, VEC> const* weight) {
   if constexpr (kWeightWords<Delta, VEC>) {
 #pragma unroll
     for (int i = 0; i < VEC; i += 2) {
       float a = mul_rn(x[i], inv_rms), b = mul_rn(x[i + 1], inv_rms);
       if (weight != nullptr) {
         uint32_t const w_pair = weight->v[i / 2];  // channels i and i + 1
-        float2 const f = std::is_same_v<Delta, F16> ? f16_pair_times(a, b, w_pair) : bf16_pair_times(a, b, w_pair);
+        float2 const f =
+            std::is_same_v<Delta, F16> ? f16_pair_times(a, b, w_pair) : bf16_pair_times(a, b, w_pair);
         a = f.x, b = f.y;
       } else {
         round_pair<Delta>(a, b);
@@ -387,8 +396,8 @@ __device__ __forceinline__ void apply_norm(float (&x)[VEC], float inv_rms, Weigh
 // The k-norm of a float16 key pack into float16 codes (apply_norm's values, not widened): the
 // kernels that norm the key before its dependent load returns (kNormEarlyPacked) keep it in the
 // registers that held the delta.
-template <int VEC>
-__device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, VEC>& key, float inv_rms, WeightPack<F16, VEC> const& weight) {
+template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, VEC>& key, float inv_rms,
+                                                                 WeightPack<F16, VEC> const& weight) {
   static_assert(kWeightWords<F16, VEC>, "float16 weights are held in pairs");
   float x[VEC];
   decode_pack<F16, VEC>(key.v, x);
@@ -400,7 +409,8 @@ __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, VEC>& key, float in
 }
 
 template <typename Pool, int VEC>
-__device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC], float inv_scale) {
+__device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC],
+                                                                      float inv_scale) {
   Pack<typename Pool::Bits, VEC> out;
   if constexpr (kIsFp8<Pool> && VEC % 4 == 0 && DFLASH_FP8_HARDWARE) {
     // Four codes per word: two packed conversions, then one NaN mend for the four.
@@ -408,8 +418,8 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
     uint32_t* const words = reinterpret_cast<uint32_t*>(out.v);
 #pragma unroll
     for (int i = 0; i < VEC; i += 4)
-      words[i / 4] = Pool::encode4(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale), mul_rn(y[i + 2], inv_scale),
-                                   mul_rn(y[i + 3], inv_scale));
+      words[i / 4] = Pool::encode4(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale),
+                                   mul_rn(y[i + 2], inv_scale), mul_rn(y[i + 3], inv_scale));
   } else if constexpr (std::is_same_v<Pool, F16> && VEC % 2 == 0) {
     // Two codes per word: one packed conversion and one NaN mend for the two.
     static_assert(alignof(decltype(out)) >= 4, "float16 packs of two or more codes are word-aligned");
@@ -438,8 +448,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // without spilling (16-bit deltas, except bfloat16 into an FP8 pool, as ptxas reports for sm_90);
 // 0 (no minimum: the compiler's own allocation) for the others, the row form and the plain
 // kernels.
-template <Contract C, typename Delta, typename Pool, int NORM>
-inline constexpr int norm_min_blocks =
+template <Contract C, typename Delta, typename Pool, int NORM> inline constexpr int norm_min_blocks =
     kIsButterfly<NORM> && (std::is_same_v<Delta, F16> || (std::is_same_v<Delta, BF16> && !kIsFp8<Pool>))
         ? DFLASH_NORM_MIN_BLOCKS
         : 0;
@@ -490,7 +499,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     lane_head = group / g.item_chunks;
     head_item += (group - lane_head * g.item_chunks) * blockDim.x;
   }
-  bool const in_range = lane_token < tokens && lane_head < uint32_t(p.num_kv_heads) && head_item < g.head_items;
+  bool const in_range =
+      lane_token < tokens && lane_head < uint32_t(p.num_kv_heads) && head_item < g.head_items;
   if (!kButterfly && !in_range) return;
   uint32_t const h = kButterfly ? min(lane_head, uint32_t(p.num_kv_heads) - 1) : lane_head;
   bool const pair = head_item < g.pair_items;
@@ -507,7 +517,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // delta rows are always in bounds. Plain (cached) loads, as at decode the deltas were just
   // written by the projection and are likely still in L2; evict-first in STREAM_LOADS kernels.
   auto load_delta = [](DBits const* ptr) {
-    return load_pack<DPack, DFLASH_STREAMING_LOADS || STREAM_LOADS>(ptr);
+    return load_pack < DPack, DFLASH_STREAMING_LOADS || STREAM_LOADS > (ptr);
   };
   DPack k0 = load_delta(k_delta + src);
   DPack const v0 = load_delta(v_delta + src);
@@ -587,7 +597,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // into its own registers; after it only RoPE and the store remain, as in the plain kernel
   // (0.04-0.05 us faster at decode sizes in both contracts, bench/kernel_variants). Into an FP8
   // pool and from bfloat16 deltas, where it measured slower, the norm stays after the load.
-  constexpr bool kNormEarlyPacked = kButterfly && DFLASH_KEY_NORM_EARLY && std::is_same_v<Delta, F16> && !kIsFp8<Pool>;
+  constexpr bool kNormEarlyPacked =
+      kButterfly && DFLASH_KEY_NORM_EARLY && std::is_same_v<Delta, F16> && !kIsFp8<Pool>;
   if constexpr (kNormEarlyPacked) {
     if (k_norm) {
       norm_f16_pack<VEC>(k0, k_inv_rms, w0);
@@ -702,8 +713,7 @@ inline bool butterfly_fits(KVUpdateParams const& p, int vec) {
   return lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
 }
 
-template <Contract C>
-using KernelFn = void (*)(KVUpdateParams, Launch<C>);
+template <Contract C> using KernelFn = void (*)(KVUpdateParams, Launch<C>);
 
 // A kernel in its evict-first instantiation where the launch streams its deltas and the kind has
 // one (DFLASH_PAGED_STREAMING_LOADS), else in its cached one.
@@ -742,7 +752,8 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
   g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
-  g.weight_vectors = p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
+  g.weight_vectors =
+      p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   // The butterfly kernels read the k-norm weight VEC at a time only: an unaligned weight (a view
   // at an odd offset, through the raw launchers; XLA's and TensorRT's buffers are aligned) takes
   // the row form, which stores the same bits.
@@ -803,7 +814,8 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
     auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
     int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
     return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
-           aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) && aligned(p.pool, bytes(pool));
+           aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
+           aligned(p.pool, bytes(pool));
   };
   if (fits(8)) return launch<C, Delta, Pool, 8>(p, stream);
   if (fits(2)) return launch<C, Delta, Pool, 2>(p, stream);
@@ -814,24 +826,30 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
 }  // namespace dflash
 
 // The dispatcher (kv_update_cuda.cu) only declares these; the units below define them.
-#define DFLASH_DECLARE_POOL(POOL)                                                                            \
-  namespace dflash::kernel {                                                                                   \
-  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t); \
+#define DFLASH_DECLARE_POOL(POOL)                                                                \
+  namespace dflash::kernel {                                                                     \
+  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&,   \
+                                                                        cudaStream_t);           \
+  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&,  \
+                                                                         cudaStream_t);          \
+  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&,   \
+                                                                        cudaStream_t);           \
+  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&,  \
+                                                                         cudaStream_t);          \
+  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, \
+                                                                          cudaStream_t);         \
+  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&,  \
+                                                                         cudaStream_t);          \
   }
 
 // Explicit instantiations for one pool type (one translation unit per pool type keeps the build
 // parallel).
-#define DFLASH_INSTANTIATE_POOL(POOL)                                                                          \
-  namespace dflash::kernel {                                                                                   \
-  template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);         \
-  template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t);        \
-  template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);         \
-  template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t);        \
-  template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t);       \
-  template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t);        \
+#define DFLASH_INSTANTIATE_POOL(POOL)                                                                    \
+  namespace dflash::kernel {                                                                             \
+  template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);   \
+  template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);   \
+  template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
+  template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t);  \
   }

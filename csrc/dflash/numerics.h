@@ -132,9 +132,7 @@ DFLASH_HOST_DEVICE uint16_t float_to_bfloat16_bits(float f) {
   return float_to_bfloat16(f);
 #endif
 }
-DFLASH_HOST_DEVICE uint32_t float_to_float32_bits(float f) {
-  return is_nan(f) ? kFloat32NaN : bits_of(f);
-}
+DFLASH_HOST_DEVICE uint32_t float_to_float32_bits(float f) { return is_nan(f) ? kFloat32NaN : bits_of(f); }
 
 // The float32 value after a rounding to `dtype` (a delta dtype), with the canonical NaN: the
 // fused norms' intermediate values live in the delta dtype.
@@ -195,15 +193,15 @@ __device__ __forceinline__ float2 bf16_pair_times(float a, float b, uint32_t w_p
 
 // MANT mantissa bits, exponent bias BIAS, MAX_CODE the largest finite magnitude's code; the
 // constants of the rounding below (the CPU kernel's vector form uses the same).
-template <int MANT, int BIAS, uint32_t MAX_CODE>
-struct Fp8Format {
+template <int MANT, int BIAS, uint32_t MAX_CODE> struct Fp8Format {
   static constexpr int kMant = MANT;
   static constexpr int kBias = BIAS;
   static constexpr uint32_t kMaxCode = MAX_CODE;
   static constexpr uint32_t kMantMask = (1u << MANT) - 1u;
   static constexpr uint32_t kShift = 23 - MANT;
   // MAX_CODE's value and the smallest normal, as float32 bits.
-  static constexpr uint32_t kMaxBits = (((MAX_CODE >> MANT) - BIAS + 127u) << 23) | ((MAX_CODE & kMantMask) << kShift);
+  static constexpr uint32_t kMaxBits =
+      (((MAX_CODE >> MANT) - BIAS + 127u) << 23) | ((MAX_CODE & kMantMask) << kShift);
   static constexpr uint32_t kMinNormalBits = uint32_t(1 - BIAS + 127) << 23;
   // Adding 2^(23 + 1 - BIAS - MANT) to a magnitude below the smallest normal rounds it (to nearest
   // even, by the float add) to a multiple of the subnormal step 2^(1 - BIAS - MANT).
@@ -212,8 +210,7 @@ struct Fp8Format {
 using E4M3Format = Fp8Format<3, 7, 0x7eu>;
 using E5M2Format = Fp8Format<2, 15, 0x7bu>;
 
-template <typename F>
-DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
+template <typename F> DFLASH_HOST_DEVICE uint8_t float_to_fp8_bits(float f) {
   uint32_t const u = bits_of(f);
   uint32_t const sign = (u >> 24) & 0x80u;
   uint32_t const a = u & 0x7fffffffu;
@@ -314,8 +311,7 @@ DFLASH_HOST_DEVICE int64_t norm_tree_leaves(int64_t head_dim) {
 // bit-reversed order with a binary-counter stack (no array of chunk sums): the same additions on
 // the same operands, for any D, with log2(leaves) + 1 floats of state. (The CUDA kernel's fast path
 // gets the same tree from a warp butterfly.)
-template <typename Values>
-DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
+template <typename Values> DFLASH_HOST_DEVICE float sum_squares(Values const& x, int64_t head_dim) {
   int64_t const chunks = (head_dim + kNormChunk - 1) / kNormChunk;
   int64_t const leaves = norm_tree_leaves(head_dim);
   int levels = 0;

@@ -27,11 +27,10 @@ std::string dims_text(TensorDesc const& t) {
   return text + "]";
 }
 
-char const* const kSlotNames[] = {"k_delta",      "v_delta",              "past_key_value",
-                                  "rope_cos_sin", "delta_start_positions", "delta_lengths"};
-char const* const kPagedNames[] = {"k_delta",         "v_delta",
-                                   "past_key_value",  "rope_cos_sin",
-                                   "delta_positions", "delta_token_to_sequence",
+char const* const kSlotNames[] = {
+    "k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions", "delta_lengths"};
+char const* const kPagedNames[] = {"k_delta",      "v_delta",         "past_key_value",
+                                   "rope_cos_sin", "delta_positions", "delta_token_to_sequence",
                                    "kv_page_table"};
 
 // Operand indices shared by both contracts.
@@ -198,17 +197,15 @@ std::string check_params(KVUpdateParams const& p) {
   if (p.batch < 0 || p.delta_len < 0 || p.num_tokens < 0 || p.num_kv_heads < 0 || p.head_dim < 0 ||
       p.num_pages < 0 || p.table_pages < 0 || p.rope_seq_len < 0 || p.rope_batch < 0)
     return "dimensions must be non-negative";
-  if (p.page_size <= 0)
-    return "past_key_value: expected page size P (dim 2) > 0, got " + str(p.page_size);
+  if (p.page_size <= 0) return "past_key_value: expected page size P (dim 2) > 0, got " + str(p.page_size);
   if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim)
-    return "rope_cos_sin: rotary dim R must be even and <= head dim D = " + str(p.head_dim) + ", got R = " +
-           str(p.rotary_dim);
+    return "rope_cos_sin: rotary dim R must be even and <= head dim D = " + str(p.head_dim) +
+           ", got R = " + str(p.rotary_dim);
   if (slot) {
-    if (p.pages_per_slot <= 0)
-      return "pages_per_slot: expected an int > 0, got " + str(p.pages_per_slot);
+    if (p.pages_per_slot <= 0) return "pages_per_slot: expected an int > 0, got " + str(p.pages_per_slot);
     if (p.num_pages % p.pages_per_slot != 0)
-      return "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = " + str(p.pages_per_slot) +
-             ", got numPages = " + str(p.num_pages);
+      return "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = " +
+             str(p.pages_per_slot) + ", got numPages = " + str(p.num_pages);
     if (p.batch > max_batch(p))
       return "k_delta: batch B must be <= the pool's slots numPages / pages_per_slot = " + str(max_batch(p)) +
              ", got B = " + str(p.batch);
@@ -229,7 +226,8 @@ std::string check_params(KVUpdateParams const& p) {
              str(p.rope_seq_len);
   }
   if (fp8_pool(p) && p.scale_heads != 1 && p.scale_heads != p.num_kv_heads)
-    return "k_scale: expected 1 or H = " + str(p.num_kv_heads) + " scales per layer, got " + str(p.scale_heads);
+    return "k_scale: expected 1 or H = " + str(p.num_kv_heads) + " scales per layer, got " +
+           str(p.scale_heads);
   if ((p.k_norm || p.v_norm) && !(std::isfinite(p.norm_eps) && p.norm_eps > 0.0f))
     return "norm_eps: expected a finite float > 0, got " + std::to_string(p.norm_eps);
 
@@ -258,8 +256,8 @@ std::string check_result(TensorDesc const& result, TensorDesc const& pool) {
   for (int32_t i = 0; same_dims && i < pool.rank; ++i) same_dims = result.dims[i] == pool.dims[i];
   if (!same_dims || result.dtype != pool.dtype)
     return std::string("present_key_value: expected the pool's shape ") + dims_text(pool) + " and dtype " +
-           dtype_name(pool.dtype) + " (the result is the pool, updated in place), got " + dims_text(result) + " " +
-           dtype_name(result.dtype);
+           dtype_name(pool.dtype) + " (the result is the pool, updated in place), got " + dims_text(result) +
+           " " + dtype_name(result.dtype);
   return {};
 }
 
@@ -295,7 +293,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   bool const layered = pool.rank == 6;
   int32_t const lead = layered ? 1 : 0;
   int64_t const layers = layered ? pool.dims[0] : 1;
-  if (!same(pool.dims[lead], 2)) return c.fail_shape(kPool, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
+  if (!same(pool.dims[lead], 2))
+    return c.fail_shape(kPool, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
   p.num_layers = layers;
   p.num_pages = pool.dims[lead + 1];
   p.page_size = pool.dims[lead + 2];
@@ -305,7 +304,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   // dtypes, position by position (the rules TensorRT's supportsFormatCombination asks for too).
   DType const delta_dtype = c.op(kKDelta).dtype, pool_dtype = pool.dtype;
   for (int32_t i = 0; i < count; ++i)
-    if (std::string e = check_operand_dtype(attrs, i, count, c.op(i).dtype, delta_dtype, pool_dtype); !e.empty())
+    if (std::string e = check_operand_dtype(attrs, i, count, c.op(i).dtype, delta_dtype, pool_dtype);
+        !e.empty())
       return e;
   p.delta_dtype = delta_dtype;
   p.pool_dtype = pool_dtype;
@@ -324,8 +324,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (layered && !same(k.dims[0], layers))
     return c.fail_shape(kKDelta, str(layers) + " layers (past_key_value dim 0)"), c.error();
   if (!same(k.dims[k.rank - 2], p.num_kv_heads) || !same(k.dims[k.rank - 1], p.head_dim))
-    return c.fail_shape(kKDelta, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) + " (from past_key_value " +
-                                     dims_text(pool) + ")"),
+    return c.fail_shape(kKDelta, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) +
+                                     " (from past_key_value " + dims_text(pool) + ")"),
            c.error();
   // Each size from the first tensor that knows it (only TensorRT's build time has unknown dims).
   p.num_kv_heads = first_known({p.num_kv_heads, k.dims[k.rank - 2], v.dims[k.rank - 2]});
@@ -341,8 +341,10 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   TensorDesc const& rope = c.op(kRope);
   int32_t const rope_rank = slot ? 3 : 2;
   if (rope.rank != rope_rank && !(layered && rope.rank == rope_rank + 1))
-    return c.fail_shape(kRope, std::string(slot ? "rank 3 [Rb, S, R]" : "rank 2 [T, R]") +
-                                   (layered ? (slot ? " or rank 4 [layers, Rb, S, R]" : " or rank 3 [layers, T, R]") : "")),
+    return c.fail_shape(
+               kRope,
+               std::string(slot ? "rank 3 [Rb, S, R]" : "rank 2 [T, R]") +
+                   (layered ? (slot ? " or rank 4 [layers, Rb, S, R]" : " or rank 3 [layers, T, R]") : "")),
            c.error();
   p.rope_per_layer = rope.rank == rope_rank + 1;
   if (p.rope_per_layer && !same(rope.dims[0], layers))
@@ -354,7 +356,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   } else {
     p.rope_seq_len = rope.dims[rl];
     if (!same(p.rope_seq_len, p.num_tokens))
-      return c.fail_shape(kRope, "one row per token, T = " + str(p.num_tokens) + " (k_delta dim " + str(lead) + ")"),
+      return c.fail_shape(kRope,
+                          "one row per token, T = " + str(p.num_tokens) + " (k_delta dim " + str(lead) + ")"),
              c.error();
     p.num_tokens = p.rope_seq_len = first_known({p.num_tokens, p.rope_seq_len});
   }
@@ -370,12 +373,15 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     bool const flat = t.rank == 1 && same(t.dims[0], per_step);
     bool const stacked = layered && t.rank == 2 && same(t.dims[0], layers) && same(t.dims[1], per_step);
     if (!flat && !stacked)
-      return c.fail_shape(i, "[" + str(per_step) + "]" + (layered ? " or [" + str(layers) + ", " + str(per_step) + "]" : "") +
+      return c.fail_shape(i, "[" + str(per_step) + "]" +
+                                 (layered ? " or [" + str(layers) + ", " + str(per_step) + "]" : "") +
                                  (slot ? " (B entries)" : " (T entries)")),
              c.error();
-    if (i == first) per_layer = stacked;
+    if (i == first)
+      per_layer = stacked;
     else if (stacked != per_layer)
-      return c.fail_shape(i, std::string("the layout of ") + c.name(first) + " " + dims_text(c.op(first))), c.error();
+      return c.fail_shape(i, std::string("the layout of ") + c.name(first) + " " + dims_text(c.op(first))),
+             c.error();
     int64_t& entries = slot ? p.batch : p.num_tokens;
     entries = first_known({entries, t.dims[t.rank - 1]});
   }
@@ -386,12 +392,15 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (!slot) {
     TensorDesc const& table = c.op(6);
     if (table.rank != 3 && !(layered && table.rank == 4))
-      return c.fail_shape(6, std::string("rank 3 [B, 2, M]") + (layered ? " or rank 4 [layers, B, 2, M]" : "")), c.error();
+      return c.fail_shape(6,
+                          std::string("rank 3 [B, 2, M]") + (layered ? " or rank 4 [layers, B, 2, M]" : "")),
+             c.error();
     p.table_per_layer = table.rank == 4;
     int32_t const tl = p.table_per_layer ? 1 : 0;
     if (p.table_per_layer && !same(table.dims[0], layers))
       return c.fail_shape(6, str(layers) + " layers (past_key_value dim 0)"), c.error();
-    if (!same(table.dims[tl + 1], 2)) return c.fail_shape(6, "[B, 2, M]: dim " + str(tl + 1) + " == 2 (K and V pages)"), c.error();
+    if (!same(table.dims[tl + 1], 2))
+      return c.fail_shape(6, "[B, 2, M]: dim " + str(tl + 1) + " == 2 (K and V pages)"), c.error();
     p.batch = table.dims[tl];
     p.table_pages = table.dims[tl + 2];
   }
@@ -427,7 +436,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     bool const flat = w.rank == 1 && same(w.dims[0], p.head_dim);
     bool const stacked = layered && w.rank == 2 && same(w.dims[0], layers) && same(w.dims[1], p.head_dim);
     if (!flat && !stacked)
-      return c.fail_shape(next, "[D] = [" + str(p.head_dim) + "]" + (layered ? " or [layers, D]" : "")), c.error();
+      return c.fail_shape(next, "[D] = [" + str(p.head_dim) + "]" + (layered ? " or [layers, D]" : "")),
+             c.error();
     p.weight_per_layer = stacked;
     p.k_norm_weight = w.data;
     p.head_dim = first_known({p.head_dim, w.dims[w.rank - 1]});

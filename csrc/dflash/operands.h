@@ -35,9 +35,7 @@ struct UpdateAttrs {
 };
 
 // Operands before the extras: 6 (slot) or 7 (paged).
-inline int32_t base_operand_count(Contract contract) {
-  return contract == Contract::kSlot ? 6 : 7;
-}
+inline int32_t base_operand_count(Contract contract) { return contract == Contract::kSlot ? 6 : 7; }
 // All operands: the base ones, then k_scale and v_scale for an FP8 pool, then k_norm_weight.
 inline int32_t operand_count(UpdateAttrs const& attrs, bool fp8_pool_given) {
   return base_operand_count(attrs.contract) + (fp8_pool_given ? 2 : 0) + (attrs.k_norm ? 1 : 0);

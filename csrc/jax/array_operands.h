@@ -23,7 +23,8 @@ inline DType dtype_from_name(std::string const& name, char const* argument) {
   if (name == "float8_e4m3fn") return DType::kFloat8E4M3;
   if (name == "float8_e5m2") return DType::kFloat8E5M2;
   throw nb::value_error((std::string(argument) +
-                         ": expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got '" + name + "'")
+                         ": expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got '" + name +
+                         "'")
                             .c_str());
 }
 
@@ -71,21 +72,26 @@ template <typename Device, typename Array>
 TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   std::string const name = spec.name;
   // NumPy says whether an array is writable (cupy's flags do not carry the field).
-  if (spec.writable && nb::hasattr(spec.object, "flags") && nb::hasattr(spec.object.attr("flags"), "writeable") &&
+  if (spec.writable && nb::hasattr(spec.object, "flags") &&
+      nb::hasattr(spec.object.attr("flags"), "writeable") &&
       !nb::cast<bool>(spec.object.attr("flags").attr("writeable")))
-    throw nb::value_error((name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
+    throw nb::value_error(
+        (name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
   // A jax.Array is immutable: writing into its buffer would change a value JAX still holds.
   if (spec.writable && nb::cast<std::string>(spec.object.type().attr("__module__")).rfind("jax", 0) == 0)
-    throw nb::value_error((name + ": expected a writable array (NumPy, torch, cupy), got a jax.Array, which is "
-                                  "immutable; use jax_dflash.target_kv_cache_update(_paged) for JAX arrays")
+    throw nb::value_error((name +
+                           ": expected a writable array (NumPy, torch, cupy), got a jax.Array, which is "
+                           "immutable; use jax_dflash.target_kv_cache_update(_paged) for JAX arrays")
                               .c_str());
   Array array;
   if (!nb::try_cast(spec.object, array, /*convert=*/false))
-    throw nb::type_error((name + ": expected an array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
+    throw nb::type_error((name +
+                          ": expected an array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
                           nb::cast<std::string>(nb::str(spec.object.type().attr("__name__"))))
                              .c_str());
   if (array.device_type() != Device::value)
-    throw nb::value_error((name + ": expected an array on the " + (Device::value == nb::device::cpu::value ? "CPU" : "CUDA device") +
+    throw nb::value_error((name + ": expected an array on the " +
+                           (Device::value == nb::device::cpu::value ? "CPU" : "CUDA device") +
                            ", got one on DLPack device type " + std::to_string(array.device_type()))
                               .c_str());
   int64_t expected_stride = 1;
@@ -93,10 +99,11 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   for (size_t i = 0; i < array.ndim(); ++i) empty |= array.shape(i) == 0;
   for (size_t i = array.ndim(); !empty && i-- > 0;) {
     if (array.shape(i) > 1 && array.stride(i) != expected_stride)
-      throw nb::value_error((name + ": expected a C-contiguous array" +
-                             (spec.writable ? " (it is updated in place; a copy would lose the update)" : "") +
-                             ", got strides that are not row-major")
-                                .c_str());
+      throw nb::value_error(
+          (name + ": expected a C-contiguous array" +
+           (spec.writable ? " (it is updated in place; a copy would lose the update)" : "") +
+           ", got strides that are not row-major")
+              .c_str());
     expected_stride *= int64_t(array.shape(i));
   }
   TensorDesc desc;
@@ -113,12 +120,13 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
     desc.dtype = spec.declared;
   } else {
     if (own == DType::kOther)
-      throw nb::value_error((name + ": expected a dtype the update takes, got " + given_dtype(array.dtype()) +
-                             (spec.dtype_keyword != nullptr
-                                  ? std::string(" (bfloat16 and FP8 arrays cross as uint16/uint8 views named with ") +
-                                        spec.dtype_keyword + "=\"...\")"
-                                  : std::string()))
-                                .c_str());
+      throw nb::value_error(
+          (name + ": expected a dtype the update takes, got " + given_dtype(array.dtype()) +
+           (spec.dtype_keyword != nullptr
+                ? std::string(" (bfloat16 and FP8 arrays cross as uint16/uint8 views named with ") +
+                      spec.dtype_keyword + "=\"...\")"
+                : std::string()))
+              .c_str());
     desc.dtype = own;
   }
   desc.rank = int32_t(array.ndim());
@@ -151,12 +159,14 @@ inline UpdateAttrs paged_attrs(bool ring, bool v_norm, float norm_eps) {
 // the pool ("" = the arrays' own dtypes).
 template <typename Device>
 KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> const& base, nb::handle k_scale,
-                                  nb::handle v_scale, nb::handle k_norm_weight, std::string const& delta_dtype,
-                                  std::string const& pool_dtype, KeptArrays& keep) {
+                                  nb::handle v_scale, nb::handle k_norm_weight,
+                                  std::string const& delta_dtype, std::string const& pool_dtype,
+                                  KeptArrays& keep) {
   attrs.k_norm = !k_norm_weight.is_none();
   if (k_scale.is_none() != v_scale.is_none())
-    throw nb::value_error(k_scale.is_none() ? "k_scale: v_scale is given, so k_scale is expected too, got None"
-                                            : "v_scale: k_scale is given, so v_scale is expected too, got None");
+    throw nb::value_error(k_scale.is_none()
+                              ? "k_scale: v_scale is given, so k_scale is expected too, got None"
+                              : "v_scale: k_scale is given, so v_scale is expected too, got None");
   DType const delta = delta_dtype.empty() ? DType::kOther : dtype_from_name(delta_dtype, "delta_dtype");
   DType const pool = pool_dtype.empty() ? DType::kOther : dtype_from_name(pool_dtype, "pool_dtype");
   std::vector<ArraySpec> specs;
@@ -186,7 +196,8 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
     operands.push_back(spec.writable ? describe_array<Device>(spec, keep.writable)
                                      : describe_array<Device>(spec, keep.read_only));
   KVUpdateParams p;
-  if (std::string e = params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
+  if (std::string e =
+          params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
       !e.empty())
     throw nb::value_error(e.c_str());
   return p;

@@ -9,7 +9,8 @@
 namespace dflash::jax {
 namespace {
 
-ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                   ffi::Dictionary attrs) {
   KVUpdateParams p;
   std::optional<ffi::AnyBuffer> pool, result;
   if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
@@ -53,9 +54,10 @@ void update_slot_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, 
 }
 
 void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
-                        nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
-                        nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
-                        float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype) {
+                        nb::handle delta_positions, nb::handle delta_token_to_sequence,
+                        nb::handle kv_page_table, nb::handle k_scale, nb::handle v_scale,
+                        nb::handle k_norm_weight, bool ring, bool v_norm, float norm_eps,
+                        std::string const& delta_dtype, std::string const& pool_dtype) {
   UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(

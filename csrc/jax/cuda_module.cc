@@ -12,7 +12,8 @@ namespace dflash::jax {
 namespace {
 
 ffi::Error cuda_error(Contract contract, cudaError_t status) {
-  return ffi::Error::Internal(std::string(target_name(contract)) + ": CUDA error: " + cudaGetErrorString(status));
+  return ffi::Error::Internal(std::string(target_name(contract)) +
+                              ": CUDA error: " + cudaGetErrorString(status));
 }
 
 ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
@@ -23,8 +24,8 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked dims
   // and dtype), start from the pool.
   if (result->untyped_data() != pool->untyped_data()) {
-    cudaError_t const copied =
-        cudaMemcpyAsync(result->untyped_data(), pool->untyped_data(), pool->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    cudaError_t const copied = cudaMemcpyAsync(result->untyped_data(), pool->untyped_data(),
+                                               pool->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (copied != cudaSuccess) return cuda_error(contract, copied);
   }
   if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)
@@ -32,11 +33,13 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   return ffi::Error::Success();
 }
 
-ffi::Error slot_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error slot_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     ffi::Dictionary attrs) {
   return run_cuda(Contract::kSlot, stream, args, rets, attrs);
 }
 
-ffi::Error paged_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+ffi::Error paged_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      ffi::Dictionary attrs) {
   return run_cuda(Contract::kPaged, stream, args, rets, attrs);
 }
 
@@ -53,13 +56,15 @@ namespace {
 
 void enqueue(KVUpdateParams const& p, uintptr_t stream) {
   cudaError_t const status = launch_target_kv_cache_update(p, reinterpret_cast<cudaStream_t>(stream));
-  if (status != cudaSuccess) throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(status));
 }
 
 void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
-                 nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale, nb::handle v_scale,
-                 nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm, float norm_eps,
-                 std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
+                 nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale,
+                 nb::handle v_scale, nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm,
+                 float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype,
+                 uintptr_t stream) {
   UpdateAttrs const attrs = slot_attrs(pages_per_slot, v_norm, norm_eps);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
@@ -71,11 +76,13 @@ void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::ha
 void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
                   nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
                   nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
-                  float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype, uintptr_t stream) {
+                  float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype,
+                  uintptr_t stream) {
   UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
-              attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
+              attrs,
+              {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
               k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
           stream);
 }
@@ -96,8 +103,8 @@ NB_MODULE(_dflash_cuda, m) {
   });
   m.def("launch", &dflash::jax::launch_slot, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
         "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
-        "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a, "v_norm"_a = false, "norm_eps"_a = 1e-6f,
-        "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
+        "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a, "v_norm"_a = false,
+        "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
         "Enqueues the slot-contract update on `stream` over CUDA arrays (DLPack: jax, torch, cupy); the\n"
         "pool is updated in place. FP8 pools as uint8 views with pool_dtype naming them.");
   m.def("launch_paged", &dflash::jax::launch_paged, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,

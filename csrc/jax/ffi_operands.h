@@ -18,7 +18,8 @@ namespace dflash::jax {
 namespace ffi = ::xla::ffi;
 
 inline char const* target_name(Contract contract) {
-  return contract == Contract::kSlot ? "dflash_target_kv_cache_update" : "dflash_target_kv_cache_update_paged";
+  return contract == Contract::kSlot ? "dflash_target_kv_cache_update"
+                                     : "dflash_target_kv_cache_update_paged";
 }
 
 inline ffi::Error invalid(Contract contract, std::string const& message) {
@@ -76,9 +77,10 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
       if (!v.has_value()) return wrong_type("a float32 scalar");
       out->norm_eps = *v;
     } else {
-      return invalid(contract, "unknown attribute " + std::string(name) +
-                                   (contract == Contract::kSlot ? " (known: pages_per_slot, k_norm, v_norm, norm_eps)"
-                                                                : " (known: ring, k_norm, v_norm, norm_eps)"));
+      return invalid(contract,
+                     "unknown attribute " + std::string(name) +
+                         (contract == Contract::kSlot ? " (known: pages_per_slot, k_norm, v_norm, norm_eps)"
+                                                      : " (known: ring, k_norm, v_norm, norm_eps)"));
     }
   }
   if (contract == Contract::kSlot && !pages_per_slot_seen)
@@ -90,21 +92,22 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
 // wrong count is this target's own error naming what is expected) and the attributes. On success
 // *p describes the update with p->pool pointing at the result, *pool is the pool operand and
 // *result the result (the caller first copies the pool into it when XLA did not alias them).
-inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args, ffi::RemainingRets const& rets,
-                              ffi::Dictionary const& attrs, KVUpdateParams* p, std::optional<ffi::AnyBuffer>* pool,
-                              std::optional<ffi::AnyBuffer>* result) {
+inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
+                              ffi::RemainingRets const& rets, ffi::Dictionary const& attrs, KVUpdateParams* p,
+                              std::optional<ffi::AnyBuffer>* pool, std::optional<ffi::AnyBuffer>* result) {
   UpdateAttrs a;
   if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
   int32_t const base = base_operand_count(contract);
   if (args.size() < size_t(base) || args.size() > size_t(base + 3))
-    return invalid(contract, "expected " + std::to_string(base) + " operands (" +
-                                 (contract == Contract::kSlot
-                                      ? "k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, "
-                                        "delta_lengths"
-                                      : "k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, "
-                                        "delta_token_to_sequence, kv_page_table") +
-                                 "), then k_scale and v_scale for an FP8 pool, then k_norm_weight with k_norm; got " +
-                                 std::to_string(args.size()) + " operands");
+    return invalid(contract,
+                   "expected " + std::to_string(base) + " operands (" +
+                       (contract == Contract::kSlot
+                            ? "k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, "
+                              "delta_lengths"
+                            : "k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, "
+                              "delta_token_to_sequence, kv_page_table") +
+                       "), then k_scale and v_scale for an FP8 pool, then k_norm_weight with k_norm; got " +
+                       std::to_string(args.size()) + " operands");
   if (rets.size() != 1)
     return invalid(contract, "expected 1 result (present_key_value, the pool updated in place), got " +
                                  std::to_string(rets.size()) + " results");
@@ -128,8 +131,7 @@ inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
 
 // The binding of both targets, after the platform context (if any): SPEC.md's operands in order
 // then the extras, one result (aliasing the pool), the attributes as a dictionary.
-template <typename Binding>
-auto bind_update_call(Binding binding) {
+template <typename Binding> auto bind_update_call(Binding binding) {
   return std::move(binding).RemainingArgs().RemainingRets().template Attrs<ffi::Dictionary>();
 }
 

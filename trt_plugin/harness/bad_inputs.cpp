@@ -38,7 +38,8 @@ PluginPtr makePlugin(Fields const& fields, TensorRTPhase phase) {
 
 // The mutation rejected by configurePlugin (min = opt = max), onShapeChange and enqueue (and
 // getOutputDataTypes), each with a logged error naming `expected`.
-void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m, IPluginResourceContext* context) {
+void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m,
+                      IPluginResourceContext* context) {
   std::vector<Tensor> in = inputs(good);
   Tensor out = output(good);
   m.change(in, out);
@@ -69,8 +70,9 @@ void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m,
     std::vector<DataType> types;
     for (Tensor const& x : in) types.push_back(x.type);
     DataType outType{};
-    expectStatusFailure("getOutputDataTypes: " + m.what + t, m.expected,
-                        [&] { return b->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size())); });
+    expectStatusFailure("getOutputDataTypes: " + m.what + t, m.expected, [&] {
+      return b->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size()));
+    });
   }
 }
 
@@ -134,11 +136,16 @@ std::vector<Mutation> commonMutations(Case const& g) {
       {"output shape unlike the pool's", "present_key_value: expected the pool's shape",
        [](std::vector<Tensor>&, Tensor& out) { out.dims.d[1] += 1; }},
       {"output dtype unlike the pool's", "present_key_value: expected the pool's shape",
-       [](std::vector<Tensor>&, Tensor& out) { out.type = out.type == DataType::kFLOAT ? DataType::kHALF : DataType::kFLOAT; }},
+       [](std::vector<Tensor>&, Tensor& out) {
+         out.type = out.type == DataType::kFLOAT ? DataType::kHALF : DataType::kFLOAT;
+       }},
       {"v_delta's dtype unlike k_delta's", "v_delta: expected dtype", setType(1, otherFloat), false, true},
-      {"rope_cos_sin float16", "rope_cos_sin: expected dtype float32", setType(rope, DataType::kHALF), false, true},
-      {"k_delta int32", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kINT32), false, true},
-      {"k_delta kFP8", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kFP8), false, true},
+      {"rope_cos_sin float16", "rope_cos_sin: expected dtype float32", setType(rope, DataType::kHALF), false,
+       true},
+      {"k_delta int32", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kINT32),
+       false, true},
+      {"k_delta kFP8", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kFP8),
+       false, true},
       {"pool kINT8", "past_key_value: expected dtype", setType(pool, DataType::kINT8), false, true},
       {"pool in a non-linear format", "past_key_value: expected the linear format", {}, false, false},
       {"5 inputs", "got 5 inputs", dropLast(nb - 5), true, true},
@@ -165,14 +172,15 @@ std::vector<Mutation> commonMutations(Case const& g) {
 std::vector<Mutation> extrasMutations(Case const& g) {
   int32_t const ks = kScaleIndex(g), w = kNormWeightIndex(g);
   return {
-      {"k_scale of shape [H + 1]", "k_scale: expected", both(setDim(ks, 0, g.H + 1), setDim(ks + 1, 0, g.H + 1))},
+      {"k_scale of shape [H + 1]", "k_scale: expected",
+       both(setDim(ks, 0, g.H + 1), setDim(ks + 1, 0, g.H + 1))},
       {"v_scale's shape unlike k_scale's", "v_scale: expected k_scale's shape", setDim(ks + 1, 0, 1)},
       {"k_scale of rank 2", "k_scale: expected", setRank(ks, 2)},
       {"k_scale float16", "k_scale: expected dtype float32", setType(ks, DataType::kHALF), false, true},
       {"k_norm_weight of length D + 1", "k_norm_weight: expected", setDim(w, 0, g.D + 1)},
       {"k_norm_weight of length D - 1", "k_norm_weight: expected", setDim(w, 0, g.D - 1)},
-      {"k_norm_weight float32 with other deltas", "k_norm_weight: expected dtype", setType(w, DataType::kFLOAT), false,
-       true},
+      {"k_norm_weight float32 with other deltas", "k_norm_weight: expected dtype",
+       setType(w, DataType::kFLOAT), false, true},
       {"k_norm=1 without k_norm_weight", "k_norm_weight is missing", dropLast(1), true, true},
       // TensorRT's per-tensor scale is [1]: the JAX op's [] is not TensorRT's contract (nor the
       // ONNX node's).
@@ -194,12 +202,14 @@ void runAll(Case const& g, std::vector<Mutation> const& mutations, IPluginResour
       PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
       BuildDescs bd = buildDescs(g, g, g);
       bd.in[dtrt::kPAST_KEY_VALUE].desc.format = TensorFormat::kHWC8;
-      expectStatusFailure("configurePlugin: " + m.what + tag(g), m.expected,
-                          [&] { return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+      expectStatusFailure("configurePlugin: " + m.what + tag(g), m.expected, [&] {
+        return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+      });
       RuntimeDescs rd = runtimeDescs(g);
       rd.in[dtrt::kROPE_COS_SIN].format = TensorFormat::kCHW32;
-      expectStatusFailure("onShapeChange: rope_cos_sin in format kCHW32" + tag(g), "rope_cos_sin: expected the linear format",
-                          [&] { return runtime(builder.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+      expectStatusFailure(
+          "onShapeChange: rope_cos_sin in format kCHW32" + tag(g), "rope_cos_sin: expected the linear format",
+          [&] { return runtime(builder.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
       continue;
     }
     rejectEverywhere(g, fields, m, context);
@@ -224,25 +234,32 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
   for (int32_t pos = 0; pos <= nb; ++pos) {
     auto pointers = host.inputs;
     void* outputs[1] = {host.bytes.data()};
-    if (pos < nb) pointers[pos] = nullptr; else outputs[0] = nullptr;
+    if (pos < nb)
+      pointers[pos] = nullptr;
+    else
+      outputs[0] = nullptr;
     std::string const name = pos < nb ? in[pos].name : "present_key_value";
     expectStatusFailure("enqueue: null " + name + " pointer" + t, name + ": the ", [&] {
       return rt->enqueue(d.in.data(), &d.out, pointers.data(), outputs, nullptr, nullptr);
     });
   }
-  expectStatusFailure("enqueue: null input descriptors" + t, "input descriptors are null",
-                      [&] { return rt->enqueue(nullptr, &d.out, host.inputs.data(), host.outputs, nullptr, nullptr); });
-  expectStatusFailure("enqueue: null output descriptors" + t, "output descriptors are null",
-                      [&] { return rt->enqueue(d.in.data(), nullptr, host.inputs.data(), host.outputs, nullptr, nullptr); });
-  expectStatusFailure("enqueue: null pointer arrays" + t, "pointer arrays must not be null",
-                      [&] { return rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr); });
+  expectStatusFailure("enqueue: null input descriptors" + t, "input descriptors are null", [&] {
+    return rt->enqueue(nullptr, &d.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+  });
+  expectStatusFailure("enqueue: null output descriptors" + t, "output descriptors are null", [&] {
+    return rt->enqueue(d.in.data(), nullptr, host.inputs.data(), host.outputs, nullptr, nullptr);
+  });
+  expectStatusFailure("enqueue: null pointer arrays" + t, "pointer arrays must not be null", [&] {
+    return rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr);
+  });
   expectStatusFailure("onShapeChange: 0 outputs" + t, "expected 1 output",
                       [&] { return rt->onShapeChange(d.in.data(), nb, &d.out, 0); });
   expectStatusFailure("onShapeChange: null input descriptors" + t, "input descriptors are null",
                       [&] { return rt->onShapeChange(nullptr, nb, &d.out, 1); });
-  expectFailure("attachToContext(nullptr)" + t, "resource context is null",
-                [&] { return PluginPtr(runtime(deserialized.get())->attachToContext(nullptr)); },
-                [](PluginPtr const& p) { return p == nullptr; });
+  expectFailure(
+      "attachToContext(nullptr)" + t, "resource context is null",
+      [&] { return PluginPtr(runtime(deserialized.get())->attachToContext(nullptr)); },
+      [](PluginPtr const& p) { return p == nullptr; });
   if (recorder != nullptr) {
     recorder->clear();
     rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr);
@@ -261,51 +278,60 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
   DimsExprs out{};
   expectStatusFailure("getOutputShapes with null inputs" + t, "must not be null",
                       [&] { return b->getOutputShapes(nullptr, nb, nullptr, 0, &out, 1, exprs); });
-  expectStatusFailure("getOutputShapes with one input more" + t, "inputs",
-                      [&] {
-                        auto more = shapes;
-                        more.push_back(shapes.back());
-                        more.push_back(shapes.back());
-                        more.push_back(shapes.back());
-                        return b->getOutputShapes(more.data(), nb + 3, nullptr, 0, &out, 1, exprs);
-                      });
-  auto shapeCase = [&](std::string const& what, std::string const& expected, std::function<void(std::vector<DimsExprs>&)> f) {
+  expectStatusFailure("getOutputShapes with one input more" + t, "inputs", [&] {
+    auto more = shapes;
+    more.push_back(shapes.back());
+    more.push_back(shapes.back());
+    more.push_back(shapes.back());
+    return b->getOutputShapes(more.data(), nb + 3, nullptr, 0, &out, 1, exprs);
+  });
+  auto shapeCase = [&](std::string const& what, std::string const& expected,
+                       std::function<void(std::vector<DimsExprs>&)> f) {
     auto bad = shapes;
     f(bad);
     expectStatusFailure("getOutputShapes: " + what + t, expected,
                         [&] { return b->getOutputShapes(bad.data(), nb, nullptr, 0, &out, 1, exprs); });
   };
-  shapeCase("pool of rank 4", "past_key_value: expected rank 5", [](auto& e) { e[dtrt::kPAST_KEY_VALUE].nbDims = 4; });
-  shapeCase("pool page size 64", "tokens per page", [&](auto& e) { e[dtrt::kPAST_KEY_VALUE].d[2] = exprs.constant(64); });
+  shapeCase("pool of rank 4", "past_key_value: expected rank 5",
+            [](auto& e) { e[dtrt::kPAST_KEY_VALUE].nbDims = 4; });
+  shapeCase("pool page size 64", "tokens per page",
+            [&](auto& e) { e[dtrt::kPAST_KEY_VALUE].d[2] = exprs.constant(64); });
   shapeCase("pool heads unlike k_delta's", "k_delta: expected",
             [&](auto& e) { e[dtrt::kPAST_KEY_VALUE].d[3] = exprs.constant(g.H + 1); });
   shapeCase("a null dimension expression", "dimension 1 is null", [](auto& e) { e[0].d[1] = nullptr; });
-  shapeCase("k_delta of the other contract's rank", "k_delta: expected rank",
-            [&](auto& e) {
-              if (g.contract == Contract::kPaged) e[0].d[3] = exprs.constant(g.D);
-              e[0].nbDims = g.contract == Contract::kSlot ? 3 : 4;
-            });
+  shapeCase("k_delta of the other contract's rank", "k_delta: expected rank", [&](auto& e) {
+    if (g.contract == Contract::kPaged) e[0].d[3] = exprs.constant(g.D);
+    e[0].nbDims = g.contract == Contract::kSlot ? 3 : 4;
+  });
 
   // supportsFormatCombination's arguments.
   BuildDescs bd = buildDescs(g, g, g);
   std::vector<DynamicPluginTensorDesc> inOut = bd.in;
   inOut.push_back(bd.out);
-  expectFailure("supportsFormatCombination pos past the output" + t, "expected pos in [0, " + std::to_string(nb + 1) + ")",
-                [&] { return b->supportsFormatCombination(nb + 1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
-  expectFailure("supportsFormatCombination pos -1" + t, "expected pos in",
-                [&] { return b->supportsFormatCombination(-1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
-  expectFailure("supportsFormatCombination null inOut" + t, "inOut is null",
-                [&] { return b->supportsFormatCombination(0, nullptr, nb, 1); }, [](bool ok) { return !ok; });
-  expectFailure("supportsFormatCombination with 5 inputs" + t, "got 5 inputs",
-                [&] { return b->supportsFormatCombination(0, inOut.data(), 5, 1); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "supportsFormatCombination pos past the output" + t,
+      "expected pos in [0, " + std::to_string(nb + 1) + ")",
+      [&] { return b->supportsFormatCombination(nb + 1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "supportsFormatCombination pos -1" + t, "expected pos in",
+      [&] { return b->supportsFormatCombination(-1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "supportsFormatCombination null inOut" + t, "inOut is null",
+      [&] { return b->supportsFormatCombination(0, nullptr, nb, 1); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "supportsFormatCombination with 5 inputs" + t, "got 5 inputs",
+      [&] { return b->supportsFormatCombination(0, inOut.data(), 5, 1); }, [](bool ok) { return !ok; });
   {
     logger().clear();
     auto probe = inOut;
     probe[1].desc.type = DataType::kINT8;
     bool const refused = !b->supportsFormatCombination(1, probe.data(), nb, 1);
-    check(refused && logger().saw(ILogger::Severity::kVERBOSE, "v_delta: expected dtype") && logger().nbErrors() == 0,
-          "supportsFormatCombination refuses an unsupported combination with a verbose reason (not an error)" + t,
-          logger().all());
+    check(
+        refused && logger().saw(ILogger::Severity::kVERBOSE, "v_delta: expected dtype") &&
+            logger().nbErrors() == 0,
+        "supportsFormatCombination refuses an unsupported combination with a verbose reason (not an error)" +
+            t,
+        logger().all());
   }
   // getWorkspaceSize: 0 bytes for any call (TensorRT reads no failure from a size), a bad call
   // logged as the other entry points log it.
@@ -335,9 +361,10 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
     workspaceLogs("a pool of rank 4", "past_key_value: expected rank 5",
                   [&] { return b->getWorkspaceSize(bad.in.data(), nb, &bad.out, 1); });
   }
-  expectFailure("getCapabilityInterface(unknown type)" + t, "expected PluginCapabilityType",
-                [&] { return builder->getCapabilityInterface(static_cast<PluginCapabilityType>(9)); },
-                [](IPluginCapability* c) { return c == nullptr; });
+  expectFailure(
+      "getCapabilityInterface(unknown type)" + t, "expected PluginCapabilityType",
+      [&] { return builder->getCapabilityInterface(static_cast<PluginCapabilityType>(9)); },
+      [](IPluginCapability* c) { return c == nullptr; });
   expectStatusFailure("getOutputDataTypes with null arrays" + t, "must not be null",
                       [&] { return b->getOutputDataTypes(nullptr, 1, nullptr, nb); });
 }
@@ -436,7 +463,8 @@ void fieldCases() {
   auto rejected = [&](std::string const& what, std::string const& expected, Fields const& f) {
     PluginFieldCollection const fc = f.collection();
     for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
-      expectNull("createPlugin(" + std::string(phase == TensorRTPhase::kBUILD ? "kBUILD" : "kRUNTIME") + ") with " + what,
+      expectNull("createPlugin(" + std::string(phase == TensorRTPhase::kBUILD ? "kBUILD" : "kRUNTIME") +
+                     ") with " + what,
                  expected, [&] { return creator->createPlugin("p", &fc, phase); });
   };
   Fields none;
@@ -453,7 +481,8 @@ void fieldCases() {
                [&] { return creator->createPlugin("p", &broken, TensorRTPhase::kBUILD); });
     PluginField nullName(nullptr, nullptr, PluginFieldType::kINT32, 1);
     PluginFieldCollection const nn{1, &nullName};
-    expectNull("a field with a null name", "null name", [&] { return creator->createPlugin("p", &nn, TensorRTPhase::kBUILD); });
+    expectNull("a field with a null name", "null name",
+               [&] { return creator->createPlugin("p", &nn, TensorRTPhase::kBUILD); });
     PluginField nullData(dtrt::kPAGES_PER_SLOT_FIELD, nullptr, PluginFieldType::kINT32, 1);
     PluginFieldCollection const nd{1, &nullData};
     expectNull("pages_per_slot with null data", "field 'pages_per_slot': data is null",
@@ -491,7 +520,8 @@ void fieldCases() {
     f.add(dtrt::kPAGES_PER_SLOT_FIELD, PluginFieldType::kINT32, values, 2, sizeof(values));
     rejected("pages_per_slot with 2 elements", "field 'pages_per_slot': expected 1 element", f);
   }
-  for (char const* name : {dtrt::kPAGES_PER_SLOT_FIELD, dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD}) {
+  for (char const* name :
+       {dtrt::kPAGES_PER_SLOT_FIELD, dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD}) {
     Fields f;
     f.addInt32(name, 1);
     f.addInt32(name, 1);
@@ -507,7 +537,8 @@ void fieldCases() {
     for (int32_t value : {2, -1}) {
       Fields f;
       f.addInt32(name, value);
-      rejected(std::string(name) + " = " + std::to_string(value), std::string("field '") + name + "': expected 0 or 1", f);
+      rejected(std::string(name) + " = " + std::to_string(value),
+               std::string("field '") + name + "': expected 0 or 1", f);
     }
     Fields f;
     f.addFloat32(name, 1.0f);
@@ -516,13 +547,15 @@ void fieldCases() {
     Fields g;
     int32_t const values[2] = {1, 1};
     g.add(name, PluginFieldType::kINT32, values, 2, sizeof(values));
-    rejected(std::string(name) + " with 2 elements", std::string("field '") + name + "': expected 1 element", g);
+    rejected(std::string(name) + " with 2 elements", std::string("field '") + name + "': expected 1 element",
+             g);
   }
   {
     Fields f;
     f.addInt32(dtrt::kNORM_EPS_FIELD, 1);
     rejected("norm_eps of type INT32", "field 'norm_eps': expected type kFLOAT32, got kINT32", f);
-    for (float value : {0.0f, -1e-6f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    for (float value :
+         {0.0f, -1e-6f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
       Fields g;
       g.addFloat32(dtrt::kNORM_EPS_FIELD, value);
       rejected("norm_eps = " + std::to_string(value), "field 'norm_eps': expected a finite float32 > 0", g);
@@ -598,27 +631,34 @@ void fieldCases() {
     logger().clear();
     check(ub->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size())) == 0 &&
               ub->getOutputShapes(shapes.data(), int32_t(shapes.size()), nullptr, 0, &out, 1, exprs) == 0,
-          "a slot plugin without pages_per_slot yet answers getOutputDataTypes and getOutputShapes", logger().all());
+          "a slot plugin without pages_per_slot yet answers getOutputDataTypes and getOutputShapes",
+          logger().all());
   }
-  expectStatusFailure("configurePlugin of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
+  expectStatusFailure("configurePlugin of the slot contract with pages_per_slot missing",
+                      "pages_per_slot is missing",
                       [&] { return ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
-  expectStatusFailure("onShapeChange of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
-                      [&] { return runtime(unset.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
-  expectStatusFailure("enqueue of the slot contract with pages_per_slot missing", "pages_per_slot is missing", [&] {
-    return runtime(unset.get())->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
-  });
+  expectStatusFailure(
+      "onShapeChange of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
+      [&] { return runtime(unset.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+  expectStatusFailure(
+      "enqueue of the slot contract with pages_per_slot missing", "pages_per_slot is missing", [&] {
+        return runtime(unset.get())
+            ->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+      });
   auto* concrete = dynamic_cast<dtrt::DFlashTargetKVCacheUpdatePlugin*>(unset.get());
-  if (check(concrete != nullptr, "the plugin is a DFlashTargetKVCacheUpdatePlugin (dynamic_cast across the library)")) {
+  if (check(concrete != nullptr,
+            "the plugin is a DFlashTargetKVCacheUpdatePlugin (dynamic_cast across the library)")) {
     expectStatusFailure("setPagesPerSlot(0)", "expected an int32 > 0", [&] {
       concrete->setPagesPerSlot(0);
       return concrete->pagesPerSlot() == 0 ? 1 : 0;
     });
     concrete->setPagesPerSlot(int32_t(g.pagesPerSlot));
     logger().clear();
-    check(ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0, "setPagesPerSlot() then configurePlugin succeeds",
-          logger().all());
+    check(ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0,
+          "setPagesPerSlot() then configurePlugin succeeds", logger().all());
     PluginPtr clone(unset->clone());
-    std::string const problem = clone ? fieldsMismatch(runtime(clone.get())->getFieldsToSerialize(), g) : "clone() is null";
+    std::string const problem =
+        clone ? fieldsMismatch(runtime(clone.get())->getFieldsToSerialize(), g) : "clone() is null";
     check(problem.empty(), "setPagesPerSlot() value survives clone() and getFieldsToSerialize()", problem);
   }
 }
@@ -630,21 +670,26 @@ void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* reco
   std::vector<Mutation> m = commonMutations(g);
   std::vector<Mutation> const slot = {
       {"k_delta of rank 3 (the paged contract's) with 6 inputs", "k_delta: expected rank 4", setRank(0, 3)},
-      {"rope_cos_sin of rank 2 (the paged contract's)", "rope_cos_sin: expected", setRank(dtrt::kROPE_COS_SIN, 2)},
+      {"rope_cos_sin of rank 2 (the paged contract's)", "rope_cos_sin: expected",
+       setRank(dtrt::kROPE_COS_SIN, 2)},
       {"numPages % pages_per_slot != 0", "divisible by pages_per_slot", onPool([](Dims& d) { d.d[1] = 5; })},
       {"B > slots", "batch B must be <=",
-       [](std::vector<Tensor>& in, Tensor&) { in[0].dims.d[0] = in[1].dims.d[0] = in[4].dims.d[0] = in[5].dims.d[0] = 3; }},
+       [](std::vector<Tensor>& in, Tensor&) {
+         in[0].dims.d[0] = in[1].dims.d[0] = in[4].dims.d[0] = in[5].dims.d[0] = 3;
+       }},
       {"S > cap", "slot capacity", setDim(dtrt::kROPE_COS_SIN, 1, 2 * kP + 1)},
       {"rope batch not 1 or B", "batch Rb must be 1 or B", setDim(dtrt::kROPE_COS_SIN, 0, 3)},
       {"delta_lengths [B + 1]", "delta_lengths: expected", setDim(dtrt::kDELTA_LENGTHS, 0, 3)},
       {"delta_start_positions int64", "delta_start_positions: expected dtype int32",
        setType(dtrt::kDELTA_START_POSITIONS, DataType::kINT64), false, true},
-      {"delta_lengths float32", "delta_lengths: expected dtype int32", setType(dtrt::kDELTA_LENGTHS, DataType::kFLOAT),
-       false, true},
+      {"delta_lengths float32", "delta_lengths: expected dtype int32",
+       setType(dtrt::kDELTA_LENGTHS, DataType::kFLOAT), false, true},
       {"7 inputs (the paged contract's count) with a slot k_delta: Edge-LLM 0.10.1's call",
        "are Edge-LLM 0.10.1's call (the slot inputs and a page table), which this plugin does not serve",
-       [](std::vector<Tensor>& in, Tensor&) { in.push_back({"kv_page_table", DataType::kINT32, makeDims({2, 2, 2})}); }, true,
-       false},
+       [](std::vector<Tensor>& in, Tensor&) {
+         in.push_back({"kv_page_table", DataType::kINT32, makeDims({2, 2, 2})});
+       },
+       true, false},
   };
   m.insert(m.end(), slot.begin(), slot.end());
   runAll(g, m, context);
@@ -725,16 +770,19 @@ void pagedBadInputs(IPluginResourceContext* context) {
   std::vector<Mutation> const paged = {
       {"k_delta of rank 4 (the slot contract's) with 7 inputs", "k_delta: expected rank 3", setRank(0, 4)},
       {"M > N", "kv_page_table: pages per sequence M", setDim(table, 2, g.N + 1)},
-      {"kv_page_table int64", "kv_page_table: expected dtype int32", setType(table, DataType::kINT64), false, true},
+      {"kv_page_table int64", "kv_page_table: expected dtype int32", setType(table, DataType::kINT64), false,
+       true},
       {"kv_page_table of rank 2", "kv_page_table: expected", setRank(table, 2)},
       {"kv_page_table dim 1 == 3", "kv_page_table: expected", setDim(table, 1, 3)},
-      {"rope_cos_sin [T + 1, R]", "rope_cos_sin: expected one row per token", setDim(dtrt::kROPE_COS_SIN, 0, g.T + 1)},
-      {"rope_cos_sin of rank 3 (the slot contract's table)", "rope_cos_sin: expected", setRank(dtrt::kROPE_COS_SIN, 3)},
+      {"rope_cos_sin [T + 1, R]", "rope_cos_sin: expected one row per token",
+       setDim(dtrt::kROPE_COS_SIN, 0, g.T + 1)},
+      {"rope_cos_sin of rank 3 (the slot contract's table)", "rope_cos_sin: expected",
+       setRank(dtrt::kROPE_COS_SIN, 3)},
       {"delta_positions [T + 1]", "delta_positions: expected", setDim(dtrt::kDELTA_POSITIONS, 0, g.T + 1)},
       {"delta_token_to_sequence float16", "delta_token_to_sequence: expected dtype int32",
        setType(dtrt::kDELTA_TOKEN_TO_SEQUENCE, DataType::kHALF), false, true},
-      {"delta_positions int64", "delta_positions: expected dtype int32", setType(dtrt::kDELTA_POSITIONS, DataType::kINT64),
-       false, true},
+      {"delta_positions int64", "delta_positions: expected dtype int32",
+       setType(dtrt::kDELTA_POSITIONS, DataType::kINT64), false, true},
       // k_delta's rank tells the contract; the count is then checked against it.
       {"6 inputs (the slot contract's count) with a paged k_delta",
        "kv_page_table is missing: the paged contract (Edge-LLM 0.11, k_delta [T, H, D]) with k_norm=0 and a "
@@ -745,7 +793,8 @@ void pagedBadInputs(IPluginResourceContext* context) {
        "k_delta: expected rank 4",
        eraseAt(table, 1), true, false},
       {"8 inputs with a 16-bit pool", "input 7 (kFLOAT [1]) is unexpected: the paged contract",
-       [](std::vector<Tensor>& in, Tensor&) { in.push_back({"extra", DataType::kFLOAT, makeDims({1})}); }, true, false},
+       [](std::vector<Tensor>& in, Tensor&) { in.push_back({"extra", DataType::kFLOAT, makeDims({1})}); },
+       true, false},
   };
   m.insert(m.end(), paged.begin(), paged.end());
   runAll(g, m, context);
@@ -754,7 +803,8 @@ void pagedBadInputs(IPluginResourceContext* context) {
     withPages.contract = Contract::kSlot;  // nodeFields then writes pages_per_slot
     withPages.pagesPerSlot = 2;
     Fields f = nodeFields(withPages);
-    Mutation const pps{"field pages_per_slot on the paged contract", "'pages_per_slot' is for the slot contract only",
+    Mutation const pps{"field pages_per_slot on the paged contract",
+                       "'pages_per_slot' is for the slot contract only",
                        [](std::vector<Tensor>&, Tensor&) {}};
     rejectEverywhere(g, f, pps, context);
   }
@@ -862,14 +912,17 @@ void overflowCases(IPluginResourceContext* context) {
     PluginPtr builder(libraryCreator()->createPlugin("big", &fc, TensorRTPhase::kBUILD));
     PluginPtr attached(runtime(builder.get())->attachToContext(context));
     BuildDescs bd = buildDescs(b.min, b.min, b.max);
-    expectStatusFailure("configurePlugin: " + b.what + " in the max profile", "overflows int64",
-                        [&] { return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
+    expectStatusFailure("configurePlugin: " + b.what + " in the max profile", "overflows int64", [&] {
+      return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+    });
     RuntimeDescs rd = runtimeDescs(b.max);
-    expectStatusFailure("onShapeChange: " + b.what, "overflows int64",
-                        [&] { return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+    expectStatusFailure("onShapeChange: " + b.what, "overflows int64", [&] {
+      return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1);
+    });
     HostStandIns host;
     expectStatusFailure("enqueue: " + b.what, "overflows int64", [&] {
-      return runtime(attached.get())->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+      return runtime(attached.get())
+          ->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
     });
   }
 }

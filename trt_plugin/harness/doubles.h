@@ -39,7 +39,8 @@ class RecordingLogger : public ILogger {
   }
   std::string all() const {
     std::string text;
-    for (auto const& entry : messages) text += "[" + std::to_string(int(entry.first)) + "] " + entry.second + " | ";
+    for (auto const& entry : messages)
+      text += "[" + std::to_string(int(entry.first)) + "] " + entry.second + " | ";
     return text.empty() ? "(nothing logged)" : text;
   }
   // The error-or-worse messages since the last clear(), joined by " | ".
@@ -119,7 +120,8 @@ class TestExprBuilderImpl : public apiv::VExprBuilder {
  public:
   IDimensionExpr const* constant(int64_t value) override { return make(true, value); }
   IDimensionExpr const* symbol() { return make(false, 0); }
-  IDimensionExpr const* operation(DimensionOperation op, IDimensionExpr const& a, IDimensionExpr const& b) override {
+  IDimensionExpr const* operation(DimensionOperation op, IDimensionExpr const& a,
+                                  IDimensionExpr const& b) override {
     if (!a.isConstant() || !b.isConstant()) return symbol();
     int64_t const x = a.getConstantValue(), y = b.getConstantValue();
     switch (op) {
@@ -130,8 +132,10 @@ class TestExprBuilderImpl : public apiv::VExprBuilder {
       case DimensionOperation::kSUB: return constant(x - y);
       case DimensionOperation::kEQUAL: return constant(x == y);
       case DimensionOperation::kLESS: return constant(x < y);
-      case DimensionOperation::kFLOOR_DIV: return y == 0 ? nullptr : constant(x / y - ((x % y != 0) && ((x < 0) != (y < 0))));
-      case DimensionOperation::kCEIL_DIV: return y == 0 ? nullptr : constant(x / y + ((x % y != 0) && ((x < 0) == (y < 0))));
+      case DimensionOperation::kFLOOR_DIV:
+        return y == 0 ? nullptr : constant(x / y - ((x % y != 0) && ((x < 0) != (y < 0))));
+      case DimensionOperation::kCEIL_DIV:
+        return y == 0 ? nullptr : constant(x / y + ((x % y != 0) && ((x < 0) == (y < 0))));
     }
     return nullptr;
   }
@@ -185,8 +189,12 @@ class TestPluginRegistry : public IPluginRegistry {
   bool deregisterCreator(IPluginCreatorInterface const&) noexcept override { return false; }
   // Unused by the plugin: inert.
   bool registerCreator(IPluginCreator&, AsciiChar const* const) noexcept override { return false; }
-  IPluginCreator* const* getPluginCreatorList(int32_t* const n) const noexcept override { *n = 0; return nullptr; }
-  IPluginCreator* getPluginCreator(AsciiChar const* const, AsciiChar const* const, AsciiChar const* const) noexcept override {
+  IPluginCreator* const* getPluginCreatorList(int32_t* const n) const noexcept override {
+    *n = 0;
+    return nullptr;
+  }
+  IPluginCreator* getPluginCreator(AsciiChar const* const, AsciiChar const* const,
+                                   AsciiChar const* const) noexcept override {
     return nullptr;
   }
   void setErrorRecorder(IErrorRecorder* const) noexcept override {}
@@ -196,7 +204,9 @@ class TestPluginRegistry : public IPluginRegistry {
   void setParentSearchEnabled(bool const) override {}
   PluginLibraryHandle loadLibrary(AsciiChar const*) noexcept override { return nullptr; }
   void deregisterLibrary(PluginLibraryHandle) noexcept override {}
-  IPluginResource* acquirePluginResource(AsciiChar const*, IPluginResource*) noexcept override { return nullptr; }
+  IPluginResource* acquirePluginResource(AsciiChar const*, IPluginResource*) noexcept override {
+    return nullptr;
+  }
   int32_t releasePluginResource(AsciiChar const*) noexcept override { return 0; }
   IPluginCreatorInterface* const* getAllCreatorsRecursive(int32_t* const n) noexcept override {
     return getAllCreators(n);

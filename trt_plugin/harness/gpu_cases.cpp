@@ -36,7 +36,8 @@ std::vector<char> randomValues(int64_t count, DataType type, float lo, float hi)
   for (int64_t i = 0; i < count; ++i) {
     if (type == DataType::kFP8) {
       uint8_t b;
-      do b = uint8_t(nextRandom()); while ((b & 0x7F) == 0x7F);  // any finite e4m3 byte
+      do b = uint8_t(nextRandom());
+      while ((b & 0x7F) == 0x7F);  // any finite e4m3 byte
       bytes[size_t(i)] = char(b);
       continue;
     }
@@ -54,8 +55,7 @@ std::vector<char> randomValues(int64_t count, DataType type, float lo, float hi)
   return bytes;
 }
 
-template <typename T>
-std::vector<char> bytesOf(std::vector<T> const& values) {
+template <typename T> std::vector<char> bytesOf(std::vector<T> const& values) {
   return std::vector<char>(reinterpret_cast<char const*>(values.data()),
                            reinterpret_cast<char const*>(values.data() + values.size()));
 }
@@ -65,7 +65,8 @@ bool writeNpy(std::string const& path, char const* descr, Dims const& dims, void
   for (int32_t i = 0; i < dims.nbDims; ++i)
     shape += std::to_string(dims.d[i]) + (dims.nbDims == 1 ? ",)" : i + 1 < dims.nbDims ? ", " : ")");
   if (dims.nbDims == 0) shape += ")";
-  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+  std::string header =
+      std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
   size_t const total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
   header += '\n';
@@ -113,11 +114,23 @@ void slotPositions(Case const& c, std::vector<int32_t>& starts, std::vector<int3
     switch (b % 7) {
       case 0: start = int32_t(below(std::max<int64_t>(1, cap - c.L + 1))); break;
       case 1: start = int32_t(cap - c.L / 2 - 1); break;  // crosses the slot's end: the tail is dropped
-      case 2: start = -3; length = int32_t(c.L + 5); break;
+      case 2:
+        start = -3;
+        length = int32_t(c.L + 5);
+        break;
       case 3: start = std::numeric_limits<int32_t>::max() - 2; break;
-      case 4: start = int32_t(below(cap)); length = int32_t(c.L / 2); break;
-      case 5: start = std::numeric_limits<int32_t>::min(); length = -1; break;
-      case 6: start = 0; length = 0; break;
+      case 4:
+        start = int32_t(below(cap));
+        length = int32_t(c.L / 2);
+        break;
+      case 5:
+        start = std::numeric_limits<int32_t>::min();
+        length = -1;
+        break;
+      case 6:
+        start = 0;
+        length = 0;
+        break;
     }
     starts.push_back(start);
     lengths.push_back(length);
@@ -157,8 +170,14 @@ void pagedAddressing(Case const& c, std::vector<int32_t>& positions, std::vector
   for (int64_t t = 0; t < c.T; ++t) {
     int32_t owner = int32_t(below(c.B)), position = 0;
     switch (t % 9) {
-      case 5: owner = -1; position = int32_t(below(window)); break;  // padding
-      case 6: owner = t % 2 ? int32_t(c.B) : std::numeric_limits<int32_t>::max(); position = int32_t(below(window)); break;
+      case 5:
+        owner = -1;
+        position = int32_t(below(window));
+        break;  // padding
+      case 6:
+        owner = t % 2 ? int32_t(c.B) : std::numeric_limits<int32_t>::max();
+        position = int32_t(below(window));
+        break;
       case 7: position = t % 2 ? -1 - int32_t(below(1000)) : std::numeric_limits<int32_t>::min(); break;
       case 8:
         if (c.ring) {  // a far position, in the window's ring: wraps onto a fresh row
@@ -170,7 +189,8 @@ void pagedAddressing(Case const& c, std::vector<int32_t>& positions, std::vector
         break;
       default: {
         int64_t r = below(window);
-        for (int64_t tries = 0; used[size_t(owner)][size_t(r)] && tries < window; ++tries) r = (r + 1) % window;
+        for (int64_t tries = 0; used[size_t(owner)][size_t(r)] && tries < window; ++tries)
+          r = (r + 1) % window;
         if (used[size_t(owner)][size_t(r)]) {
           owner = -1;
         } else {
@@ -228,15 +248,17 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   size_t const poolBytes = host[dtrt::kPAST_KEY_VALUE].size();
   std::vector<std::unique_ptr<DeviceBuffer>> device;
   for (int32_t i = 0; i < nb; ++i)
-    device.push_back(std::make_unique<DeviceBuffer>(i == dtrt::kPAST_KEY_VALUE ? poolBytes + 2 * kGuard : host[i].size()));
+    device.push_back(
+        std::make_unique<DeviceBuffer>(i == dtrt::kPAST_KEY_VALUE ? poolBytes + 2 * kGuard : host[i].size()));
   DeviceBuffer separateOutput(poolBytes);
   for (auto const& buffer : device)
     if (buffer->ptr == nullptr) return void(check(false, "cudaMalloc" + t));
   if (separateOutput.ptr == nullptr) return void(check(false, "cudaMalloc" + t));
   char* pool = static_cast<char*>(device[dtrt::kPAST_KEY_VALUE]->ptr) + kGuard;
   std::vector<char> const guardPattern(poolBytes + 2 * kGuard, char(0xA5));
-  bool uploaded = cudaOk(cudaMemcpy(device[dtrt::kPAST_KEY_VALUE]->ptr, guardPattern.data(), guardPattern.size(),
-                                    cudaMemcpyHostToDevice), "guard bands" + t);
+  bool uploaded = cudaOk(cudaMemcpy(device[dtrt::kPAST_KEY_VALUE]->ptr, guardPattern.data(),
+                                    guardPattern.size(), cudaMemcpyHostToDevice),
+                         "guard bands" + t);
   std::vector<void const*> pointers(static_cast<size_t>(nb), nullptr);
   for (int32_t i = 0; i < nb; ++i) {
     void* target = i == dtrt::kPAST_KEY_VALUE ? pool : device[i]->ptr;
@@ -258,11 +280,14 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   cudaOk(cudaStreamSynchronize(stream), "cudaStreamSynchronize" + t);
 
   std::vector<char> withGuards(poolBytes + 2 * kGuard), unaliased(poolBytes);
-  cudaOk(cudaMemcpy(withGuards.data(), device[dtrt::kPAST_KEY_VALUE]->ptr, withGuards.size(), cudaMemcpyDeviceToHost),
+  cudaOk(cudaMemcpy(withGuards.data(), device[dtrt::kPAST_KEY_VALUE]->ptr, withGuards.size(),
+                    cudaMemcpyDeviceToHost),
          "download pool" + t);
-  cudaOk(cudaMemcpy(unaliased.data(), separateOutput.ptr, poolBytes, cudaMemcpyDeviceToHost), "download output" + t);
-  bool const guardsIntact = std::memcmp(withGuards.data(), guardPattern.data(), kGuard) == 0 &&
-                            std::memcmp(withGuards.data() + kGuard + poolBytes, guardPattern.data(), kGuard) == 0;
+  cudaOk(cudaMemcpy(unaliased.data(), separateOutput.ptr, poolBytes, cudaMemcpyDeviceToHost),
+         "download output" + t);
+  bool const guardsIntact =
+      std::memcmp(withGuards.data(), guardPattern.data(), kGuard) == 0 &&
+      std::memcmp(withGuards.data() + kGuard + poolBytes, guardPattern.data(), kGuard) == 0;
   check(guardsIntact, "no write outside the pool" + t);
   check(std::memcmp(withGuards.data() + kGuard, unaliased.data(), poolBytes) == 0,
         "aliased and separate outputs are identical" + t);
@@ -283,9 +308,11 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
     expected = "kv_page_table";
   }
   logger().clear();
-  bool const rejected = played.rt->enqueue(bad.in.data(), &bad.out, pointers.data(), aliased, nullptr, stream) != 0;
+  bool const rejected =
+      played.rt->enqueue(bad.in.data(), &bad.out, pointers.data(), aliased, nullptr, stream) != 0;
   cudaStreamSynchronize(stream);
-  cudaOk(cudaMemcpy(withGuards.data(), device[dtrt::kPAST_KEY_VALUE]->ptr, withGuards.size(), cudaMemcpyDeviceToHost),
+  cudaOk(cudaMemcpy(withGuards.data(), device[dtrt::kPAST_KEY_VALUE]->ptr, withGuards.size(),
+                    cudaMemcpyDeviceToHost),
          "download pool" + t);
   check(rejected && logger().sawError(expected) && withGuards == before,
         "a rejected enqueue on device buffers leaves the pool as it was" + t, logger().all());
@@ -297,10 +324,12 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   bool ok = true;
   std::vector<std::string> names;
   for (int32_t i = 0; i < nb; ++i) {
-    ok = ok && writeNpy(dir + "/" + in[i].name + ".npy", npyDescr(in[i].type), in[i].dims, host[i].data(), host[i].size());
+    ok = ok && writeNpy(dir + "/" + in[i].name + ".npy", npyDescr(in[i].type), in[i].dims, host[i].data(),
+                        host[i].size());
     names.push_back(jsonString(in[i].name));
   }
-  ok = ok && writeNpy(dir + "/present_key_value.npy", npyDescr(c.pool), output(c).dims, withGuards.data() + kGuard, poolBytes);
+  ok = ok && writeNpy(dir + "/present_key_value.npy", npyDescr(c.pool), output(c).dims,
+                      withGuards.data() + kGuard, poolBytes);
   JsonObject entry;
   entry.add("name", c.name)
       .add("dir", dir)
@@ -333,16 +362,18 @@ std::vector<Case> slotGpuCases() {
   // Decode-like; partial rotary with per-sequence tables and S < cap; odd sizes (vector width 1);
   // a long delta crossing pages; no RoPE at all.
   Shape const shapes[] = {
-      {"decode", 4, 16, 8, 128, 8, 2, 1, 256, 128},       {"partial_rotary", 3, 40, 2, 64, 4, 1, 3, 100, 32},
-      {"odd_sizes", 7, 9, 3, 6, 14, 2, 1, 200, 2},        {"long_delta", 2, 300, 1, 32, 9, 3, 2, 384, 16},
+      {"decode", 4, 16, 8, 128, 8, 2, 1, 256, 128}, {"partial_rotary", 3, 40, 2, 64, 4, 1, 3, 100, 32},
+      {"odd_sizes", 7, 9, 3, 6, 14, 2, 1, 200, 2},  {"long_delta", 2, 300, 1, 32, 9, 3, 2, 384, 16},
       {"no_rope", 2, 5, 2, 16, 2, 1, 1, 0, 0},
   };
   auto make = [](Shape const& s, DataType delta, DataType pool) {
     Case c;
     c.contract = Contract::kSlot;
-    c.name = std::string("slot_") + s.name + "_" + dtypeName(delta) + (pool == delta ? "" : "_into_" + dtypeName(pool));
+    c.name = std::string("slot_") + s.name + "_" + dtypeName(delta) +
+             (pool == delta ? "" : "_into_" + dtypeName(pool));
     c.delta = delta, c.pool = pool;
-    c.B = s.B, c.L = s.L, c.H = s.H, c.D = s.D, c.N = s.N, c.pagesPerSlot = s.pagesPerSlot, c.Rb = s.Rb, c.S = s.S, c.R = s.R;
+    c.B = s.B, c.L = s.L, c.H = s.H, c.D = s.D, c.N = s.N, c.pagesPerSlot = s.pagesPerSlot, c.Rb = s.Rb,
+    c.S = s.S, c.R = s.R;
     return c;
   };
   std::vector<Case> cases;
@@ -382,7 +413,8 @@ std::vector<Case> pagedGpuCases() {
   auto make = [](Shape const& s, DataType delta, DataType pool) {
     Case c;
     c.contract = Contract::kPaged;
-    c.name = std::string("paged_") + s.name + "_" + dtypeName(delta) + (pool == delta ? "" : "_into_" + dtypeName(pool));
+    c.name = std::string("paged_") + s.name + "_" + dtypeName(delta) +
+             (pool == delta ? "" : "_into_" + dtypeName(pool));
     c.delta = delta, c.pool = pool;
     c.T = s.T, c.H = s.H, c.D = s.D, c.N = s.N, c.B = s.B, c.M = s.M, c.R = s.R;
     return c;

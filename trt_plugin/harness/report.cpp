@@ -51,9 +51,15 @@ JsonObject& JsonObject::addRaw(std::string const& key, std::string const& json) 
   mBody += (mBody.empty() ? "" : ", ") + jsonString(key) + ": " + json;
   return *this;
 }
-JsonObject& JsonObject::add(std::string const& key, std::string const& value) { return addRaw(key, jsonString(value)); }
-JsonObject& JsonObject::add(std::string const& key, int64_t value) { return addRaw(key, std::to_string(value)); }
-JsonObject& JsonObject::add(std::string const& key, bool value) { return addRaw(key, value ? "true" : "false"); }
+JsonObject& JsonObject::add(std::string const& key, std::string const& value) {
+  return addRaw(key, jsonString(value));
+}
+JsonObject& JsonObject::add(std::string const& key, int64_t value) {
+  return addRaw(key, std::to_string(value));
+}
+JsonObject& JsonObject::add(std::string const& key, bool value) {
+  return addRaw(key, value ? "true" : "false");
+}
 JsonObject& JsonObject::add(std::string const& key, double value) {
   if (!std::isfinite(value)) return addRaw(key, "null");
   char buffer[64];
@@ -68,7 +74,8 @@ bool check(bool ok, std::string const& name, std::string const& detail) {
     std::printf("PASS %s: %s\n", gGroup.c_str(), name.c_str());
   } else {
     ++gFailed;
-    std::printf("FAIL %s: %s%s%s\n", gGroup.c_str(), name.c_str(), detail.empty() ? "" : ": ", detail.c_str());
+    std::printf("FAIL %s: %s%s%s\n", gGroup.c_str(), name.c_str(), detail.empty() ? "" : ": ",
+                detail.c_str());
   }
   return ok;
 }
@@ -90,7 +97,12 @@ int failedCount() { return gFailed; }
 bool writeReport(std::string const& path, std::string const& mode) {
   std::vector<std::string> checks, required;
   for (auto const& e : gEntries)
-    checks.push_back(JsonObject().add("group", e.group).add("name", e.name).add("passed", e.passed).add("detail", e.detail).str());
+    checks.push_back(JsonObject()
+                         .add("group", e.group)
+                         .add("name", e.name)
+                         .add("passed", e.passed)
+                         .add("detail", e.detail)
+                         .str());
   for (auto const& g : gRequired) required.push_back(jsonString(g));
   JsonObject report;
   report.add("mode", mode)

@@ -36,7 +36,8 @@ std::string fieldsMismatch(PluginFieldCollection const* fc, Case const& c) {
     double value;
   };
   Expected const expected[] = {
-      {dtrt::kPAGES_PER_SLOT_FIELD, c.contract == Contract::kSlot, PluginFieldType::kINT32, double(c.pagesPerSlot)},
+      {dtrt::kPAGES_PER_SLOT_FIELD, c.contract == Contract::kSlot, PluginFieldType::kINT32,
+       double(c.pagesPerSlot)},
       {dtrt::kRING_FIELD, true, PluginFieldType::kINT32, double(c.ring)},
       {dtrt::kK_NORM_FIELD, true, PluginFieldType::kINT32, double(c.kNorm)},
       {dtrt::kV_NORM_FIELD, true, PluginFieldType::kINT32, double(c.vNorm)},
@@ -54,14 +55,18 @@ std::string fieldsMismatch(PluginFieldCollection const* fc, Case const& c) {
       continue;
     }
     if (!found || found->type != e.type || found->length != 1 || found->data == nullptr) {
-      problems += std::string(e.name) + " missing or not one " + (e.type == PluginFieldType::kINT32 ? "INT32" : "FLOAT32") + "; ";
+      problems += std::string(e.name) + " missing or not one " +
+                  (e.type == PluginFieldType::kINT32 ? "INT32" : "FLOAT32") + "; ";
       continue;
     }
     double const value = e.type == PluginFieldType::kINT32 ? double(*static_cast<int32_t const*>(found->data))
                                                            : double(*static_cast<float const*>(found->data));
-    if (value != e.value) problems += std::string(e.name) + " = " + std::to_string(value) + ", expected " + std::to_string(e.value) + "; ";
+    if (value != e.value)
+      problems += std::string(e.name) + " = " + std::to_string(value) + ", expected " +
+                  std::to_string(e.value) + "; ";
   }
-  if (fc->nbFields != present) problems += "expected " + std::to_string(present) + " fields, got " + std::to_string(fc->nbFields);
+  if (fc->nbFields != present)
+    problems += "expected " + std::to_string(present) + " fields, got " + std::to_string(fc->nbFields);
   return problems;
 }
 
@@ -70,35 +75,42 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
   Played result;
   IPluginCreatorV3One* creator = libraryCreator();
   if (creator == nullptr) return result;
-  check(!std::strcmp(creator->getPluginName(), dtrt::kPLUGIN_NAME) && !std::strcmp(creator->getPluginVersion(), "1") &&
-            !std::strcmp(creator->getPluginNamespace(), ""),
+  check(!std::strcmp(creator->getPluginName(), dtrt::kPLUGIN_NAME) &&
+            !std::strcmp(creator->getPluginVersion(), "1") && !std::strcmp(creator->getPluginNamespace(), ""),
         "creator name/version/namespace" + t);
   PluginFieldCollection const* names = creator->getFieldNames();
   bool namesOk = names != nullptr && names->nbFields == 5;
   for (int32_t i = 0; namesOk && i < names->nbFields; ++i)
     namesOk = names->fields[i].name != nullptr &&
-              names->fields[i].type == (!std::strcmp(names->fields[i].name, dtrt::kNORM_EPS_FIELD) ? PluginFieldType::kFLOAT32
-                                                                                                  : PluginFieldType::kINT32);
-  check(namesOk, "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm (INT32) and norm_eps (FLOAT32)" + t);
+              names->fields[i].type == (!std::strcmp(names->fields[i].name, dtrt::kNORM_EPS_FIELD)
+                                            ? PluginFieldType::kFLOAT32
+                                            : PluginFieldType::kINT32);
+  check(
+      namesOk,
+      "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm (INT32) and norm_eps (FLOAT32)" + t);
 
   Fields const nodeFc = nodeFields(opt);  // what the ONNX parser passes: the node's attributes
   PluginFieldCollection const fc = nodeFc.collection();
   logger().clear();
   PluginPtr built(creator->createPlugin("dflash_update", &fc, TensorRTPhase::kBUILD));
-  if (!check(built != nullptr, "createPlugin(kBUILD) with " + std::to_string(fc.nbFields) + " fields" + t, logger().all()))
+  if (!check(built != nullptr, "createPlugin(kBUILD) with " + std::to_string(fc.nbFields) + " fields" + t,
+             logger().all()))
     return result;
   check(built->getInterfaceInfo().kind == std::string("PLUGIN") && built->getInterfaceInfo().major == 1,
         "the plugin is an IPluginV3" + t);
   IPluginV3OneCore* pluginCore = core(built.get());
   IPluginV3OneBuildV2* b = build(built.get());
   IPluginV3OneRuntime* r = runtime(built.get());
-  check(pluginCore && pluginCore->getInterfaceInfo().kind == std::string("PLUGIN_V3ONE_CORE"), "capability kCORE" + t);
-  check(b && b->getInterfaceInfo().kind == std::string("PLUGIN_V3ONE_BUILD") && b->getInterfaceInfo().major == 2,
+  check(pluginCore && pluginCore->getInterfaceInfo().kind == std::string("PLUGIN_V3ONE_CORE"),
+        "capability kCORE" + t);
+  check(b && b->getInterfaceInfo().kind == std::string("PLUGIN_V3ONE_BUILD") &&
+            b->getInterfaceInfo().major == 2,
         "capability kBUILD is IPluginV3OneBuildV2 (version 2)" + t);
   check(r && r->getInterfaceInfo().kind == std::string("PLUGIN_V3ONE_RUNTIME"), "capability kRUNTIME" + t);
   if (!pluginCore || !b || !r) return result;
   check(!std::strcmp(pluginCore->getPluginName(), dtrt::kPLUGIN_NAME) &&
-            !std::strcmp(pluginCore->getPluginVersion(), "1") && !std::strcmp(pluginCore->getPluginNamespace(), ""),
+            !std::strcmp(pluginCore->getPluginVersion(), "1") &&
+            !std::strcmp(pluginCore->getPluginNamespace(), ""),
         "core name/version/namespace" + t);
   check(b->getNbOutputs() == 1, "getNbOutputs == 1" + t);
 
@@ -128,16 +140,20 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
     for (int32_t d = 0; d < optIn[i].dims.nbDims; ++d) {
       bool const dynamic = minIn[i].dims.d[d] != maxIn[i].dims.d[d];
       anySymbol = anySymbol || dynamic;
-      inExprs[i].d[d] = dynamic ? symbolFor(minIn[i].dims.d[d], maxIn[i].dims.d[d]) : exprs.constant(optIn[i].dims.d[d]);
+      inExprs[i].d[d] =
+          dynamic ? symbolFor(minIn[i].dims.d[d], maxIn[i].dims.d[d]) : exprs.constant(optIn[i].dims.d[d]);
     }
   }
   DimsExprs outExprs{};
   logger().clear();
   int32_t const shapeStatus = b->getOutputShapes(inExprs.data(), nbIn, nullptr, 0, &outExprs, 1, exprs);
   bool sameAsPool = shapeStatus == 0 && outExprs.nbDims == 5;
-  for (int32_t i = 0; sameAsPool && i < 5; ++i) sameAsPool = outExprs.d[i] == inExprs[dtrt::kPAST_KEY_VALUE].d[i];
-  check(sameAsPool, std::string("getOutputShapes") + (anySymbol ? " with symbolic dims" : "") +
-                        ": the output is the pool's shape" + t, logger().all());
+  for (int32_t i = 0; sameAsPool && i < 5; ++i)
+    sameAsPool = outExprs.d[i] == inExprs[dtrt::kPAST_KEY_VALUE].d[i];
+  check(sameAsPool,
+        std::string("getOutputShapes") + (anySymbol ? " with symbolic dims" : "") +
+            ": the output is the pool's shape" + t,
+        logger().all());
 
   BuildDescs descs = buildDescs(min, opt, max);
   std::vector<DynamicPluginTensorDesc> inOut = descs.in;
@@ -153,18 +169,21 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
       probe[pos].desc.type = other;
       bool const expected = std::find(accepted.begin(), accepted.end(), other) != accepted.end();
       if (b->supportsFormatCombination(pos, probe.data(), nbIn, 1) != expected)
-        refusals += "pos " + std::to_string(pos) + " " + dtypeName(other) + (expected ? " refused; " : " accepted; ");
+        refusals +=
+            "pos " + std::to_string(pos) + " " + dtypeName(other) + (expected ? " refused; " : " accepted; ");
     }
     auto probe = inOut;
     probe[pos].desc.format = TensorFormat::kHWC8;
     if (b->supportsFormatCombination(pos, probe.data(), nbIn, 1))
       refusals += "pos " + std::to_string(pos) + " accepts kHWC8; ";
   }
-  check(allSupported, "supportsFormatCombination accepts every position (" + std::to_string(nbIn + 1) + ")" + t,
+  check(allSupported,
+        "supportsFormatCombination accepts every position (" + std::to_string(nbIn + 1) + ")" + t,
         logger().all());
-  check(refusals.empty() && logger().nbErrors() == 0,
-        "supportsFormatCombination refuses every other dtype and format at every position, without errors" + t,
-        refusals + logger().all());
+  check(
+      refusals.empty() && logger().nbErrors() == 0,
+      "supportsFormatCombination refuses every other dtype and format at every position, without errors" + t,
+      refusals + logger().all());
 
   logger().clear();
   check(b->configurePlugin(descs.in.data(), nbIn, &descs.out, 1) == 0, "configurePlugin with min/opt/max" + t,
@@ -174,11 +193,13 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
         "getAliasedInput(0) == 2 (output aliases past_key_value)" + t);
 
   PluginPtr cloned(built->clone());
-  std::string const cloneProblem = cloned ? fieldsMismatch(runtime(cloned.get())->getFieldsToSerialize(), opt) : "clone() is null";
+  std::string const cloneProblem =
+      cloned ? fieldsMismatch(runtime(cloned.get())->getFieldsToSerialize(), opt) : "clone() is null";
   check(cloneProblem.empty(), "clone() carries every field" + t, cloneProblem);
   PluginFieldCollection const* serialized = r->getFieldsToSerialize();
   std::string const serialProblem = fieldsMismatch(serialized, opt);
-  if (!check(serialProblem.empty(), "getFieldsToSerialize gives every field" + t, serialProblem)) return result;
+  if (!check(serialProblem.empty(), "getFieldsToSerialize gives every field" + t, serialProblem))
+    return result;
   Fields engineFields = copyFields(serialized);
   built.reset();  // the engine outlives the builder's plugin
   cloned.reset();
@@ -186,13 +207,15 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
   PluginFieldCollection const efc = engineFields.collection();
   logger().clear();
   PluginPtr deserialized(creator->createPlugin("dflash_update", &efc, TensorRTPhase::kRUNTIME));
-  if (!check(deserialized != nullptr, "createPlugin(kRUNTIME) from the serialized fields" + t, logger().all()))
+  if (!check(deserialized != nullptr, "createPlugin(kRUNTIME) from the serialized fields" + t,
+             logger().all()))
     return result;
   std::string const roundTrip = fieldsMismatch(runtime(deserialized.get())->getFieldsToSerialize(), opt);
   check(roundTrip.empty(), "the serialization round trip keeps every field" + t, roundTrip);
   IPluginV3OneRuntime* dr = runtime(deserialized.get());
   PluginPtr attached(dr ? dr->attachToContext(context) : nullptr);
-  if (!check(attached != nullptr && attached.get() != deserialized.get(), "attachToContext returns a new plugin" + t))
+  if (!check(attached != nullptr && attached.get() != deserialized.get(),
+             "attachToContext returns a new plugin" + t))
     return result;
   IPluginV3OneRuntime* ar = runtime(attached.get());
   RuntimeDescs rd = runtimeDescs(opt);
@@ -229,25 +252,32 @@ void registration() {
   logger().clear();
   check(initDFlashPluginWithRegistry(static_cast<IPluginRegistry*>(&registry), nullptr, "dflash_ns"),
         "initDFlashPluginWithRegistry(namespace)", logger().all());
-  auto* creator = static_cast<IPluginCreatorV3One*>(registry.getCreator(dtrt::kPLUGIN_NAME, "1", "dflash_ns"));
+  auto* creator =
+      static_cast<IPluginCreatorV3One*>(registry.getCreator(dtrt::kPLUGIN_NAME, "1", "dflash_ns"));
   check(creator != nullptr && !std::strcmp(creator->getPluginNamespace(), "dflash_ns"),
         "the registered creator is found under its namespace (as the ONNX parser looks it up)");
   if (creator != nullptr) {
     Fields f;
     PluginFieldCollection const fc = f.collection();
     PluginPtr p(creator->createPlugin("n", &fc, TensorRTPhase::kBUILD));
-    check(p && !std::strcmp(core(p.get())->getPluginNamespace(), "dflash_ns"), "its plugins carry the namespace");
+    check(p && !std::strcmp(core(p.get())->getPluginNamespace(), "dflash_ns"),
+          "its plugins carry the namespace");
   }
-  expectFailure("initDFlashPluginWithRegistry twice in one namespace", "already registered",
-                [&] { return initDFlashPluginWithRegistry(static_cast<IPluginRegistry*>(&registry), nullptr, "dflash_ns"); },
-                [](bool ok) { return !ok; });
-  expectFailure("initDFlashPluginWithRegistry(nullptr registry)", "registry is null",
-                [&] { return initDFlashPluginWithRegistry(nullptr, nullptr, ""); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "initDFlashPluginWithRegistry twice in one namespace", "already registered",
+      [&] {
+        return initDFlashPluginWithRegistry(static_cast<IPluginRegistry*>(&registry), nullptr, "dflash_ns");
+      },
+      [](bool ok) { return !ok; });
+  expectFailure(
+      "initDFlashPluginWithRegistry(nullptr registry)", "registry is null",
+      [&] { return initDFlashPluginWithRegistry(nullptr, nullptr, ""); }, [](bool ok) { return !ok; });
   check(initDFlashPluginWithRegistry(static_cast<IPluginRegistry*>(&registry), nullptr, nullptr),
         "initDFlashPluginWithRegistry(default namespace)");
   // No TensorRT library in this process: the dlsym lookup must fail cleanly.
-  expectFailure("initDFlashPlugin without TensorRT loaded", "getPluginRegistry was not found",
-                [&] { return initDFlashPlugin(nullptr, "x"); }, [](bool ok) { return !ok; });
+  expectFailure(
+      "initDFlashPlugin without TensorRT loaded", "getPluginRegistry was not found",
+      [&] { return initDFlashPlugin(nullptr, "x"); }, [](bool ok) { return !ok; });
   // An explicit logger takes over from the finder; nullptr hands back to the finder.
   RecordingLogger other;
   setDFlashPluginLogger(static_cast<ILogger*>(&other));

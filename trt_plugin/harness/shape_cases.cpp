@@ -33,11 +33,10 @@ bool parseDtype(std::string const& name, DataType* type) {
     char const* name;
     DataType type;
   };
-  Named const names[] = {{"float16", DataType::kHALF},     {"bfloat16", DataType::kBF16},
-                         {"float32", DataType::kFLOAT},    {"float8_e4m3fn", DataType::kFP8},
-                         {"int32", DataType::kINT32},      {"int64", DataType::kINT64},
-                         {"int8", DataType::kINT8},        {"uint8", DataType::kUINT8},
-                         {"bool", DataType::kBOOL}};
+  Named const names[] = {
+      {"float16", DataType::kHALF},      {"bfloat16", DataType::kBF16}, {"float32", DataType::kFLOAT},
+      {"float8_e4m3fn", DataType::kFP8}, {"int32", DataType::kINT32},   {"int64", DataType::kINT64},
+      {"int8", DataType::kINT8},         {"uint8", DataType::kUINT8},   {"bool", DataType::kBOOL}};
   for (Named const& n : names)
     if (name == n.name) return *type = n.type, true;
   return false;
@@ -67,7 +66,8 @@ bool parseTensor(std::string const& text, Tensor* t, std::string* error) {
     return *error = "tensor '" + text + "': more than " + std::to_string(Dims::MAX_DIMS) + " dims", false;
   for (std::string const& p : parts) {
     int64_t v = 0;
-    if (!parseInt(trim(p), &v)) return *error = "tensor '" + text + "': dimension '" + p + "' is not an integer", false;
+    if (!parseInt(trim(p), &v))
+      return *error = "tensor '" + text + "': dimension '" + p + "' is not an integer", false;
     t->dims.d[t->dims.nbDims++] = v;
   }
   return true;
@@ -134,8 +134,10 @@ bool shapeCases(std::string const& path, IPluginResourceContext* context) {
     if (error.empty() && parts.size() == 4 && !trim(parts[3]).empty()) {
       parseTensor(trim(parts[3]), &out, &error);
     } else if (error.empty()) {
-      if (in.size() <= size_t(dtrt::kPAST_KEY_VALUE)) error = "fewer than 3 inputs and no output given";
-      else out = in[dtrt::kPAST_KEY_VALUE];
+      if (in.size() <= size_t(dtrt::kPAST_KEY_VALUE))
+        error = "fewer than 3 inputs and no output given";
+      else
+        out = in[dtrt::kPAST_KEY_VALUE];
     }
     if (error.empty() && in.size() > 16) error = "more than 16 inputs";
     if (!error.empty()) {
@@ -152,14 +154,16 @@ bool shapeCases(std::string const& path, IPluginResourceContext* context) {
     if (!plugin) {
       std::string const message = logger().errors();
       entry.add("accepted", false).add("stage", "createPlugin").add("message", message);
-      entry.addRaw("configure", verdict(false, message).str()).addRaw("on_shape_change", verdict(false, message).str());
+      entry.addRaw("configure", verdict(false, message).str())
+          .addRaw("on_shape_change", verdict(false, message).str());
       addShapeCase(entry);
       check(!message.empty(), "rejected with a message: " + name);
       continue;
     }
     BuildDescs bd = buildDescs(in, in, in, out, out, out);
     logger().clear();
-    bool const configured = build(plugin.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0;
+    bool const configured =
+        build(plugin.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0;
     std::string const configureMessage = logger().errors();
     RuntimeDescs rd = runtimeDescs(in, out);
     PluginPtr attached(runtime(plugin.get())->attachToContext(context));
@@ -172,8 +176,8 @@ bool shapeCases(std::string const& path, IPluginResourceContext* context) {
     addShapeCase(entry);
     check(configured == shaped, "configurePlugin and onShapeChange agree: " + name,
           "configurePlugin: " + configureMessage + "; onShapeChange: " + shapeMessage);
-    check(configured == configureMessage.empty(), "a verdict comes with a message exactly when rejected: " + name,
-          configureMessage);
+    check(configured == configureMessage.empty(),
+          "a verdict comes with a message exactly when rejected: " + name, configureMessage);
   }
   return true;
 }

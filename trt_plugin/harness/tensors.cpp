@@ -120,8 +120,9 @@ DynamicPluginTensorDesc dynamicDesc(Tensor const& min, Tensor const& opt, Tensor
 }
 }  // namespace
 
-BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt, std::vector<Tensor> const& max,
-                      Tensor const& outMin, Tensor const& outOpt, Tensor const& outMax) {
+BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt,
+                      std::vector<Tensor> const& max, Tensor const& outMin, Tensor const& outOpt,
+                      Tensor const& outMax) {
   BuildDescs d;
   for (size_t i = 0; i < opt.size(); ++i) d.in.push_back(dynamicDesc(min[i], opt[i], max[i]));
   d.out = dynamicDesc(outMin, outOpt, outMax);
@@ -182,11 +183,13 @@ IPluginCreatorV3One* libraryCreator() {
   return static_cast<IPluginCreatorV3One*>(creators[0]);
 }
 
-bool expectStatusFailure(std::string const& what, std::string const& expected, std::function<int32_t()> call) {
+bool expectStatusFailure(std::string const& what, std::string const& expected,
+                         std::function<int32_t()> call) {
   return expectFailure(what, expected, call, [](int32_t status) { return status != 0; });
 }
 bool expectNull(std::string const& what, std::string const& expected, std::function<IPluginV3*()> call) {
-  return expectFailure(what, expected, [&] { return PluginPtr(call()); }, [](PluginPtr const& p) { return p == nullptr; });
+  return expectFailure(
+      what, expected, [&] { return PluginPtr(call()); }, [](PluginPtr const& p) { return p == nullptr; });
 }
 
 }  // namespace harness

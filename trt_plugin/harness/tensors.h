@@ -77,8 +77,9 @@ struct BuildDescs {
 };
 // An optimization profile: desc.dims holds -1 wherever min and max differ (TensorRT's wildcards).
 BuildDescs buildDescs(Case const& min, Case const& opt, Case const& max);
-BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt, std::vector<Tensor> const& max,
-                      Tensor const& outMin, Tensor const& outOpt, Tensor const& outMax);
+BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt,
+                      std::vector<Tensor> const& max, Tensor const& outMin, Tensor const& outOpt,
+                      Tensor const& outMax);
 // Sets dims at min, opt, max and desc of one tensor (a fixed shape).
 void setAllDims(DynamicPluginTensorDesc& d, Dims const& dims);
 
@@ -89,8 +90,12 @@ struct Fields {
   std::deque<std::vector<char>> storage;  // deep copies, as an engine's serialized fields are
   PluginFieldCollection collection() const { return {int32_t(fields.size()), fields.data()}; }
   void add(char const* name, PluginFieldType type, void const* data, int32_t length, size_t bytes);
-  void addInt32(char const* name, int32_t value) { add(name, PluginFieldType::kINT32, &value, 1, sizeof(value)); }
-  void addFloat32(char const* name, float value) { add(name, PluginFieldType::kFLOAT32, &value, 1, sizeof(value)); }
+  void addInt32(char const* name, int32_t value) {
+    add(name, PluginFieldType::kINT32, &value, 1, sizeof(value));
+  }
+  void addFloat32(char const* name, float value) {
+    add(name, PluginFieldType::kFLOAT32, &value, 1, sizeof(value));
+  }
 };
 // The fields an exporter writes for the case: pages_per_slot (slot), and ring / k_norm / v_norm /
 // norm_eps only where they differ from the defaults (so that Edge-LLM's nodes stay field-less).
@@ -121,7 +126,8 @@ bool expectFailure(std::string const& what, std::string const& expected, Call ca
   bool const logged = logger().sawError(expected);
   return check(didFail && logged, "bad input rejected: " + what,
                std::string(didFail ? "" : "call did not fail; ") +
-                   (logged ? "" : "expected a logged error with '" + expected + "'; ") + "log: " + logger().all());
+                   (logged ? "" : "expected a logged error with '" + expected + "'; ") +
+                   "log: " + logger().all());
 }
 bool expectStatusFailure(std::string const& what, std::string const& expected, std::function<int32_t()> call);
 bool expectNull(std::string const& what, std::string const& expected, std::function<IPluginV3*()> call);
