@@ -10,7 +10,7 @@ TRT_HEADERS := .deps/tensorrt/include
 pyproject = $(PY) -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
   print("\n".join(t["$(1)"]["$(2)"]))' > $(3)
 
-.PHONY: venv build test lint demo clean
+.PHONY: venv build test lint demo clean oracle
 
 $(VENV)/.deps-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,16 @@ lint: venv
 
 test: build
 	$(PY) -m pytest -q
+
+# Parity with z-lab's DFlash reference (tests/test_zlab_oracle.py): the [oracle] extra's
+# requirements, then dflash without its declared dependencies (see pyproject.toml), then the test;
+# DFLASH_REQUIRE_ORACLE=1 makes a missing dependency an error rather than a skip.
+oracle: build
+	$(PY) -c 'import tomllib; t = tomllib.load(open("pyproject.toml", "rb")); \
+	  print("\n".join(t["project"]["optional-dependencies"]["oracle"]))' > $(VENV)/oracle-requires.txt
+	$(PIP) install -q -r $(VENV)/oracle-requires.txt
+	$(PIP) install -q --no-deps "dflash==0.1.0"
+	DFLASH_REQUIRE_ORACLE=1 $(PY) -m pytest -q tests/test_zlab_oracle.py
 
 demo: build
 	$(VENV)/bin/jax-dflash run
