@@ -187,7 +187,7 @@ def test_slot_model_static_shapes_and_per_sequence_rope():
         ({"batch": 9}, ValueError, "batch: expected at most the pool's 8 slots"),
         ({"per_head_scales": True}, ValueError, "per_head_scales: only an FP8 pool"),
         ({"norm_eps": 1e-5}, ValueError, "norm_eps: only used with k_norm or v_norm"),
-        ({"k_norm": True, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite float32 > 0"),
+        ({"k_norm": True, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite float > 0"),
         ({"k_norm": 1}, TypeError, "k_norm: expected a bool"),
     ],
 )

@@ -246,7 +246,7 @@ def _run_slot(operands, inputs=dflash_onnx.SLOT_INPUTS, **attributes):
         (
             _plugin_attributes(pages_per_slot=2, v_norm=1, norm_eps=-1.0),
             ValueError,
-            "norm_eps: expected a finite float32 > 0",
+            "norm_eps: expected a finite float > 0",
         ),
     ],
 )
@@ -273,16 +273,16 @@ def _with(operands, index, value):
 @pytest.mark.parametrize(
     "case, error, match",
     [
-        ("k_delta float64", TypeError, "k_delta: expected dtype one of"),
+        ("k_delta float64", TypeError, "k_delta: expected dtype float16, bfloat16 or float32"),
         ("v_delta other dtype", TypeError, "v_delta"),
         ("starts int64", TypeError, "delta_start_positions"),
         ("rope float16", TypeError, "rope_cos_sin"),
-        ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
+        ("page size 64", ValueError, r"past_key_value: expected dim 2 == 128 tokens per page"),
         ("S > cap", ValueError, "rope_cos_sin"),
         ("more sequences than slots", ValueError, "k_delta"),
         ("e5m2 pool", TypeError, "past_key_value: .*e5m2 pools are JAX-only"),
-        ("missing delta_lengths", ValueError, "delta_lengths: expected 6 base inputs"),
-        ("scales on a 16-bit pool", ValueError, "inputs: expected 6 inputs"),
+        ("missing delta_lengths", TypeError, "delta_lengths is missing: expected 6 operands"),
+        ("scales on a 16-bit pool", ValueError, "float16 pool takes no k_scale, v_scale"),
     ],
 )
 def test_slot_node_rejects_bad_inputs(case, error, match):
@@ -375,15 +375,23 @@ def test_paged_node_rejects_bad_attributes(domain, attributes, error, match):
     [
         ("positions int64", TypeError, "delta_positions"),
         ("table float32", TypeError, "kv_page_table"),
-        ("k_delta int16", TypeError, "k_delta: expected dtype one of"),
-        ("page size 64", ValueError, r"past_key_value: expected a page size P \(dim 2\) of 128"),
+        ("k_delta int16", TypeError, "k_delta: expected dtype float16, bfloat16 or float32"),
+        ("page size 64", ValueError, r"past_key_value: expected dim 2 == 128 tokens per page"),
         ("M > N", ValueError, "kv_page_table"),
-        ("missing kv_page_table", ValueError, "kv_page_table: expected 7 base inputs"),
-        ("FP8 pool without scales", ValueError, "k_scale: expected 9 inputs"),
-        ("k_norm without its weight", ValueError, "k_norm_weight: expected 8 inputs"),
-        ("scale of a wrong shape", ValueError, r"k_scale: expected shape \[1\] or \[H\] = \[2\]"),
-        ("layer-batched", ValueError, "the TensorRT plugin takes the unbatched form"),
-        ("scales of two shapes", ValueError, r"v_scale: expected k_scale's shape \[1\], got \[2\]"),
+        ("missing kv_page_table", TypeError, "kv_page_table is missing: expected 7 operands"),
+        ("FP8 pool without scales", ValueError, "pool needs k_scale and v_scale"),
+        (
+            "k_norm without its weight",
+            TypeError,
+            "then k_norm_weight \\(k_norm is on\\); got 7 operands",
+        ),
+        ("scale of a wrong shape", ValueError, r"k_scale: expected 1 or H = 2 scales"),
+        ("layer-batched", ValueError, "TensorRT's contract has no layers axis"),
+        (
+            "scales of two shapes",
+            ValueError,
+            r"v_scale: expected k_scale's shape \[1\], got shape \[2\]",
+        ),
         (
             "Edge-LLM 0.10.1's call",
             ValueError,
@@ -547,7 +555,7 @@ def test_export_without_a_norm_ignores_norm_eps():
 def test_export_rejects_what_the_plugin_cannot_build():
     export = _needs_jax2onnx()
     problem = _paged_problem(0, page_size=64)
-    with pytest.raises(ValueError, match="past_key_value: expected a page size P"):
+    with pytest.raises(ValueError, match="past_key_value: expected dim 2 == 128 tokens per page"):
         _export_problem(export, problem, {})
     e5m2 = _paged_problem(0, pool_dtype=ml_dtypes.float8_e5m2, scale_shape=())
     with pytest.raises(TypeError, match="e5m2 pools are JAX-only"):

@@ -72,7 +72,7 @@ def _slot_cases():
             p.args(),
             dict(pages_per_slot=6),
             ValueError,
-            ["k_delta", "B = 2", "1 slots"],
+            ["k_delta", "B = 2", "slots numPages / pages_per_slot = 1"],
         ),
         (
             "rope-longer-than-slot",
@@ -100,14 +100,14 @@ def _slot_cases():
             _replace(p.args(), 3, np.zeros((3, 8, 8), np.float32)),
             {},
             ValueError,
-            ["rope_cos_sin", "batch 1 or B = 2", "(3, 8, 8)"],
+            ["rope_cos_sin", "batch Rb must be 1 or B = 2", "got 3"],
         ),
         (
             "rope-rank",
             _replace(p.args(), 3, np.zeros((8, 8), np.float32)),
             {},
             ValueError,
-            ["rope_cos_sin", "rank 3", "(8, 8)"],
+            ["rope_cos_sin", "rank 3", "[8, 8]"],
         ),
         (
             "rope-dtype",
@@ -121,21 +121,21 @@ def _slot_cases():
             _replace(p.args(), 1, v[:, :2]),
             {},
             ValueError,
-            ["v_delta", "(2, 3, 2, 8)", "(2, 2, 2, 8)"],
+            ["v_delta", "[2, 3, 2, 8]", "[2, 2, 2, 8]"],
         ),
         (
             "k-heads",
             _replace(_replace(p.args(), 0, k[:, :, :1]), 1, v[:, :, :1]),
             {},
             ValueError,
-            ["k_delta", "H, D = 2, 8", "(2, 3, 1, 8)"],
+            ["k_delta", "H, D = 2, 8", "[2, 3, 1, 8]"],
         ),
         (
             "k-rank",
             _replace(_replace(p.args(), 0, k[0]), 1, v[0]),
             {},
             ValueError,
-            ["k_delta", "rank 4", "(3, 2, 8)"],
+            ["k_delta", "rank 4", "[3, 2, 8]"],
         ),
         (
             "k-v-dtype-mismatch",
@@ -170,14 +170,14 @@ def _slot_cases():
             _replace(p.args(), 2, pool[0]),
             {},
             ValueError,
-            ["past_key_value", "rank 5", "(6, 4, 2, 8)"],
+            ["past_key_value", "rank 5", "[6, 4, 2, 8]"],
         ),
         (
             "pool-planes",
             _replace(p.args(), 2, np.concatenate([pool, pool[:1]])),
             {},
             ValueError,
-            ["past_key_value", "== 2", "(3, 6, 4, 2, 8)"],
+            ["past_key_value", "== 2", "[3, 6, 4, 2, 8]"],
         ),
         (
             "positions-float",
@@ -205,7 +205,7 @@ def _slot_cases():
             _replace(p.args(), 5, lengths[:1]),
             {},
             ValueError,
-            ["delta_lengths", "[2]", "(1,)"],
+            ["delta_lengths", "[2]", "[1]"],
         ),
         (
             "pages-per-slot-zero",
@@ -234,21 +234,21 @@ def _slot_cases():
             fp8.args(),
             {},
             ValueError,
-            ["k_scale", "float8_e4m3fn pool needs k_scale and v_scale", "None"],
+            ["k_scale", "float8_e4m3fn pool needs k_scale and v_scale", "got none"],
         ),
         (
             "fp8-without-v-scale",
             fp8.args(),
             dict(k_scale=fp8.k_scale),
             ValueError,
-            ["v_scale", "needs", "None"],
+            ["v_scale", "expected too", "None"],
         ),
         (
             "scales-on-16-bit-pool",
             p.args(),
             dict(k_scale=f32_scale, v_scale=f32_scale),
             ValueError,
-            ["k_scale", "FP8 pools", "float16", "expected None"],
+            ["k_scale", "float16 pool takes no k_scale, v_scale", "got k_scale of shape"],
         ),
         (
             "scale-dtype",
@@ -262,21 +262,21 @@ def _slot_cases():
             fp8.args(),
             dict(k_scale=np.ones(3, np.float32), v_scale=np.ones(3, np.float32)),
             ValueError,
-            ["k_scale", "[] or [1] or [2]", "(3,)"],
+            ["k_scale", "1 or H = 2 scales", "[3]"],
         ),
         (
             "scale-per-layer-unbatched",
             fp8.args(),
             dict(k_scale=np.ones((1, 2), np.float32), v_scale=np.ones((1, 2), np.float32)),
             ValueError,
-            ["k_scale", "(1, 2)"],
+            ["k_scale", "[1, 2]"],
         ),
         (
             "scales-differ",
             fp8.args(),
             dict(k_scale=np.ones(2, np.float32), v_scale=np.float32(1)),
             ValueError,
-            ["v_scale", "k_scale's shape (2,)", "()"],
+            ["v_scale", "k_scale's shape [2]", "[]"],
         ),
         # The k-norm weight and the norm options.
         (
@@ -284,28 +284,28 @@ def _slot_cases():
             p.args(),
             dict(k_norm_weight=np.ones(7, F16)),
             ValueError,
-            ["k_norm_weight", "[8]", "(7,)"],
+            ["k_norm_weight", "[8]", "[7]"],
         ),
         (
             "weight-dtype",
             p.args(),
             dict(k_norm_weight=np.ones(8, F32)),
             TypeError,
-            ["k_norm_weight", "delta dtype float16", "float32"],
+            ["k_norm_weight", "dtype float16 (k_delta's)", "float32"],
         ),
         (
             "weight-per-layer-unbatched",
             p.args(),
             dict(k_norm_weight=np.ones((1, 8), F16)),
             ValueError,
-            ["k_norm_weight", "[8]", "(1, 8)"],
+            ["k_norm_weight", "[8]", "[1, 8]"],
         ),
         (
             "norm-eps-zero",
             p.args(),
             dict(v_norm=True, norm_eps=0.0),
             ValueError,
-            ["norm_eps", "> 0", "0.0"],
+            ["norm_eps", "> 0", "got 0"],
         ),
         (
             "norm-eps-nan",
@@ -369,28 +369,28 @@ def _paged_cases():
             _replace(_replace(p.args(), 0, k[None]), 1, v[None]),
             {},
             ValueError,
-            ["k_delta", "rank 3", "T, H, D", "(1, 5, 2, 8)"],
+            ["k_delta", "rank 3", "T, H, D", "[1, 5, 2, 8]"],
         ),
         (
             "k-heads",
             _replace(_replace(p.args(), 0, k[:, :1]), 1, v[:, :1]),
             {},
             ValueError,
-            ["k_delta", "H, D = 2, 8", "(5, 1, 8)"],
+            ["k_delta", "H, D = 2, 8", "[5, 1, 8]"],
         ),
         (
             "rope-rows",
             _replace(p.args(), 3, rope[:4]),
             {},
             ValueError,
-            ["rope_cos_sin", "T = 5 rows", "(4, 8)"],
+            ["rope_cos_sin", "one row per token, T = 5", "[4, 8]"],
         ),
         (
             "rope-rank",
             _replace(p.args(), 3, rope[None]),
             {},
             ValueError,
-            ["rope_cos_sin", "rank 2", "(1, 5, 8)"],
+            ["rope_cos_sin", "rank 2", "[1, 5, 8]"],
         ),
         (
             "rope-odd",
@@ -439,35 +439,35 @@ def _paged_cases():
             _replace(p.args(), 5, owners[:4]),
             {},
             ValueError,
-            ["delta_token_to_sequence", "[5]", "(4,)"],
+            ["delta_token_to_sequence", "[5]", "[4]"],
         ),
         (
             "table-planes",
             _replace(p.args(), 6, table[:, :1]),
             {},
             ValueError,
-            ["kv_page_table", "[B, 2, M]", "(2, 1, 3)"],
+            ["kv_page_table", "[B, 2, M]", "[2, 1, 3]"],
         ),
         (
             "table-rank",
             _replace(p.args(), 6, table[0]),
             {},
             ValueError,
-            ["kv_page_table", "[B, 2, M]", "(2, 3)"],
+            ["kv_page_table", "[B, 2, M]", "[2, 3]"],
         ),
         (
             "table-longer-than-pool",
             _replace(p.args(), 6, np.zeros((2, 2, 7), np.int32)),
             {},
             ValueError,
-            ["kv_page_table", "M <= N = 6", "M = 7"],
+            ["kv_page_table", "M (last dim) must be <= numPages N = 6", "M = 7"],
         ),
         (
             "pool-planes",
             _replace(p.args(), 2, pool[:1]),
             {},
             ValueError,
-            ["past_key_value", "== 2", "(1, 6, 4, 2, 8)"],
+            ["past_key_value", "== 2", "[1, 6, 4, 2, 8]"],
         ),
         ("fp8-without-scales", fp8.args(), {}, ValueError, ["k_scale", "float8_e5m2 pool needs"]),
         (
@@ -475,7 +475,7 @@ def _paged_cases():
             p.args(),
             dict(k_scale=1.0, v_scale=1.0),
             ValueError,
-            ["k_scale", "FP8 pools", "expected None"],
+            ["k_scale", "pool takes no k_scale, v_scale"],
         ),
         (
             "weight-dtype",
@@ -542,9 +542,11 @@ def test_layered_operands_must_agree():
         jax.eval_shape(op, k[:2], v[:2], pool, rope, starts, lengths)
     with pytest.raises(ValueError, match=r"rope_cos_sin: expected 3 layers"):
         jax.eval_shape(op, k, v, pool, np.stack([rope] * 2), starts, lengths)
-    with pytest.raises(ValueError, match=r"delta_lengths: expected the same layout"):
+    with pytest.raises(
+        ValueError, match=r"delta_lengths: expected the layout of delta_start_positions"
+    ):
         jax.eval_shape(op, k, v, pool, rope, np.stack([starts] * 3), lengths)
-    with pytest.raises(ValueError, match=r"k_norm_weight: expected shape \[8\] or \[3, 8\]"):
+    with pytest.raises(ValueError, match=r"k_norm_weight: expected \[D\] = \[8\] or \[layers, D\]"):
         jax.eval_shape(functools.partial(op, k_norm_weight=np.ones((2, 8), F16)), *p.args())
     # Per-layer rope, positions and weight are accepted.
     out = jax.eval_shape(
@@ -565,9 +567,11 @@ def test_layered_paged_operands_must_agree():
     op = functools.partial(jax_dflash.target_kv_cache_update_paged, **p.kwargs())
     with pytest.raises(ValueError, match=r"kv_page_table: expected 2 layers"):
         jax.eval_shape(op, *_replace(p.args(), 6, np.stack([table] * 3)))
-    with pytest.raises(ValueError, match=r"delta_token_to_sequence: expected the same layout"):
+    with pytest.raises(
+        ValueError, match=r"delta_token_to_sequence: expected the layout of delta_positions"
+    ):
         jax.eval_shape(op, *_replace(p.args(), 4, np.stack([positions] * 2)))
-    with pytest.raises(ValueError, match=r"k_scale: expected shape .*\[2, 1\] or \[2, 2\]"):
+    with pytest.raises(ValueError, match=r"k_scale: expected 2 layers"):
         jax.eval_shape(
             functools.partial(op, k_scale=np.ones((3, 1), F32), v_scale=np.ones((3, 1), F32)),
             *p.args(),
@@ -588,7 +592,9 @@ def test_layered_paged_operands_must_agree():
 def test_hand_bound_primitive_checks_its_operand_count():
     """A bind that forgets the scales of an FP8 pool is a trace-time error naming the ABI."""
     p = _problem(pool_dtype=E4M3)
-    with pytest.raises(TypeError, match=r"expected 8 operands .*k_scale, v_scale.*got 6"):
+    with pytest.raises(
+        ValueError, match=r"past_key_value: a float8_e4m3fn pool needs k_scale and v_scale"
+    ):
         jax.eval_shape(
             functools.partial(
                 jax_dflash.target_kv_cache_update_p.bind,

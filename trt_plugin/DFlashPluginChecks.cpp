@@ -172,10 +172,11 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
 
 namespace {
 
-char const* contractName(Contract contract) { return contract == Contract::kSlot ? "slot" : "paged"; }
-char const* contractOrigin(Contract contract) {
-  return contract == Contract::kSlot ? "Edge-LLM 0.10, k_delta [B, L, H, D]"
-                                     : "Edge-LLM 0.11, k_delta [T, H, D]";
+char const* contractName(Contract contract) { return addressing_form(contract).name; }
+// "Edge-LLM 0.10, k_delta [B, L, H, D]": whose contract it is and the deltas' shape.
+std::string contractOrigin(Contract contract) {
+  AddressingForm const& form = addressing_form(contract);
+  return std::string(form.origin) + ", k_delta " + form.base[kKDeltaOperand].dims;
 }
 
 // The inputs this form takes, for messages: "the slot contract: 6 base inputs + 2 scales (kFP8 pool)".
@@ -188,13 +189,11 @@ std::string describeForm(CallForm const& form) {
   return text;
 }
 
-int32_t expectedRank(Contract contract) { return contract == Contract::kSlot ? 4 : 3; }
-char const* deltaDims(Contract contract) {
-  return contract == Contract::kSlot ? "[B, L, H, D]" : "[T, H, D]";
-}
+int32_t expectedRank(Contract contract) { return addressing_form(contract).delta_rank; }
+char const* deltaDims(Contract contract) { return addressing_form(contract).base[kKDeltaOperand].dims; }
 
 int32_t inputCount(Contract contract, bool fp8Pool, bool kNorm) {
-  return base_operand_count(contract) + (fp8Pool ? 2 : 0) + (kNorm ? 1 : 0);
+  return operand_count(contract, fp8Pool, kNorm);
 }
 
 bool isIntegerType(DataType type) {
@@ -332,6 +331,7 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
   f.attrs.v_norm = config.vNorm != 0;
   f.attrs.norm_eps = config.normEps;
   f.attrs.ring = config.ring != 0;
+  f.attrs.tensorrt = true;
   bool const rankKnown = facts.inputs != nullptr && facts.dimsKnown && nbInputs > 0;
   bool const poolKnown = facts.inputs != nullptr && facts.typesKnown && nbInputs > kPAST_KEY_VALUE;
   DataType const poolType = poolKnown ? facts.inputs[kPAST_KEY_VALUE].type : DataType::kHALF;
@@ -491,22 +491,6 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
     if (std::string e = checkLinear(form, i, inputs[i].format); !e.empty()) return e;
   if (output != nullptr)
     if (std::string e = checkLinear(form, nbInputs, output->format); !e.empty()) return e;
-
-  Dims const& pool = inputs[kPAST_KEY_VALUE].dims;
-  if (pool.nbDims != 5)  // the core also takes a leading layers axis; TensorRT's contract has none
-    return "past_key_value: expected rank 5 [2, N, " + std::to_string(kTOKENS_PER_PAGE) +
-           ", H, D], got rank " + std::to_string(pool.nbDims) + " " + dimsToString(pool);
-  if (pool.d[2] != kUnknownDim && pool.d[2] != kTOKENS_PER_PAGE)
-    return "past_key_value: expected dim 2 == " + std::to_string(kTOKENS_PER_PAGE) +
-           " tokens per page (the TensorRT contract), got " + dimsToString(pool);
-  // The core also takes a per-tensor scale of shape [] (the JAX op's); TensorRT's contract and its
-  // ONNX node give [1].
-  if (form.fp8Pool)
-    for (int32_t i = base_operand_count(attrs.contract); i < base_operand_count(attrs.contract) + 2; ++i)
-      if (inputs[i].dims.nbDims != 1)
-        return std::string(operand_name(attrs, i, nbInputs)) + ": expected shape [1] or [H] = [" +
-               (pool.d[3] == kUnknownDim ? std::string("?") : std::to_string(pool.d[3])) + "], got " +
-               dimsToString(inputs[i].dims);
 
   std::array<TensorDesc, kMAX_INPUTS> descs{};
   if (nbInputs > static_cast<int32_t>(descs.size()))

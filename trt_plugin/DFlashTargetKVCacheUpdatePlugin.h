@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <string>
 
+#include "dflash/contract.h"
+
 #define DFLASH_TRT_API __attribute__((visibility("default")))
 
 namespace dflash::trt {
@@ -31,13 +33,13 @@ inline constexpr char const* kRING_FIELD = "ring";                      // INT32
 inline constexpr char const* kK_NORM_FIELD = "k_norm";                  // INT32 0/1
 inline constexpr char const* kV_NORM_FIELD = "v_norm";                  // INT32 0/1
 inline constexpr char const* kNORM_EPS_FIELD = "norm_eps";              // FLOAT32 > 0
-inline constexpr float kDEFAULT_NORM_EPS = 1e-6f;
+inline constexpr float kDEFAULT_NORM_EPS = dflash::kDefaultNormEps;
 // Tokens per page of the pool (dim 2 of past_key_value), fixed by the TensorRT contract.
 inline constexpr int32_t kTOKENS_PER_PAGE = 128;
 
 // Base inputs of each contract (before the optional k_scale, v_scale, k_norm_weight).
-inline constexpr int32_t kNB_INPUTS = 6;        // slot
-inline constexpr int32_t kNB_PAGED_INPUTS = 7;  // paged
+inline constexpr int32_t kNB_INPUTS = dflash::base_operand_count(dflash::Contract::kSlot);
+inline constexpr int32_t kNB_PAGED_INPUTS = dflash::base_operand_count(dflash::Contract::kPaged);
 inline constexpr int32_t kNB_OUTPUTS = 1;
 
 // Positions in the inOut arrays of the slot contract without extras (inputs, then the output).

@@ -17,8 +17,8 @@
 
 namespace dflash {
 
-// Element types the operands can have. The ones past kFloat8E5M2 only name what was given in
-// error messages.
+// Element types the operands can have. The ones past kInt64 only name what was given in error
+// messages.
 enum class DType : int32_t {
   kFloat16 = 0,
   kBFloat16 = 1,
@@ -28,6 +28,14 @@ enum class DType : int32_t {
   kInt32 = 5,
   kInt64 = 6,
   kOther = 7,
+  kBool = 8,
+  kInt8 = 9,
+  kUInt8 = 10,
+  kInt16 = 11,
+  kUInt16 = 12,
+  kUInt32 = 13,
+  kUInt64 = 14,
+  kFloat64 = 15,
 };
 
 inline int64_t dtype_bytes(DType dtype) {
@@ -52,6 +60,14 @@ inline char const* dtype_name(DType dtype) {
     case DType::kFloat8E5M2: return "float8_e5m2";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kBool: return "bool";
+    case DType::kInt8: return "int8";
+    case DType::kUInt8: return "uint8";
+    case DType::kInt16: return "int16";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
+    case DType::kFloat64: return "float64";
     default: return "another dtype";
   }
 }
@@ -59,12 +75,13 @@ inline char const* dtype_name(DType dtype) {
 inline bool is_delta_dtype(DType d) {
   return d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32;
 }
-inline bool is_fp8(DType d) { return d == DType::kFloat8E4M3 || d == DType::kFloat8E5M2; }
-inline bool is_pool_dtype(DType d) { return is_delta_dtype(d) || is_fp8(d); }
 
 // How tokens are addressed (SPEC.md): slot b owns a fixed range of pages (batch-major deltas),
 // or each token names its sequence and position and a page table maps pages (token-major).
 enum class Contract : int32_t { kSlot = 0, kPaged = 1 };
+
+// The norms' epsilon when a caller gives none (HF RMSNorm's default in Qwen3 drafts).
+inline constexpr float kDefaultNormEps = 1e-6f;
 
 // Everything one launch needs. Shapes without the optional leading layer axis:
 //   k_delta, v_delta   slot [B, L, H, D] | paged [T, H, D]         delta_dtype
@@ -117,12 +134,9 @@ struct KVUpdateParams {
   bool ring = false;  // paged: page index (p / P) % M instead of dropping p / P >= M
   bool k_norm = false;
   bool v_norm = false;
-  float norm_eps = 1e-6f;
+  float norm_eps = kDefaultNormEps;
 };
 
-DFLASH_HOST_DEVICE bool fp8_pool(KVUpdateParams const& p) {
-  return p.pool_dtype == DType::kFloat8E4M3 || p.pool_dtype == DType::kFloat8E5M2;
-}
 DFLASH_HOST_DEVICE int64_t max_batch(KVUpdateParams const& p) { return p.num_pages / p.pages_per_slot; }
 DFLASH_HOST_DEVICE int64_t slot_capacity(KVUpdateParams const& p) { return p.pages_per_slot * p.page_size; }
 // Tokens of one layer's deltas: B * L (slot) or T (paged).

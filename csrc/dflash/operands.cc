@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 
@@ -27,15 +29,6 @@ std::string dims_text(TensorDesc const& t) {
   return text + "]";
 }
 
-char const* const kSlotNames[] = {
-    "k_delta", "v_delta", "past_key_value", "rope_cos_sin", "delta_start_positions", "delta_lengths"};
-char const* const kPagedNames[] = {"k_delta",      "v_delta",         "past_key_value",
-                                   "rope_cos_sin", "delta_positions", "delta_token_to_sequence",
-                                   "kv_page_table"};
-
-// Operand indices shared by both contracts.
-constexpr int32_t kKDelta = 0, kVDelta = 1, kPool = 2, kRope = 3;
-
 // Whether the operands carry k_scale and v_scale: decided by the count (the pool's dtype must
 // then agree). -1 when the count fits no layout.
 int32_t scale_operands(UpdateAttrs const& attrs, int32_t count) {
@@ -52,6 +45,7 @@ class Checker {
   bool ok() const { return error_.empty(); }
   std::string const& error() const { return error_; }
   TensorDesc const& op(int32_t i) const { return ops_[i]; }
+  UpdateAttrs const& attrs() const { return attrs_; }
   char const* name(int32_t i) const { return operand_name(attrs_, i, count_); }
 
   bool fail(int32_t i, std::string const& message) {
@@ -81,6 +75,9 @@ class Checker {
   std::string error_;
 };
 
+// ceil(n / d) for n >= 0, d > 0, without forming n + d - 1 (which overflows for n near INT64_MAX).
+int64_t ceil_div(int64_t n, int64_t d) { return n / d + (n % d != 0 ? 1 : 0); }
+
 // The rules between known sizes, when some dims are not known yet (TensorRT's build time): each
 // size still unknown takes the smallest value its rules allow given the known ones, then
 // check_params runs, so that it fails on a rule between known sizes only, or on a size in bytes
@@ -100,9 +97,9 @@ std::string check_known_sizes(KVUpdateParams p) {
     if (!known(p.pages_per_slot)) p.num_pages = kUnknownDim;
     if (!known(p.page_size))  // S <= pages_per_slot * P
       p.page_size = known(p.pages_per_slot) && p.pages_per_slot > 0
-                        ? std::max<int64_t>(1, (p.rope_seq_len + p.pages_per_slot - 1) / p.pages_per_slot)
+                        ? std::max<int64_t>(1, ceil_div(p.rope_seq_len, p.pages_per_slot))
                         : 1;
-    fill(p.pages_per_slot, std::max<int64_t>(1, (p.rope_seq_len + p.page_size - 1) / p.page_size));
+    fill(p.pages_per_slot, std::max<int64_t>(1, ceil_div(p.rope_seq_len, p.page_size)));
     // An unknown B takes a known Rb other than 1 (Rb is 1 or B), unless the pool's slots rule
     // that out: then neither rule is between known sizes, and both are left to the shapes.
     bool const batch_from_rope = !known(p.batch) && known(p.rope_batch) && p.rope_batch != 1 &&
@@ -115,7 +112,7 @@ std::string check_known_sizes(KVUpdateParams p) {
       p.rope_batch = 1;
     int64_t pages = 0;
     if (!known(p.num_pages) && __builtin_mul_overflow(p.pages_per_slot, p.batch, &pages))
-      return "past_key_value: numPages (dim 1) must be >= B * pages_per_slot, which overflows int64 (B = " +
+      return "past_key_value: numPages N must be >= B * pages_per_slot, which overflows int64 (B = " +
              str(p.batch) + ", pages_per_slot = " + str(p.pages_per_slot) + ")";
     fill(p.num_pages, pages);
   } else {
@@ -139,56 +136,125 @@ int64_t element_count(TensorDesc const& t) {
   return n;
 }
 
+// TensorRT's profile (UpdateAttrs::tensorrt), before the contract's own rules.
+std::string check_tensorrt_profile(Checker& c, int32_t count, bool* type_error) {
+  TensorDesc const& pool = c.op(kPoolOperand);
+  std::string const page = str(kTensorRTPageSize);
+  TensorDesc const& k = c.op(kKDeltaOperand);
+  AddressingForm const& form = addressing_form(c.attrs().contract);
+  if (c.attrs().contract == Contract::kPaged && k.rank == addressing_form(Contract::kSlot).delta_rank &&
+      pool.rank == 5 && count == form.base_count)
+    return c.fail(kKDeltaOperand,
+                  "expected rank 3 [T, H, D] for the 7-input node, got shape " + dims_text(k) +
+                      ": 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call (the slot "
+                      "inputs and a page table), which is not served: export Edge-LLM 0.11's "
+                      "token-major node or 0.10's node"),
+           c.error();
+  if (pool.rank != 5)
+    return c.fail_shape(kPoolOperand,
+                        "rank 5 [2, N, " + page + ", H, D] (TensorRT's contract has no layers axis)"),
+           c.error();
+  if (known(pool.dims[2]) && pool.dims[2] != kTensorRTPageSize)
+    return c.fail_shape(kPoolOperand, "dim 2 == " + page + " tokens per page (the TensorRT contract)"),
+           c.error();
+  if (pool.dtype == DType::kFloat8E5M2)
+    return *type_error = true,
+           c.fail(kPoolOperand,
+                  "expected dtype float16, bfloat16, float32 or float8_e4m3fn (TensorRT's kFP8 is e4m3; "
+                  "float8_e5m2 pools are JAX-only), got float8_e5m2"),
+           c.error();
+  int32_t const base = base_operand_count(c.attrs().contract);
+  if (scale_operands(c.attrs(), count) == 2)
+    for (int32_t i = base; i < base + 2; ++i)
+      if (c.op(i).rank != 1) {
+        int64_t const heads = pool.dims[3];
+        return c.fail(i, "expected shape [1] or [H] = [" + (known(heads) ? str(heads) : std::string("?")) +
+                             "], got " + dims_text(c.op(i))),
+               c.error();
+      }
+  return {};
+}
+
 }  // namespace
 
 char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count) {
-  int32_t const base = base_operand_count(attrs.contract);
+  AddressingForm const& form = addressing_form(attrs.contract);
   if (index < 0) return "operand";
-  if (index < base) return attrs.contract == Contract::kSlot ? kSlotNames[index] : kPagedNames[index];
-  if (index == count) return "present_key_value";
-  int32_t const scales = scale_operands(attrs, count);
-  int32_t extra = index - base;
-  if (scales == 2) {
-    if (extra == 0) return "k_scale";
-    if (extra == 1) return "v_scale";
+  if (index < form.base_count) return form.base[index].name;
+  if (index == count) return kResultName;
+  int32_t extra = index - form.base_count;
+  if (scale_operands(attrs, count) == 2) {
+    if (extra < 2) return kScaleNames[extra];
     extra -= 2;
   }
-  if (attrs.k_norm && extra == 0) return "k_norm_weight";
+  if (attrs.k_norm && extra == 0) return kNormWeightName;
   return "operand";
+}
+
+std::string pool_dtype_list() {
+  std::string text;
+  constexpr size_t n = sizeof(kPoolFormats) / sizeof(kPoolFormats[0]);
+  for (size_t i = 0; i < n; ++i)
+    text += std::string(i == 0 ? "" : i + 1 == n ? " or " : ", ") + dtype_name(kPoolFormats[i].element);
+  return text;
+}
+
+std::string base_operand_list(AddressingForm const& form) {
+  std::string text;
+  for (int32_t i = 0; i < form.base_count; ++i) text += std::string(i ? ", " : "") + form.base[i].name;
+  return text;
 }
 
 std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t count, DType given,
                                 DType delta_dtype, DType pool_dtype) {
   // The messages are built only on failure: this runs for every operand of every call.
   auto name = [&] { return std::string(operand_name(attrs, index, count)); };
-  int32_t const base = base_operand_count(attrs.contract);
-  int32_t const scales = scale_operands(attrs, count);
+  AddressingForm const& form = addressing_form(attrs.contract);
+  bool const scales_given = scale_operands(attrs, count) == 2;
   auto expect = [&](DType wanted, char const* why) -> std::string {
     if (given == wanted) return {};
     return name() + ": expected dtype " + dtype_name(wanted) + why + ", got " + dtype_name(given);
   };
-  if (index == kKDelta) {
-    if (is_delta_dtype(given)) return {};
-    return name() + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
+  if (index == count) {
+    if (given == pool_dtype) return {};
+    return expect(pool_dtype, " (past_key_value's: the output is the pool)");
   }
-  if (index == kVDelta) return expect(delta_dtype, " (k_delta's: k and v must agree)");
-  if (index == kPool || index == count) {
-    if (!is_pool_dtype(given))
-      return name() + ": expected dtype float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got " +
-             dtype_name(given);
-    if (index == count && given != pool_dtype)
-      return expect(pool_dtype, " (past_key_value's: the output is the pool)");
-    if (is_fp8(given) && scales != 2)
-      return name() + ": an FP8 pool (" + dtype_name(given) + ") needs the k_scale and v_scale operands";
-    if (!is_fp8(given) && scales == 2)
-      return name() + ": k_scale and v_scale are given, so an FP8 pool is expected, got " + dtype_name(given);
-    return {};
+  if (index < form.base_count) {
+    switch (form.base[index].role) {
+      case OperandRole::kKDelta:
+        if (is_delta_dtype(given)) return {};
+        return name() + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
+      case OperandRole::kVDelta: return expect(delta_dtype, " (k_delta's: k and v must agree)");
+      case OperandRole::kPool:
+        if (!is_pool_dtype(given))
+          return name() + ": expected dtype " + pool_dtype_list() + ", got " + dtype_name(given);
+        if (takes_scales(given) && !scales_given)
+          return name() + ": a " + dtype_name(given) + " pool needs the k_scale and v_scale operands";
+        if (!takes_scales(given) && scales_given)
+          return name() + ": k_scale and v_scale are given, so a pool format with scales is expected, got " +
+                 dtype_name(given);
+        return {};
+      case OperandRole::kRope: return expect(DType::kFloat32, "");
+      case OperandRole::kIndex: return expect(DType::kInt32, "");
+    }
   }
-  if (index == kRope) return expect(DType::kFloat32, "");
-  if (index < base) return expect(DType::kInt32, "");
-  if (scales == 2 && index < base + 2) return expect(DType::kFloat32, "");
+  if (scales_given && index < form.base_count + 2) return expect(DType::kFloat32, "");
   if (attrs.k_norm && index == count - 1) return expect(delta_dtype, " (k_delta's)");
   return name() + ": unexpected operand " + std::to_string(index) + " of " + std::to_string(count);
+}
+
+std::string check_norm_eps(double eps) {
+  // Tested on the bits of its float32 value, so that a flush-to-zero mode cannot change the verdict.
+  float const as_float = float(eps);
+  uint32_t bits;
+  std::memcpy(&bits, &as_float, sizeof bits);
+  uint32_t const exponent = (bits >> 23) & 0xFFu;
+  if (std::isfinite(eps) && eps > 0.0 && (bits >> 31) == 0 && exponent != 0 && exponent != 0xFFu) return {};
+  char text[64];
+  std::snprintf(text, sizeof text, "%.9g", eps);
+  return std::string(
+             "norm_eps: expected a finite float > 0 that is a normal float32 (>= 1.17549435e-38), got ") +
+         text;
 }
 
 std::string check_params(KVUpdateParams const& p) {
@@ -197,15 +263,15 @@ std::string check_params(KVUpdateParams const& p) {
   if (p.batch < 0 || p.delta_len < 0 || p.num_tokens < 0 || p.num_kv_heads < 0 || p.head_dim < 0 ||
       p.num_pages < 0 || p.table_pages < 0 || p.rope_seq_len < 0 || p.rope_batch < 0)
     return "dimensions must be non-negative";
-  if (p.page_size <= 0) return "past_key_value: expected page size P (dim 2) > 0, got " + str(p.page_size);
+  if (p.page_size <= 0) return "past_key_value: expected a page size P > 0, got " + str(p.page_size);
   if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim)
     return "rope_cos_sin: rotary dim R must be even and <= head dim D = " + str(p.head_dim) +
            ", got R = " + str(p.rotary_dim);
   if (slot) {
     if (p.pages_per_slot <= 0) return "pages_per_slot: expected an int > 0, got " + str(p.pages_per_slot);
     if (p.num_pages % p.pages_per_slot != 0)
-      return "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = " +
-             str(p.pages_per_slot) + ", got numPages = " + str(p.num_pages);
+      return "past_key_value: numPages N must be divisible by pages_per_slot = " + str(p.pages_per_slot) +
+             ", got N = " + str(p.num_pages);
     if (p.batch > max_batch(p))
       return "k_delta: batch B must be <= the pool's slots numPages / pages_per_slot = " + str(max_batch(p)) +
              ", got B = " + str(p.batch);
@@ -225,11 +291,10 @@ std::string check_params(KVUpdateParams const& p) {
       return "rope_cos_sin: expected one row per token (T = " + str(p.num_tokens) + "), got " +
              str(p.rope_seq_len);
   }
-  if (fp8_pool(p) && p.scale_heads != 1 && p.scale_heads != p.num_kv_heads)
+  if (takes_scales(p.pool_dtype) && p.scale_heads != 1 && p.scale_heads != p.num_kv_heads)
     return "k_scale: expected 1 or H = " + str(p.num_kv_heads) + " scales per layer, got " +
            str(p.scale_heads);
-  if ((p.k_norm || p.v_norm) && !(std::isfinite(p.norm_eps) && p.norm_eps > 0.0f))
-    return "norm_eps: expected a finite float > 0, got " + std::to_string(p.norm_eps);
+  if (std::string e = check_norm_eps(p.norm_eps); !e.empty()) return e;
 
   // Every element offset the kernels form must fit int64: the tensors' element counts (and bytes).
   auto fits = [](std::initializer_list<int64_t> factors, int64_t bytes) {
@@ -262,14 +327,24 @@ std::string check_result(TensorDesc const& result, TensorDesc const& pool) {
 }
 
 std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,
-                                 KVUpdateParams* out, bool need_data, bool allow_unknown) {
+                                 KVUpdateParams* out, bool need_data, bool allow_unknown, bool* type_error) {
+  bool ignored;
+  bool& is_type = type_error ? *type_error : ignored;
+  is_type = false;
   bool const slot = attrs.contract == Contract::kSlot;
   int32_t const base = base_operand_count(attrs.contract);
   int32_t const scales = scale_operands(attrs, count);
   if (operands == nullptr || out == nullptr) return "operands: null";
+  std::string missing;
+  for (int32_t i = count; i < base; ++i)
+    missing += std::string(missing.empty() ? "" : ", ") + operand_name(attrs, i, base);
+  if (!missing.empty()) missing += count + 1 == base ? " is missing: " : " are missing: ";
   if (count < base || scales < 0)
-    return "expected " + str(base) + " operands, then k_scale and v_scale for an FP8 pool" +
-           (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) + " operands";
+    return is_type = true, missing + "expected " + str(base) + " operands (" +
+                               base_operand_list(addressing_form(attrs.contract)) +
+                               "), then k_scale and v_scale for a pool format with scales" +
+                               (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " +
+                               str(count) + " operands";
   Checker c(operands, attrs, count);
   for (int32_t i = 0; i < count; ++i)
     if (!c.dims_valid(i)) return c.error();
@@ -287,14 +362,18 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   p.pages_per_slot = attrs.pages_per_slot;
 
   // The pool decides the layout: rank 6 is the layer-batched form.
-  TensorDesc const& pool = c.op(kPool);
-  if (pool.rank != 5 && pool.rank != 6)
-    return c.fail_shape(kPool, "rank 5 [2, N, P, H, D] (or rank 6 with a leading layers axis)"), c.error();
+  TensorDesc const& pool = c.op(kPoolOperand);
+  if (attrs.tensorrt) {
+    if (std::string e = check_tensorrt_profile(c, count, &is_type); !e.empty()) return e;
+  } else if (pool.rank != 5 && pool.rank != 6) {
+    return c.fail_shape(kPoolOperand, "rank 5 [2, N, P, H, D] (or rank 6 with a leading layers axis)"),
+           c.error();
+  }
   bool const layered = pool.rank == 6;
   int32_t const lead = layered ? 1 : 0;
   int64_t const layers = layered ? pool.dims[0] : 1;
   if (!same(pool.dims[lead], 2))
-    return c.fail_shape(kPool, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
+    return c.fail_shape(kPoolOperand, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
   p.num_layers = layers;
   p.num_pages = pool.dims[lead + 1];
   p.page_size = pool.dims[lead + 2];
@@ -302,30 +381,40 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   p.head_dim = pool.dims[lead + 4];
 
   // dtypes, position by position (the rules TensorRT's supportsFormatCombination asks for too).
-  DType const delta_dtype = c.op(kKDelta).dtype, pool_dtype = pool.dtype;
+  DType const delta_dtype = c.op(kKDeltaOperand).dtype, pool_dtype = pool.dtype;
+  // Whether the scales are there is a question of values, not dtypes: asked before the dtypes.
+  if (is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
+    return scales == 2
+               ? "past_key_value: a " + std::string(dtype_name(pool_dtype)) +
+                     " pool takes no k_scale, v_scale (only pool formats with scales do), got k_scale of "
+                     "shape " +
+                     dims_text(c.op(base))
+               : "past_key_value: a " + std::string(dtype_name(pool_dtype)) +
+                     " pool needs k_scale and v_scale (float32, [] or [1] per tensor, [H] per KV head), got "
+                     "none";
   for (int32_t i = 0; i < count; ++i)
     if (std::string e = check_operand_dtype(attrs, i, count, c.op(i).dtype, delta_dtype, pool_dtype);
         !e.empty())
-      return e;
+      return is_type = true, e;
   p.delta_dtype = delta_dtype;
   p.pool_dtype = pool_dtype;
 
   // k_delta / v_delta: [layers?, B, L, H, D] (slot) or [layers?, T, H, D] (paged).
-  TensorDesc const& k = c.op(kKDelta);
+  TensorDesc const& k = c.op(kKDeltaOperand);
   int32_t const delta_rank = (slot ? 4 : 3) + lead;
   if (k.rank != delta_rank)
-    return c.fail_shape(kKDelta, "rank " + str(delta_rank) + " " + (layered ? "[layers, " : "[") +
-                                     (slot ? "B, L, H, D]" : "T, H, D]")),
+    return c.fail_shape(kKDeltaOperand, "rank " + str(delta_rank) + " " + (layered ? "[layers, " : "[") +
+                                            (slot ? "B, L, H, D]" : "T, H, D]")),
            c.error();
-  TensorDesc const& v = c.op(kVDelta);
+  TensorDesc const& v = c.op(kVDeltaOperand);
   bool v_same = v.rank == k.rank;
   for (int32_t i = 0; v_same && i < k.rank; ++i) v_same = same(v.dims[i], k.dims[i]);
-  if (!v_same) return c.fail_shape(kVDelta, "k_delta's shape " + dims_text(k)), c.error();
+  if (!v_same) return c.fail_shape(kVDeltaOperand, "k_delta's shape " + dims_text(k)), c.error();
   if (layered && !same(k.dims[0], layers))
-    return c.fail_shape(kKDelta, str(layers) + " layers (past_key_value dim 0)"), c.error();
+    return c.fail_shape(kKDeltaOperand, str(layers) + " layers (past_key_value dim 0)"), c.error();
   if (!same(k.dims[k.rank - 2], p.num_kv_heads) || !same(k.dims[k.rank - 1], p.head_dim))
-    return c.fail_shape(kKDelta, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) +
-                                     " (from past_key_value " + dims_text(pool) + ")"),
+    return c.fail_shape(kKDeltaOperand, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) +
+                                            " (from past_key_value " + dims_text(pool) + ")"),
            c.error();
   // Each size from the first tensor that knows it (only TensorRT's build time has unknown dims).
   p.num_kv_heads = first_known({p.num_kv_heads, k.dims[k.rank - 2], v.dims[k.rank - 2]});
@@ -338,17 +427,17 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   }
 
   // rope_cos_sin: [layers?, Rb, S, R] (slot) or [layers?, T, R] (paged).
-  TensorDesc const& rope = c.op(kRope);
+  TensorDesc const& rope = c.op(kRopeOperand);
   int32_t const rope_rank = slot ? 3 : 2;
   if (rope.rank != rope_rank && !(layered && rope.rank == rope_rank + 1))
     return c.fail_shape(
-               kRope,
+               kRopeOperand,
                std::string(slot ? "rank 3 [Rb, S, R]" : "rank 2 [T, R]") +
                    (layered ? (slot ? " or rank 4 [layers, Rb, S, R]" : " or rank 3 [layers, T, R]") : "")),
            c.error();
   p.rope_per_layer = rope.rank == rope_rank + 1;
   if (p.rope_per_layer && !same(rope.dims[0], layers))
-    return c.fail_shape(kRope, str(layers) + " layers (past_key_value dim 0)"), c.error();
+    return c.fail_shape(kRopeOperand, str(layers) + " layers (past_key_value dim 0)"), c.error();
   int32_t const rl = p.rope_per_layer ? 1 : 0;
   if (slot) {
     p.rope_batch = rope.dims[rl];
@@ -356,7 +445,7 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   } else {
     p.rope_seq_len = rope.dims[rl];
     if (!same(p.rope_seq_len, p.num_tokens))
-      return c.fail_shape(kRope,
+      return c.fail_shape(kRopeOperand,
                           "one row per token, T = " + str(p.num_tokens) + " (k_delta dim " + str(lead) + ")"),
              c.error();
     p.num_tokens = p.rope_seq_len = first_known({p.num_tokens, p.rope_seq_len});
@@ -443,8 +532,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     p.head_dim = first_known({p.head_dim, w.dims[w.rank - 1]});
   }
 
-  p.k_delta = c.op(kKDelta).data;
-  p.v_delta = c.op(kVDelta).data;
+  p.k_delta = c.op(kKDeltaOperand).data;
+  p.v_delta = c.op(kVDeltaOperand).data;
   p.pool = const_cast<void*>(pool.data);
   p.rope_cos_sin = static_cast<float const*>(rope.data);
   if (slot) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dflash/contract.h"
 #include "dflash/kv_update.h"
 
 namespace dflash {
@@ -31,15 +32,14 @@ struct UpdateAttrs {
   bool ring = false;           // paged contract
   bool k_norm = false;         // k_norm_weight is an operand
   bool v_norm = false;
-  float norm_eps = 1e-6f;
+  float norm_eps = kDefaultNormEps;
+  // TensorRT's profile of the contract (the plugin, and the ONNX node that targets it): the
+  // unbatched form only, pages of kTensorRTPageSize tokens, the pool formats TensorRT has
+  // (kFP8 is e4m3), scales of shape [1] or [H].
+  bool tensorrt = false;
 };
 
-// Operands before the extras: 6 (slot) or 7 (paged).
-inline int32_t base_operand_count(Contract contract) { return contract == Contract::kSlot ? 6 : 7; }
-// All operands: the base ones, then k_scale and v_scale for an FP8 pool, then k_norm_weight.
-inline int32_t operand_count(UpdateAttrs const& attrs, bool fp8_pool_given) {
-  return base_operand_count(attrs.contract) + (fp8_pool_given ? 2 : 0) + (attrs.k_norm ? 1 : 0);
-}
+inline constexpr int64_t kTensorRTPageSize = 128;
 
 // The name of operand `index` (SPEC.md's), for messages; "present_key_value" for index == count.
 char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count);
@@ -55,8 +55,15 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
 // sizes is still checked, a size being known when any operand holding it has it. With
 // `need_data`, operands that will be read must have non-null data. Returns "" when valid, else
 // the reason.
+// *type_error, when given, says whether the reason is an operand's dtype or the operand count
+// (a TypeError to Python) rather than a shape or a value.
 std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,
-                                 KVUpdateParams* p, bool need_data, bool allow_unknown = false);
+                                 KVUpdateParams* p, bool need_data, bool allow_unknown = false,
+                                 bool* type_error = nullptr);
+
+// "" when `eps` is a valid norm_eps: finite, > 0 and a normal float32 (a subnormal one would read
+// as zero under a flush-to-zero mode, which XLA's CPU runtime sets).
+std::string check_norm_eps(double eps);
 
 // The numeric rules on filled parameters (also used by params_from_operands): sizes, their
 // products without overflow (every element offset fits int64), the contract's equalities.

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "array_operands.h"
+#include "contract_bindings.h"
 #include "dflash/kv_update_cpu.h"
 #include "ffi_operands.h"
 
@@ -79,6 +80,7 @@ NB_MODULE(_dflash_cpu, m) {
         nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCpu));
     return targets;
   });
+  dflash::jax::bind_contract(m);
   m.def("target_kv_cache_update", &dflash::jax::update_slot_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
         "rope_cos_sin"_a, "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a,

@@ -17,10 +17,7 @@ namespace dflash::jax {
 
 namespace ffi = ::xla::ffi;
 
-inline char const* target_name(Contract contract) {
-  return contract == Contract::kSlot ? "dflash_target_kv_cache_update"
-                                     : "dflash_target_kv_cache_update_paged";
-}
+inline char const* target_name(Contract contract) { return addressing_form(contract).ffi_target; }
 
 inline ffi::Error invalid(Contract contract, std::string const& message) {
   return ffi::Error::InvalidArgument(std::string(target_name(contract)) + ": " + message);
@@ -49,9 +46,11 @@ inline TensorDesc describe(ffi::AnyBuffer const& buffer) {
   return desc;
 }
 
-// The attributes of SPEC.md's ABI: pages_per_slot (slot, required; int64 or int32), ring (paged),
-// k_norm, v_norm (bool), norm_eps (float32). Anything else is an error.
+// The attributes of SPEC.md's ABI: the form's own (pages_per_slot: int64 or int32, required;
+// ring: bool), then k_norm, v_norm (bool) and norm_eps (float32), which every form has. Anything
+// else is an error.
 inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, UpdateAttrs* out) {
+  AddressingForm const& form = addressing_form(contract);
   out->contract = contract;
   bool pages_per_slot_seen = false;
   for (auto it = attrs.begin(); it != attrs.end(); ++it) {
@@ -59,7 +58,7 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
     auto wrong_type = [&](char const* wanted) {
       return invalid(contract, "attribute " + std::string(name) + ": expected " + wanted);
     };
-    if (contract == Contract::kSlot && name == "pages_per_slot") {
+    if (form.has_pages_per_slot && name == "pages_per_slot") {
       if (auto v = attrs.get<int64_t>(name); v.has_value()) {
         out->pages_per_slot = *v;
       } else if (auto v32 = attrs.get<int32_t>(name); v32.has_value()) {
@@ -68,7 +67,7 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
         return wrong_type("an int64 (or int32) scalar");
       }
       pages_per_slot_seen = true;
-    } else if ((contract == Contract::kPaged && name == "ring") || name == "k_norm" || name == "v_norm") {
+    } else if ((form.has_ring && name == "ring") || name == "k_norm" || name == "v_norm") {
       auto v = attrs.get<bool>(name);
       if (!v.has_value()) return wrong_type("a bool");
       (name == "ring" ? out->ring : name == "k_norm" ? out->k_norm : out->v_norm) = *v;
@@ -77,13 +76,12 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
       if (!v.has_value()) return wrong_type("a float32 scalar");
       out->norm_eps = *v;
     } else {
-      return invalid(contract,
-                     "unknown attribute " + std::string(name) +
-                         (contract == Contract::kSlot ? " (known: pages_per_slot, k_norm, v_norm, norm_eps)"
-                                                      : " (known: ring, k_norm, v_norm, norm_eps)"));
+      return invalid(contract, "unknown attribute " + std::string(name) +
+                                   " (known: " + (form.has_pages_per_slot ? "pages_per_slot, " : "") +
+                                   (form.has_ring ? "ring, " : "") + "k_norm, v_norm, norm_eps)");
     }
   }
-  if (contract == Contract::kSlot && !pages_per_slot_seen)
+  if (form.has_pages_per_slot && !pages_per_slot_seen)
     return invalid(contract, "missing attribute pages_per_slot (an int64 > 0)");
   return ffi::Error::Success();
 }
@@ -98,30 +96,28 @@ inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
   UpdateAttrs a;
   if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
   int32_t const base = base_operand_count(contract);
-  if (args.size() < size_t(base) || args.size() > size_t(base + 3))
+  if (args.size() < size_t(base) || args.size() > size_t(base + kMaxExtraOperands))
     return invalid(contract,
                    "expected " + std::to_string(base) + " operands (" +
-                       (contract == Contract::kSlot
-                            ? "k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, "
-                              "delta_lengths"
-                            : "k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions, "
-                              "delta_token_to_sequence, kv_page_table") +
-                       "), then k_scale and v_scale for an FP8 pool, then k_norm_weight with k_norm; got " +
+                       base_operand_list(addressing_form(contract)) +
+                       "), then k_scale and v_scale for a pool format with scales, then k_norm_weight "
+                       "with k_norm; got " +
                        std::to_string(args.size()) + " operands");
   if (rets.size() != 1)
     return invalid(contract, "expected 1 result (present_key_value, the pool updated in place), got " +
                                  std::to_string(rets.size()) + " results");
-  std::array<TensorDesc, 10> operands;  // at most 7 base operands + 3 extras (checked above)
+  std::array<TensorDesc, kMaxBaseOperands + kMaxExtraOperands> operands;  // the count is checked above
   for (size_t i = 0; i < args.size(); ++i) {
     auto buffer = args.get<ffi::AnyBuffer>(i);
     if (!buffer.has_value()) return invalid(contract, "operand " + std::to_string(i) + " is not an array");
-    if (i == 2) pool->emplace(*buffer);
+    if (i == size_t(kPoolOperand)) pool->emplace(*buffer);
     operands[i] = describe(*buffer);
   }
   auto out = rets.get<ffi::AnyBuffer>(0);
   if (!out.has_value()) return invalid(contract, "present_key_value: the result is not an array");
   result->emplace(**out);
-  if (std::string e = check_result(describe(**result), operands[2]); !e.empty()) return invalid(contract, e);
+  if (std::string e = check_result(describe(**result), operands[kPoolOperand]); !e.empty())
+    return invalid(contract, e);
   if (std::string e = params_from_operands(operands.data(), int32_t(args.size()), a, p, /*need_data=*/true);
       !e.empty())
     return invalid(contract, e);

@@ -27,45 +27,27 @@ TensorRT has, the unbatched form); the reference runtime and the export apply th
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from jax_dflash import _shapes
+from jax_dflash.contract import DEFAULT_NORM_EPS, PLUGIN_NAME, PLUGIN_VERSION
 
-PLUGIN_NAME = "DFlashTargetKVCacheUpdate"
-PLUGIN_VERSION = "1"
 PLUGIN_DOMAIN = "trt.plugins"  # custom-op domain; TensorRT's parser matches the op type
 PLUGIN_DOMAIN_VERSION = 1
 EDGE_LLM_DOMAIN = "trt_edgellm"  # the domain of Edge-LLM's own exported plugin nodes
 EDGE_LLM_DOMAIN_VERSION = 23  # the paged node's since_version in that domain
 OUTPUT_NAME = "present_key_value"
 
-SLOT_INPUTS = (
-    "k_delta",
-    "v_delta",
-    "past_key_value",
-    "rope_cos_sin",
-    "delta_start_positions",
-    "delta_lengths",
-)
-PAGED_INPUTS = (
-    "k_delta",
-    "v_delta",
-    "past_key_value",
-    "rope_cos_sin",
-    "delta_positions",
-    "delta_token_to_sequence",
-    "kv_page_table",
-)
-SCALE_INPUTS = ("k_scale", "v_scale")
-NORM_WEIGHT_INPUT = "k_norm_weight"
+SLOT_INPUTS = _shapes.BASE_NAMES["slot"]
+PAGED_INPUTS = _shapes.BASE_NAMES["paged"]
+SCALE_INPUTS = _shapes.EXTRA_NAMES[:2]
+NORM_WEIGHT_INPUT = _shapes.EXTRA_NAMES[2]
 
 TRT_TOKENS_PER_PAGE = 128  # P in the TensorRT contracts
 INT32_MAX = 2**31 - 1  # plugin fields are INT32
-DEFAULT_NORM_EPS = 1e-6
 DELTA_DTYPES = ("float16", "bfloat16", "float32")
 TRT_POOL_DTYPES = (*DELTA_DTYPES, "float8_e4m3fn")  # TensorRT 10 has e4m3 only (kFP8)
 FP8_POOL_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -114,15 +96,12 @@ def check_flag(value, name: str) -> bool:
 
 
 def check_norm_eps(value, name: str = "norm_eps") -> float:
-    """A finite float32 > 0 (a FLOAT32 plugin field); returned as the float32 value."""
+    """A FLOAT32 plugin field: the core's rule on norm_eps; returned as the float32 value."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.floating, np.integer)
     ):
         raise TypeError(f"{name}: expected a float > 0, got {type(value).__name__} {value!r}")
-    eps = float(np.float32(value))
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"{name}: expected a finite float32 > 0, got {value!r}")
-    return eps
+    return float(np.float32(_shapes.check_norm_eps(float(value))))
 
 
 def _flags(*, ring, k_norm, v_norm, norm_eps) -> tuple[bool, bool, bool, float | None]:
@@ -152,6 +131,10 @@ def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
         raise ValueError(
             f"inputs: expected {len(expected)} names for {list(expected)}, got {inputs}"
         )
+    for name, given in zip(expected, inputs):
+        # An empty name is ONNX's "optional input left out": every input of this node is needed.
+        if not isinstance(given, str) or not given:
+            raise ValueError(f"inputs: expected a non-empty name for {name}, got {given!r}")
     return inputs
 
 
@@ -186,9 +169,7 @@ def make_update_node(
     attributes = dict(
         plugin_version=PLUGIN_VERSION,
         plugin_namespace=_namespace(plugin_namespace),
-        pages_per_slot=check_int32_attribute(
-            _shapes.check_pages_per_slot(pages_per_slot), "pages_per_slot", minimum=1
-        ),
+        pages_per_slot=check_int32_attribute(pages_per_slot, "pages_per_slot", minimum=1),
     )
     attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
     return onnx.helper.make_node(
@@ -303,110 +284,32 @@ def _dims(x) -> tuple[int, ...]:
 def check_plugin_operands(
     paged: bool, operands: Sequence, *, k_norm: bool = False, pages_per_slot: int | None = None
 ):
-    """Checks operands (anything with .shape and .dtype) against the plugin's rules.
+    """Checks operands (anything with .shape and .dtype) against the plugin's rules; returns
+    their sizes (:func:`jax_dflash._shapes.check_update` / ``check_update_paged``).
 
     ``operands`` are the node's inputs in order (base, then k_scale, v_scale for an FP8 pool,
     then k_norm_weight when ``k_norm``); ``pages_per_slot`` is required for the slot contract.
-    Beyond the JAX op's rules the plugin requires: the unbatched form, pages of exactly 128
-    tokens, an FP8 pool of e4m3 only, scales of shape ``[1]`` or ``[H]``. The rest is checked by
-    :func:`jax_dflash._shapes.check_update` (``check_update_paged``), with ``[1]`` scales read as
-    per-tensor ones; returns its sizes.
+    The rules are the core's, with TensorRT's profile of the contract (the unbatched form, pages
+    of 128 tokens, kFP8 = e4m3, scales ``[1]`` or ``[H]``): the checker the plugin runs.
     """
-    base = PAGED_INPUTS if paged else SLOT_INPUTS
+    base = len(PAGED_INPUTS if paged else SLOT_INPUTS)
     operands = list(operands)
-    if len(operands) < len(base):
-        missing = list(base[len(operands) :])
-        raise ValueError(
-            f"{missing[0]}: expected {len(base)} base inputs {list(base)}, "
-            f"got {len(operands)} (missing {missing})"
-        )
-    pool = operands[2]
-    pool_dtype = _dtype_name(pool)
-    if pool_dtype == "float8_e5m2":
-        raise TypeError(
-            "past_key_value: expected float16, bfloat16, float32 or float8_e4m3fn (TensorRT's kFP8 "
-            "is e4m3; e5m2 pools are JAX-only), got float8_e5m2"
-        )
-    if pool_dtype not in TRT_POOL_DTYPES:
-        raise TypeError(
-            f"past_key_value: expected dtype one of {list(TRT_POOL_DTYPES)}, got {pool_dtype}"
-        )
-    fp8_pool = pool_dtype in FP8_POOL_DTYPES
-    expected = node_inputs(paged, fp8_pool=fp8_pool, k_norm=k_norm)
-    if len(operands) != len(expected):
-        why = (
-            f"a {pool_dtype} pool "
-            + ("takes k_scale, v_scale" if fp8_pool else "takes no scales")
-            + (", and k_norm = 1 takes k_norm_weight" if k_norm else ", and k_norm is off")
-        )
-        if len(operands) < len(expected):
-            raise ValueError(
-                f"{expected[len(operands)]}: expected {len(expected)} inputs "
-                f"{list(expected)} ({why}), got {len(operands)}"
-            )
-        raise ValueError(
-            f"inputs: expected {len(expected)} inputs {list(expected)} ({why}), got {len(operands)}"
-        )
-
-    for name, x in zip(base[:2], operands[:2]):
-        if _dtype_name(x) not in DELTA_DTYPES:
-            raise TypeError(
-                f"{name}: expected dtype one of {list(DELTA_DTYPES)}, got {_dtype_name(x)}"
-            )
-    delta_rank = 3 if paged else 4
-    if (
-        paged
-        and len(_dims(operands[0])) == 4
-        and len(_dims(pool)) == 5
-        and len(operands) == len(base)
-    ):
-        # The slot contract's inputs plus a page table: Edge-LLM 0.10.1's call, which has the
-        # same node name and version but neither contract's addressing.
-        raise ValueError(
-            f"k_delta: expected rank 3 [T, H, D] for the 7-input node, got shape "
-            f"{_dims(operands[0])}: 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call "
-            "(the slot inputs and a page table), which is not served: export Edge-LLM 0.11's "
-            "token-major node or 0.10's node"
-        )
-    if len(_dims(operands[0])) != delta_rank or len(_dims(pool)) != 5:
-        layout = "[T, H, D]" if paged else "[B, L, H, D]"
-        raise ValueError(
-            f"k_delta, past_key_value: the TensorRT plugin takes the unbatched form, k_delta "
-            f"{layout} and past_key_value [2, numPages, P, H, D]; got shapes "
-            f"{_dims(operands[0])} and {_dims(pool)}"
-        )
-    if _dims(pool)[2] != TRT_TOKENS_PER_PAGE:
-        raise ValueError(
-            f"past_key_value: expected a page size P (dim 2) of {TRT_TOKENS_PER_PAGE} tokens "
-            f"(TensorRT's contract), got shape {_dims(pool)}"
-        )
-    heads = _dims(pool)[3]
-    extras = dict(zip(expected[len(base) :], operands[len(base) :]))
-    scale_dims = {name: _dims(extras[name]) for name in SCALE_INPUTS if name in extras}
-    for name, dims in scale_dims.items():
-        if dims not in ((1,), (heads,)):
-            raise ValueError(f"{name}: expected shape [1] or [H] = [{heads}], got {list(dims)}")
-    if len(set(scale_dims.values())) > 1:
-        raise ValueError(
-            f"v_scale: expected k_scale's shape {list(scale_dims['k_scale'])}, "
-            f"got {list(scale_dims['v_scale'])}"
-        )
-    for name, dims in scale_dims.items():
-        if dims == (1,):
-            extras[name] = _Aval((), extras[name].dtype)  # per tensor
-
-    if paged:
-        return _shapes.check_update_paged(*operands[: len(base)], **extras)
-    if pages_per_slot is None:
+    if not paged and pages_per_slot is None:
         raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
-    return _shapes.check_update(*operands[: len(base)], pages_per_slot, **extras)
-
-
-class _Aval:
-    """A shape and a dtype, for the shape checks."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+    names = _shapes.operand_names("paged" if paged else "slot", None, k_norm, count=len(operands))
+    extras = dict(zip(names[base:], operands[base:]))
+    if len(operands) < base or len(names) != len(operands):
+        # The core's count message names every operand the form takes.
+        _shapes.check_call(
+            "paged" if paged else "slot",
+            operands,
+            pages_per_slot=pages_per_slot or 0,
+            k_norm=k_norm,
+            tensorrt=True,
+        )
+    if paged:
+        return _shapes.check_update_paged(*operands[:base], **extras, tensorrt=True)
+    return _shapes.check_update(*operands[:base], pages_per_slot, **extras, tensorrt=True)
 
 
 # ---- one-node models -----------------------------------------------------------------------------

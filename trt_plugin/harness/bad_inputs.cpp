@@ -726,7 +726,7 @@ void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* reco
         setDim(dtrt::kROPE_COS_SIN, 1, 257),
         {batch, len}},
        {"B symbolic, numPages 5 not divisible by pages_per_slot 2",
-        "past_key_value: numPages (dim 1) must be divisible by pages_per_slot = 2, got numPages = 5",
+        "past_key_value: numPages N must be divisible by pages_per_slot = 2, got N = 5",
         onPool([](Dims& d) { d.d[1] = 5; }),
         {batch}},
        {"B symbolic, rope [1, 128, 63] (R odd)",

@@ -1,0 +1,151 @@
+// The contract as data (docs/SPEC.md): pool formats and addressing forms as descriptors.
+//
+// A pool format says what a pool stores and how a float32 value becomes a stored element; an
+// addressing form says which operands a call takes and in what order. The checker (operands.h),
+// the FFI handlers, the TensorRT plugin and, through the CPU extension, the Python API and the
+// ONNX node read these tables instead of asking "slot or paged" and "FP8 or not" themselves.
+// Where a token lands is kv_update.h's layout math; what is stored there is numerics.h.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "dflash/kv_update.h"
+
+namespace dflash {
+
+// ---- pool formats --------------------------------------------------------------------------------
+
+// Which scale operands a pool format takes.
+enum class ScaleGranularity : int32_t {
+  kNone = 0,    // 16/32-bit pools: the value is rounded to the element type
+  kStatic = 1,  // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
+};
+
+struct PoolFormat {
+  DType element;
+  ScaleGranularity scales;
+  // The largest finite magnitude a scaled store saturates to; 0 for the IEEE formats, whose
+  // rounding overflows to infinity.
+  float max_finite;
+};
+
+inline constexpr PoolFormat kPoolFormats[] = {
+    {DType::kFloat16, ScaleGranularity::kNone, 0.0f},
+    {DType::kBFloat16, ScaleGranularity::kNone, 0.0f},
+    {DType::kFloat32, ScaleGranularity::kNone, 0.0f},
+    {DType::kFloat8E4M3, ScaleGranularity::kStatic, 448.0f},
+    {DType::kFloat8E5M2, ScaleGranularity::kStatic, 57344.0f},
+};
+
+// The format of a pool of this dtype; null when no pool has it.
+inline PoolFormat const* pool_format(DType element) {
+  for (PoolFormat const& f : kPoolFormats)
+    if (f.element == element) return &f;
+  return nullptr;
+}
+inline bool is_pool_dtype(DType d) { return pool_format(d) != nullptr; }
+// Whether a pool of this dtype takes k_scale and v_scale.
+inline bool takes_scales(DType pool) {
+  PoolFormat const* f = pool_format(pool);
+  return f != nullptr && f->scales != ScaleGranularity::kNone;
+}
+// "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages.
+std::string pool_dtype_list();
+
+// ---- addressing forms ----------------------------------------------------------------------------
+
+// What a base operand is: its dtype follows from the role.
+enum class OperandRole : int32_t {
+  kKDelta = 0,  // a delta dtype
+  kVDelta,      // k_delta's dtype
+  kPool,        // a pool format's element type
+  kRope,        // float32
+  kIndex,       // int32 positions, lengths, owners or page ids
+};
+
+struct OperandSpec {
+  char const* name;  // SPEC.md's
+  OperandRole role;
+  char const* dims;  // unbatched, for messages and docs
+};
+
+inline constexpr int32_t kMaxBaseOperands = 7;
+// The operands after the base ones: the scales (when the pool format takes them), the weight.
+inline constexpr char const* kScaleNames[2] = {"k_scale", "v_scale"};
+inline constexpr char const* kNormWeightName = "k_norm_weight";
+inline constexpr char const* kResultName = "present_key_value";
+inline constexpr int32_t kMaxExtraOperands = 3;
+// Operand indices every form shares.
+inline constexpr int32_t kKDeltaOperand = 0, kVDeltaOperand = 1, kPoolOperand = 2, kRopeOperand = 3;
+
+struct AddressingForm {
+  Contract contract;
+  char const* name;        // "slot", "paged"
+  char const* origin;      // whose contract it is (TensorRT Edge-LLM's version)
+  char const* ffi_target;  // the XLA FFI custom call
+  int32_t base_count;
+  OperandSpec base[kMaxBaseOperands];
+  int32_t delta_rank;  // of k_delta / v_delta, unbatched
+  int32_t rope_rank;
+  // The form's attributes besides the norms' (k_norm, v_norm, norm_eps, which every form has).
+  bool has_pages_per_slot;  // required, int64 > 0
+  bool has_ring;            // bool
+};
+
+inline constexpr AddressingForm kAddressingForms[] = {
+    {Contract::kSlot,
+     "slot",
+     "Edge-LLM 0.10",
+     "dflash_target_kv_cache_update",
+     6,
+     {{"k_delta", OperandRole::kKDelta, "[B, L, H, D]"},
+      {"v_delta", OperandRole::kVDelta, "[B, L, H, D]"},
+      {"past_key_value", OperandRole::kPool, "[2, N, P, H, D]"},
+      {"rope_cos_sin", OperandRole::kRope, "[Rb, S, R]"},
+      {"delta_start_positions", OperandRole::kIndex, "[B]"},
+      {"delta_lengths", OperandRole::kIndex, "[B]"}},
+     4,
+     3,
+     true,
+     false},
+    {Contract::kPaged,
+     "paged",
+     "Edge-LLM 0.11",
+     "dflash_target_kv_cache_update_paged",
+     7,
+     {{"k_delta", OperandRole::kKDelta, "[T, H, D]"},
+      {"v_delta", OperandRole::kVDelta, "[T, H, D]"},
+      {"past_key_value", OperandRole::kPool, "[2, N, P, H, D]"},
+      {"rope_cos_sin", OperandRole::kRope, "[T, R]"},
+      {"delta_positions", OperandRole::kIndex, "[T]"},
+      {"delta_token_to_sequence", OperandRole::kIndex, "[T]"},
+      {"kv_page_table", OperandRole::kIndex, "[B, 2, M]"}},
+     3,
+     2,
+     false,
+     true},
+};
+
+constexpr AddressingForm const& addressing_form(Contract contract) {
+  return kAddressingForms[contract == Contract::kSlot ? 0 : 1];
+}
+// The form named `name` ("slot", "paged"); null for another name.
+inline AddressingForm const* addressing_form(char const* name) {
+  for (AddressingForm const& f : kAddressingForms)
+    if (std::strcmp(f.name, name) == 0) return &f;
+  return nullptr;
+}
+
+// Operands before the extras.
+constexpr int32_t base_operand_count(Contract contract) { return addressing_form(contract).base_count; }
+// All operands: the base ones, then k_scale and v_scale when the pool takes scales, then
+// k_norm_weight with k_norm.
+constexpr int32_t operand_count(Contract contract, bool scaled_pool, bool k_norm) {
+  return base_operand_count(contract) + (scaled_pool ? 2 : 0) + (k_norm ? 1 : 0);
+}
+// "k_delta, v_delta, ..." of the form's base operands, for messages.
+std::string base_operand_list(AddressingForm const& form);
+
+}  // namespace dflash
