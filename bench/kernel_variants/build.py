@@ -1,8 +1,7 @@
 """Compiles the shipped CUDA sources (csrc/dflash) with tuning macros set by -D, plus a harness.
 
 The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
-(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_NORM_MIN_BLOCKS,
-DFLASH_STREAMING_LOADS, DFLASH_KEY_NORM_EARLY, DFLASH_PAGED_STREAMING_LOADS,
+(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_PAGED_STREAMING_LOADS,
 DFLASH_STREAMING_LOADS_BYTES, DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_INDEX_BRANCH):
 a variant is the shipped code compiled with other values, never an edited copy of it. Used by
 make_variants.py and make_probe.py.
@@ -34,9 +33,6 @@ KNOBS = (
     "DFLASH_BLOCK_THREADS",
     "DFLASH_STREAMING_STORES",
     "DFLASH_MAX_VEC_BYTES",
-    "DFLASH_NORM_MIN_BLOCKS",
-    "DFLASH_STREAMING_LOADS",
-    "DFLASH_KEY_NORM_EARLY",
     "DFLASH_PAGED_STREAMING_LOADS",
     "DFLASH_STREAMING_LOADS_BYTES",
     "DFLASH_PAGED_VALUES_EARLY",

@@ -22,15 +22,13 @@
 #include <ctime>
 #include <string>
 
-// The knobs this binary was built with (make_variants.py passes all four).
+// The knobs this binary was built with (make_variants.py passes all three).
 #define DFLASH_STR2(x) #x
 #define DFLASH_STR(x) DFLASH_STR2(x)
-#if defined(DFLASH_BLOCK_THREADS) && defined(DFLASH_STREAMING_STORES) && defined(DFLASH_MAX_VEC_BYTES) && \
-    defined(DFLASH_NORM_MIN_BLOCKS)
-#define KNOBS \
-  "DFLASH_BLOCK_THREADS=" DFLASH_STR(DFLASH_BLOCK_THREADS) " DFLASH_STREAMING_STORES=" \
-  DFLASH_STR(DFLASH_STREAMING_STORES) " DFLASH_MAX_VEC_BYTES=" DFLASH_STR(DFLASH_MAX_VEC_BYTES) \
-  " DFLASH_NORM_MIN_BLOCKS=" DFLASH_STR(DFLASH_NORM_MIN_BLOCKS)
+#if defined(DFLASH_BLOCK_THREADS) && defined(DFLASH_STREAMING_STORES) && defined(DFLASH_MAX_VEC_BYTES)
+#define KNOBS                                                                                      \
+  "DFLASH_BLOCK_THREADS=" DFLASH_STR(DFLASH_BLOCK_THREADS) " DFLASH_STREAMING_STORES=" DFLASH_STR( \
+      DFLASH_STREAMING_STORES) " DFLASH_MAX_VEC_BYTES=" DFLASH_STR(DFLASH_MAX_VEC_BYTES)
 #else
 #define KNOBS "the shipped defaults"
 #endif

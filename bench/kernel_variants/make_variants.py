@@ -1,13 +1,13 @@
-"""Builds the kernel-variant timing binaries of BENCHMARKS.md's kernel notes.
+"""Builds the kernel-variant timing binaries of the kernel notes (bench/results/HISTORY.md).
 
 Each variant is the shipped kernel (csrc/dflash) compiled with its tuning macros set by -D
 (build.py), linked with kbench.cu (a CUDA-graph timing harness, both contracts, fp16 H=8 D=128
 R=128 P=128, plain, with the k-norm, bf16 and into an e4m3 pool):
-kb_cs{1,0}_b{128,256,512}_v{16,8}_n{0,6,8} for DFLASH_STREAMING_STORES, DFLASH_BLOCK_THREADS,
-DFLASH_MAX_VEC_BYTES and DFLASH_NORM_MIN_BLOCKS. Run each binary on the GPU machine; it prints one
+kb_cs{1,0}_b{128,256,512}_v{16,8} for DFLASH_STREAMING_STORES, DFLASH_BLOCK_THREADS and
+DFLASH_MAX_VEC_BYTES. Run each binary on the GPU machine; it prints one
 line per contract and shape. Needs nvcc (sm_90).
 
-    python bench/kernel_variants/make_variants.py OUTDIR [--only cs1_b128_v16_n0,...] [--jobs N]
+    python bench/kernel_variants/make_variants.py OUTDIR [--only cs1_b128_v16,...] [--jobs N]
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ GRID = {
     "DFLASH_STREAMING_STORES": (1, 0),
     "DFLASH_BLOCK_THREADS": (128, 256, 512),
     "DFLASH_MAX_VEC_BYTES": (16, 8),
-    "DFLASH_NORM_MIN_BLOCKS": (0, 6, 8),
 }
 
 
 def variants() -> dict[str, dict[str, int]]:
     out = {}
-    for cs, block, vec, norm in itertools.product(*GRID.values()):
-        out[f"cs{cs}_b{block}_v{vec}_n{norm}"] = dict(zip(GRID, (cs, block, vec, norm)))
+    for cs, block, vec in itertools.product(*GRID.values()):
+        out[f"cs{cs}_b{block}_v{vec}"] = dict(zip(GRID, (cs, block, vec)))
     return out
 
 

@@ -40,14 +40,14 @@ inline constexpr PoolFormat kPoolFormats[] = {
 };
 
 // The format of a pool of this dtype; null when no pool has it.
-inline PoolFormat const* pool_format(DType element) {
+constexpr PoolFormat const* pool_format(DType element) {
   for (PoolFormat const& f : kPoolFormats)
     if (f.element == element) return &f;
   return nullptr;
 }
-inline bool is_pool_dtype(DType d) { return pool_format(d) != nullptr; }
+constexpr bool is_pool_dtype(DType d) { return pool_format(d) != nullptr; }
 // Whether a pool of this dtype takes k_scale and v_scale.
-inline bool takes_scales(DType pool) {
+constexpr bool takes_scales(DType pool) {
   PoolFormat const* f = pool_format(pool);
   return f != nullptr && f->scales != ScaleGranularity::kNone;
 }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "dflash/contract.h"
 #include "dflash/kv_update_cuda.h"
 #include "dflash/numerics.h"
 
@@ -28,45 +29,24 @@
 #ifndef DFLASH_MAX_VEC_BYTES
 #define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
 #endif
-#ifndef DFLASH_NORM_MIN_BLOCKS
-// Resident blocks per multiprocessor the butterfly kernels are compiled for (a register cap, see
-// norm_min_blocks); 0, no cap. Since the butterfly kernels carry neither the row form's stack nor
-// a computed shuffle mask, a cap of 6 gains nothing (bench/kernel_variants: within 1% with the
-// k-norm, and 3% slower in the slot contract at B=8 L=2048), and 8 spills.
-#define DFLASH_NORM_MIN_BLOCKS 0
-#endif
-#ifndef DFLASH_STREAMING_LOADS
-// 1: every kernel reads the delta rows with evict-first loads, in every launch. Measured, not
-// shipped: slower at decode sizes (up to 15%) and in the plain kernels at B=8 L=2048; where it
-// pays, the paged FP8 kernels' large launches, DFLASH_PAGED_STREAMING_LOADS does it.
-#define DFLASH_STREAMING_LOADS 0
-#endif
-#ifndef DFLASH_KEY_NORM_EARLY
-// 1: the butterfly kernels from float16 deltas into 16/32-bit pools norm the key before their
-// dependent load returns (kNormEarlyPacked in update_kernel); 0: after it, as the others.
-#define DFLASH_KEY_NORM_EARLY 1
-#endif
-
 // Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
 // 8 fused norm into an FP8 pool from float16 or float32 deltas, 16 the same from bfloat16 deltas.
-// Each default is what bench/kernel_variants measured best on the H200 (BENCHMARKS.md, "Kernel
-// design notes").
+// Each default is what bench/kernel_variants measured best on the H200 (the measurements are in
+// bench/results/HISTORY.md, "Kernel design notes").
 #ifndef DFLASH_PAGED_VALUES_EARLY
 // The kernels that compute their stored values while the page ids are in flight (keep_computed).
-// The fused norm into a 16/32-bit pool computes them after: early, it was 4% slower at B=8
-// L=2048 and 0.07 us slower at decode. So does the fused norm from bfloat16 deltas into an FP8
-// pool: early, it was 14% slower at B=8 L=2048 and B=1 L=4096, 0.03-0.06 us faster at decode.
+// The fused norm into a 16/32-bit pool computes them after, as does the fused norm from bfloat16
+// deltas into an FP8 pool: early, both were slower where bandwidth bounds the kernel.
 #define DFLASH_PAGED_VALUES_EARLY 11
 #endif
 #ifndef DFLASH_PAGED_STREAMING_LOADS
 // The kernels that read the delta rows with evict-first loads in launches of at least
 // DFLASH_STREAMING_LOADS_BYTES of K and V deltas (a second instantiation, picked at launch), so
 // that rows read once do not push the pool's lines out of L2: the plain and the fused-norm
-// kernels into FP8 pools from 16/32-bit deltas, 3% faster at B=8 L=2048. Unchanged for the
-// fused norm from bfloat16 deltas and for the fused norm into 16/32-bit pools; the plain
-// 16/32-bit kernel was 5% slower. Below the size, cached loads: at decode the projection has just
-// written the deltas into L2; from 8 MB, the FP8 kernel was 4% slower at B=1 L=4096.
+// kernels into FP8 pools from 16/32-bit deltas, which it makes faster (the others it leaves as
+// they are or slows). Below the size, cached loads: at decode the projection has just written the
+// deltas into L2.
 #define DFLASH_PAGED_STREAMING_LOADS 10
 #endif
 #ifndef DFLASH_STREAMING_LOADS_BYTES
@@ -75,7 +55,7 @@
 #ifndef DFLASH_PAGED_INDEX_BRANCH
 // The kernels that look their page ids up under a uniform branch. In one block with the delta
 // loads, the compiler schedules the position-dependent index math before the last of them, which
-// then wait for the positions (plain 16/32-bit kernel: 8% slower at B=64 L=16 that way); the
+// then wait for the positions (the plain 16/32-bit kernel is slower that way at decode); the
 // other kinds measured faster without the branch.
 #define DFLASH_PAGED_INDEX_BRANCH 1
 #endif
@@ -135,6 +115,9 @@ struct E5M2 {
   }
 };
 template <typename T> inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+// A pool element type whose format stores values times the reciprocal of k_scale / v_scale
+// (contract.h): the kernels load the scales and pass their reciprocals to the stores.
+template <typename T> inline constexpr bool kScaledPool = takes_scales(T::kDType);
 
 // Widening a delta vector, and the fused norms' round trips through the delta dtype, two channels
 // per packed conversion (on values: no reinterpreted memory). The round trips skip the canonical
@@ -220,7 +203,7 @@ template <typename Delta, int VEC> using WeightPack =
 // A weight pack at `ptr`: vector loads where the row is aligned for them, else element loads put
 // together into the same words. Held as 16-bit elements instead, the pack made the compiler split
 // the vector load's words at once, which waits for the load there, before the kernel's other
-// loads issue (0.3 us at decode sizes).
+// loads issue.
 template <typename Delta, int VEC>
 __device__ __forceinline__ WeightPack<Delta, VEC> load_weight_pack(typename Delta::Bits const* ptr,
                                                                    bool vectors) {
@@ -256,8 +239,8 @@ struct Geometry {
 
 // A launch's constants: the geometry, and the paged contract's own. The paged ones follow the
 // geometry in the paged kernels' parameters only: ptxas' allocation of the slot kernels depends on
-// their parameter layout (with these constants in it the slot k-norm took 76 registers instead of
-// 72, one resident block fewer), and this layout is the one measured for the paged kernels.
+// their parameter layout (with these constants in it the slot k-norm took more registers and one
+// resident block fewer), and this layout is the one measured for the paged kernels.
 template <Contract C> struct Launch {
   Geometry g;
 };
@@ -298,8 +281,8 @@ template <int NORM> inline constexpr bool kIsButterfly = NORM == kButterflyNorm 
 // The bit of a paged kernel in DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_STREAMING_LOADS and
 // DFLASH_PAGED_INDEX_BRANCH.
 template <typename Delta, typename Pool, int NORM> inline constexpr int kPagedKind =
-    NORM == kNoNorm               ? (kIsFp8<Pool> ? 2 : 1)
-    : !kIsFp8<Pool>               ? 4
+    NORM == kNoNorm               ? (kScaledPool<Pool> ? 2 : 1)
+    : !kScaledPool<Pool>          ? 4
     : std::is_same_v<Delta, BF16> ? 16
                                   : 8;
 
@@ -312,7 +295,7 @@ template <typename Delta, typename Pool, int NORM> inline constexpr int kPagedKi
 // butterfly would: the butterfly's value at lane i after the offsets 4, 2, 1 is
 // ((a_i + a_i^4) + (a_i^2 + a_i^6)) + ((a_i^1 + a_i^5) + (a_i^3 + a_i^7)), with a_j lane j's sum,
 // the same additions of the same operands; seven independent shuffles take one shuffle's latency
-// where three dependent ones took three (0.05 us at B=1 L=16, bench/kernel_variants).
+// where three dependent ones took three.
 template <typename Delta, int VEC>
 __device__ __forceinline__ float butterfly_inverse_rms(KVUpdateParams const& p, Geometry const& g,
                                                        typename Delta::Bits const (&bits0)[VEC],
@@ -444,20 +427,10 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
   return out;
 }
 
-// The register cap of a kernel: DFLASH_NORM_MIN_BLOCKS for the butterfly kernels that fit it
-// without spilling (16-bit deltas, except bfloat16 into an FP8 pool, as ptxas reports for sm_90);
-// 0 (no minimum: the compiler's own allocation) for the others, the row form and the plain
-// kernels.
-template <Contract C, typename Delta, typename Pool, int NORM> inline constexpr int norm_min_blocks =
-    kIsButterfly<NORM> && (std::is_same_v<Delta, F16> || (std::is_same_v<Delta, BF16> && !kIsFp8<Pool>))
-        ? DFLASH_NORM_MIN_BLOCKS
-        : 0;
-
 // NORM: the fused-norm form the kernel carries (NormForm), a template parameter so that the plain
 // kernels carry none of its registers and the butterfly none of the row form's stack.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
-__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delta, Pool, NORM>))
-    update_kernel(KVUpdateParams p, Launch<C> constants) {
+__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Launch<C> constants) {
   Geometry const& g = constants.g;
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
@@ -516,9 +489,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   // Every load that does not depend on the addressing data is issued before waiting for it: the
   // delta rows are always in bounds. Plain (cached) loads, as at decode the deltas were just
   // written by the projection and are likely still in L2; evict-first in STREAM_LOADS kernels.
-  auto load_delta = [](DBits const* ptr) {
-    return load_pack < DPack, DFLASH_STREAMING_LOADS || STREAM_LOADS > (ptr);
-  };
+  auto load_delta = [](DBits const* ptr) { return load_pack<DPack, STREAM_LOADS>(ptr); };
   DPack k0 = load_delta(k_delta + src);
   DPack const v0 = load_delta(v_delta + src);
   DPack k1, v1;
@@ -528,20 +499,20 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   }
   // Scales and norm weights do not depend on the addressing data either.
   float k_scale = 1.0f, v_scale = 1.0f;
-  if constexpr (kIsFp8<Pool>) {
+  if constexpr (kScaledPool<Pool>) {
     k_scale = __ldg(p.k_scale + scale_index(p, layer, h));
     v_scale = __ldg(p.v_scale + scale_index(p, layer, h));
   }
   WeightPack<Delta, VEC> w0, w1;
   bool const k_norm = NORM != kNoNorm && p.k_norm;
   bool const v_norm = NORM != kNoNorm && NORM != kButterflyKeyNorm && p.v_norm;
-  // The weight first: read after the butterfly's sums (fewer registers held across them), it was
-  // 0.15 us slower at decode, where its latency is then on the path, and no faster elsewhere.
+  // The weight first: read after the butterfly's sums (fewer registers held across them), its
+  // latency is on the decode path, and it was no faster elsewhere.
   if (k_norm) {
     DBits const* weight = static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) + channel;
     // A butterfly kernel's weight is aligned (the launch sends an unaligned one to the row form), so
     // it has the vector load alone: with the element loads beside it under a runtime test, the
-    // fused norms were 0.07-0.1 us slower at decode sizes and 1-2% at B=8 L=2048.
+    // fused norms were slower at every size.
     bool const vectors = kButterfly || g.weight_vectors;
     w0 = load_weight_pack<Delta, VEC>(weight, vectors);
     if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, vectors);
@@ -594,11 +565,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     if (v_norm) v_inv_rms = butterfly_inverse_rms<Delta, VEC>(p, g, v0.v, v1.v);
   }
   // The float16 key into a 16/32-bit pool is normed here, while the dependent load is in flight,
-  // into its own registers; after it only RoPE and the store remain, as in the plain kernel
-  // (0.04-0.05 us faster at decode sizes in both contracts, bench/kernel_variants). Into an FP8
-  // pool and from bfloat16 deltas, where it measured slower, the norm stays after the load.
-  constexpr bool kNormEarlyPacked =
-      kButterfly && DFLASH_KEY_NORM_EARLY && std::is_same_v<Delta, F16> && !kIsFp8<Pool>;
+  // into its own registers; after it only RoPE and the store remain, as in the plain kernel (faster
+  // at decode sizes in both contracts). Into a scaled pool and from bfloat16 deltas, where it
+  // measured slower, the norm stays after the load.
+  constexpr bool kNormEarlyPacked = kButterfly && std::is_same_v<Delta, F16> && !kScaledPool<Pool>;
   if constexpr (kNormEarlyPacked) {
     if (k_norm) {
       norm_f16_pack<VEC>(k0, k_inv_rms, w0);
@@ -606,8 +576,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
     }
   }
   using Out = Pack<PBits, VEC>;
-  float const inv_k = kIsFp8<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
-  float const inv_v = kIsFp8<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
+  float const inv_k = kScaledPool<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
+  float const inv_v = kScaledPool<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
   // The stored packs of K and of V (the second of each unused unless pair).
   auto key_packs = [&](Out& out0, Out& out1) {
     if (kSame && !k_norm && !rotate) {
@@ -660,8 +630,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS, (norm_min_blocks<C, Delt
   if constexpr (!kSlot) {
     // This item's place in head h of the token's row of page 0 of the layer's pool, so that the
     // page ids, once they arrive, are checked and added as they are (computing paged_rows' 64-bit
-    // page * P + row there instead: 0.03-0.05 us slower at decode sizes, 2% at B=64 L=16, in the
-    // fused norms into 16/32-bit pools). With kValuesEarly it and every stored value are computed
+    // page * P + row there instead was slower at decode sizes in the fused norms into 16/32-bit
+    // pools). With kValuesEarly it and every stored value are computed
     // while the ids are in flight (at decode sizes this is most of the path after they arrive),
     // else the values after them; keeping the place computed in those kernels too held two more
     // registers across the wait and gained nothing.

@@ -149,7 +149,7 @@ DFLASH_HOST_DEVICE float round_to(DType dtype, float f) {
 // packed conversion, then one mend of both halves. With m a half's low 15 bits, m + 0x3ff reaches
 // bit 15 exactly for NaN codes (m > 0x7c00, the infinity's code) and never carries into the
 // other half. (The same for bfloat16 pools made the compiler schedule their fused-norm kernel
-// 20% slower; they keep the one-value conversion.)
+// slower; they keep the one-value conversion.)
 __device__ __forceinline__ uint32_t float2_to_float16x2_bits(float a, float b) {
   __half2 const h = __floats2half2_rn(a, b);
   uint32_t w;
