@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_dflash.cli import allocator
-from jax_dflash.cli.workload import parse_accept
+from jax_dflash.cli.accept import parse_accept
 
 # ---- the allocator ----------------------------------------------------------------------------
 

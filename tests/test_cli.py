@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from jax_dflash import reference
+from jax_dflash.cli import accept, memory, parity, plan, presets, readback, run_settings, workload
 from jax_dflash.cli import main as cli
-from jax_dflash.cli import presets, workload
 from jax_dflash.cli.presets import PRESETS
+from jax_dflash.testing import compare_bits
 
 
 def gpu_available() -> bool:
@@ -201,7 +200,7 @@ def test_run_fails_when_the_pools_differ_from_the_reference(capsys, monkeypatch)
         bits.flat[0] ^= 1
         return expected
 
-    monkeypatch.setattr(workload.reference, "target_kv_cache_update", off_by_one_bit)
+    monkeypatch.setattr(reference, "target_kv_cache_update", off_by_one_bit)
     status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-progress")
     assert status == 1
     assert "FAILED" in out and "check FAILED" in err
@@ -299,7 +298,7 @@ def test_check_reports_and_passes_parity_on_every_backend(capsys):
     ):
         assert line in out
     backends = ["cpu", "gpu"] if gpu_available() else ["cpu"]
-    cases = len(cli.parity_cases(np.random.default_rng(0), np.dtype(np.float32)))
+    cases = len(parity.parity_cases(np.random.default_rng(0), np.dtype(np.float32)))
     for backend in backends:
         for dtype in presets.DTYPE_NAMES:
             assert f"  {backend:<4} {dtype:<9} {cases}/{cases} cases bit-exact" in out
@@ -324,22 +323,22 @@ def test_check_exits_1_when_parity_fails(capsys, monkeypatch):
 def test_accept_distributions_stay_in_range():
     rng = np.random.default_rng(0)
     block = 16
-    uniform = workload.parse_accept("uniform", block).sample(rng, (4000,), block)
+    uniform = accept.parse_accept("uniform", block).sample(rng, (4000,), block)
     assert uniform.min() == 1 and uniform.max() == block
-    never = workload.parse_accept("geometric:0", block).sample(rng, (100,), block)
-    always = workload.parse_accept("geometric:1", block).sample(rng, (100,), block)
+    never = accept.parse_accept("geometric:0", block).sample(rng, (100,), block)
+    always = accept.parse_accept("geometric:1", block).sample(rng, (100,), block)
     assert (never == 1).all() and (always == block).all()
-    g = workload.parse_accept("geometric:0.8", block).sample(rng, (20000,), block)
+    g = accept.parse_accept("geometric:0.8", block).sample(rng, (20000,), block)
     assert 1 <= g.min() and g.max() <= block
     assert abs(g.mean() - (1 - 0.8**block) / (1 - 0.8)) < 0.1  # truncated geometric mean
-    fixed = workload.parse_accept("fixed:3", block).sample(rng, (10,), block)
+    fixed = accept.parse_accept("fixed:3", block).sample(rng, (10,), block)
     assert (fixed == 3).all()
 
 
 def test_schedule_stops_at_the_slot_capacity():
     rng = np.random.default_rng(1)
-    accept = workload.parse_accept("uniform", 8)
-    s = workload.make_schedule(rng, accept, steps=40, batch=5, block_size=8, capacity=64)
+    uniform = accept.parse_accept("uniform", 8)
+    s = plan.make_schedule(rng, uniform, steps=40, batch=5, block_size=8, capacity=64)
     ends = s.positions + s.lengths
     assert (ends <= 64).all() and (s.lengths >= 0).all()
     assert (s.starts + s.totals == 64).all() and s.stopped == 5
@@ -351,9 +350,9 @@ def test_compare_bits_counts_ulps():
     one = np.float32(1.0)
     a = np.array([one, np.nextafter(one, np.float32(2)), -0.0], np.float32)
     e = np.array([one, one, 0.0], np.float32)
-    assert workload.compare_bits(a, e) == (2, 1)
+    assert compare_bits(a, e) == (2, 1)
     tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
-    assert workload.compare_bits(np.array([-tiny]), np.array([tiny])) == (1, 2)
+    assert compare_bits(np.array([-tiny]), np.array([tiny])) == (1, 2)
 
 
 # ---- contracts, dtypes, windows -----------------------------------------------------------------
@@ -413,14 +412,12 @@ def test_compare_says_how_long_the_baseline_takes_before_it_starts(capsys):
 
 
 def test_a_failed_read_back_exits_1(capsys, monkeypatch):
-    from jax_dflash.cli import readback
-
     real = readback.check_sequences
 
     def corrupted(pools, *args, **kwargs):
         return real(-pools, *args, **kwargs)  # every stored key and value negated
 
-    monkeypatch.setattr(workload.readback, "check_sequences", corrupted)
+    monkeypatch.setattr(readback, "check_sequences", corrupted)
     status, out, err = run_cli(capsys, "run", "--preset", "tiny", "--steps", "2", "--no-progress")
     assert status == 1
     assert "check FAILED: read-back" in err and "beyond the rounding bound" in err
@@ -471,6 +468,10 @@ def test_bad_new_flags_exit_2_with_a_reason(capsys, argv, reason):
             "preset dflash2-b8-w2048's window 2048 needs --contract paged",
         ),
         (
+            ["--contract", "paged", "--window", str(2**62)],
+            f"--window {2**62}: expected at most 1024 tokens, the longest sequence of preset small",
+        ),
+        (
             ["--json", "/nonexistent-folder/summary.json"],
             "--json /nonexistent-folder/summary.json: folder /nonexistent-folder does not exist",
         ),
@@ -488,13 +489,34 @@ def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, re
     assert out == ""
 
 
-def test_memory_estimate_names_the_size_and_the_limit(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_physical_memory", lambda: 2 << 20)  # a 2 MiB machine
-    status, _, err = run_cli(capsys, "run", "--steps", "1000")
-    assert status == 2
-    assert "--steps 1000 --batch 8: the run would need about" in err
-    assert "MiB of host memory" in err and "expected at most 1.0 MiB, half of this machine's" in err
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (
+            ["--steps", "20000"],
+            "--steps 20000 --batch 8: the run would need about",
+        ),
+        (
+            ["--preset", "qwen3-8b-b16", "--force", "--no-check"],
+            "--preset qwen3-8b-b16: the run would need about",
+        ),
+        (
+            ["--preset", "dflash2-b8-w2048", "--force", "--no-check", "--window", "8192"],
+            "--window 8192: the run would need about",
+        ),
+    ],
+)
+def test_memory_estimate_names_the_flags_that_size_it(capsys, monkeypatch, argv, reason):
+    monkeypatch.setattr(memory, "physical_memory", lambda: 2 << 20)  # a 2 MiB machine
+    monkeypatch.setattr(workload, "Workload", None)  # building it would raise TypeError
+    status, out, err = run_cli(capsys, "run", *argv)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"jax-dflash: error: {reason}")
+    assert "GiB of host memory (mostly " in err
+    assert "expected at most 1.0 MiB, half of this machine's" in err
     assert "steps" not in err.split("expected at most")[1]
+    if "--no-check" not in argv:
+        assert "(mostly checked deltas" in err and "--no-check drops the deltas" in err
 
 
 def test_json_path_that_is_a_folder_or_unwritable_exits_2_before_the_run(
@@ -524,7 +546,7 @@ def test_gpu_sized_presets_refuse_the_cpu_without_force(capsys, monkeypatch):
 
 
 def test_fused_norm_and_fp8_need_an_op_and_a_jax_that_have_them(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "op_supports", lambda name: False)
+    monkeypatch.setattr(run_settings, "op_supports", lambda name: False)
     status, _, err = run_cli(capsys, "run", "--preset", "tiny", "--fused-norm")
     assert status == 2 and "--fused-norm: the installed jax_dflash op takes no k_norm_weight" in err
     status, _, err = run_cli(capsys, "run", "--preset", "tiny", "--kv-dtype", "e4m3")
@@ -548,71 +570,3 @@ def test_presets_mark_their_assumptions():
     assert (z.num_layers, z.num_kv_heads, z.head_dim, z.block_size) == (5, 8, 128, 16)
     assert not PRESETS["tiny"].gpu_sized and not PRESETS["small"].gpu_sized
     assert all(p.gpu_sized for p in PRESETS.values() if p.page_size == 128)
-
-
-# ---- Ctrl-C ------------------------------------------------------------------------------------
-
-
-def _interrupt(argv, wait_for):
-    """Starts ``python -m jax_dflash argv``, sends SIGINT once ``wait_for(proc)`` is true."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jax_dflash", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for(proc)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out, err
-
-
-def test_sigint_during_the_run_exits_130_at_once():
-    def header_printed(proc):
-        assert proc.stdout.readline().startswith("jax-dflash run: preset small")
-
-    status, out, err = _interrupt(
-        ["run", "--steps", "100000", "--no-check", "--no-progress"], header_printed
-    )
-    assert status == 130, err
-    # The one line last (a GPU's runtime may log before it), and no traceback.
-    assert err.strip().splitlines()[-1] == "jax-dflash: interrupted"
-    assert "Traceback" not in err
-
-
-def _imports_jax_with_the_package() -> bool:
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys, jax_dflash; print('jax' in sys.modules)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return done.stdout.strip() == "True"
-
-
-def test_sigint_while_importing_jax_exits_130_without_a_traceback():
-    if _imports_jax_with_the_package():
-        pytest.skip(
-            "`import jax_dflash` imports jax (its __init__ imports ops/_ext eagerly), "
-            "so an interrupt can land before the command line installs its handler"
-        )
-
-    def loading_jaxlib(proc):
-        maps = pathlib.Path(f"/proc/{proc.pid}/maps")
-        for _ in range(2000):
-            if proc.poll() is not None:
-                return
-            try:
-                if "jaxlib" in maps.read_text():
-                    return
-            except OSError:
-                return
-            time.sleep(0.005)
-
-    status, out, err = _interrupt(["run", "--preset", "tiny"], loading_jaxlib)
-    assert status == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "jax-dflash: interrupted"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jax_dflash.cli import readback, workload
+from jax_dflash.cli.accept import parse_accept
 from jax_dflash.cli.presets import PRESETS
 
 pytest.importorskip("ml_dtypes", reason="bfloat16 and FP8 pools need ml_dtypes")
@@ -19,7 +20,7 @@ def _workload(contract, kv_dtype=None, window=None, steps=6):
         batch=4,
         steps=steps,
         seed=3,
-        accept=workload.parse_accept("geometric:0.8", 8),
+        accept=parse_accept("geometric:0.8", 8),
         device=jax.devices("cpu")[0],
         kv_dtype=kv_dtype,
         contract=contract,

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
+from jax_dflash import reference
 from jax_dflash.cli import workload
+from jax_dflash.cli.accept import parse_accept
 from jax_dflash.cli.presets import KV_DTYPES, PRESETS
 
 pytest.importorskip("ml_dtypes", reason="bfloat16 and FP8 pools need ml_dtypes")
@@ -42,7 +44,7 @@ def _run(
         batch=4,
         steps=steps,
         seed=seed,
-        accept=workload.parse_accept("geometric:0.8", 8),
+        accept=parse_accept("geometric:0.8", 8),
         device=device or jax.devices("cpu")[0],
         dtype=dtype,
         kv_dtype=kv_dtype,
@@ -95,14 +97,14 @@ def test_update_share_is_a_share(contract):
 
 
 def test_the_pools_must_match_the_reference_bit_for_bit(monkeypatch):
-    real = workload.reference.target_kv_cache_update_paged
+    real = reference.target_kv_cache_update_paged
 
     def one_bit_off(*args, **kwargs):
         out = real(*args, **kwargs)
         out.view(np.uint8).flat[0] ^= 1
         return out
 
-    monkeypatch.setattr(workload.reference, "target_kv_cache_update_paged", one_bit_off)
+    monkeypatch.setattr(reference, "target_kv_cache_update_paged", one_bit_off)
     _, r = _run("paged", "float8_e4m3fn")
     assert r.check == "differs" and r.failed and r.mismatched_elements >= 1
 
@@ -119,7 +121,7 @@ def test_estimate_of_the_baseline():
         batch=2,
         steps=4,
         seed=0,
-        accept=workload.parse_accept("fixed:2", 8),
+        accept=parse_accept("fixed:2", 8),
         device=jax.devices("cpu")[0],
         contract="paged",
     )
@@ -152,7 +154,7 @@ def test_partial_rope_as_in_qwen35(contract):
         batch=3,
         steps=5,
         seed=2,
-        accept=workload.parse_accept("uniform", 8),
+        accept=parse_accept("uniform", 8),
         device=jax.devices("cpu")[0],
         kv_dtype="float8_e4m3fn",
         contract=contract,

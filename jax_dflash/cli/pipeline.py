@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NORM_EPS = 1e-6
+from jax_dflash.contract import DEFAULT_NORM_EPS
+
 # Calibration headroom of the FP8 scales: the amax of the calibration data maps to half the
 # format's largest value, so a later token up to twice as large still does not saturate.
 FP8_HEADROOM = 2.0
@@ -65,7 +66,7 @@ def random_weights(rng: np.random.Generator, g: Geometry, dtype) -> dict[str, np
     )
 
 
-def rms_norm(x, weight=None, eps=NORM_EPS):
+def rms_norm(x, weight=None, eps=DEFAULT_NORM_EPS):
     """HF RMSNorm: normalize in float32, round to the input dtype, times the weight in it."""
     xf = x.astype(jnp.float32)
     u = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
@@ -191,7 +192,7 @@ def kernel_update(spec: StepSpec) -> Callable:
     def update(consts: Constants, pools, k, v, addr):
         extra = _scale_kwargs(spec, consts)
         if spec.fused_norm:
-            extra.update(k_norm_weight=consts.weights.k_norm, norm_eps=NORM_EPS)
+            extra.update(k_norm_weight=consts.weights.k_norm, norm_eps=DEFAULT_NORM_EPS)
         if spec.contract == "slot":
             positions, lengths = addr
             shape = (spec.geometry.layers, spec.batch, spec.block_size, *k.shape[2:])

@@ -1,0 +1,173 @@
+"""The host-side plan of one ``jax-dflash run``: everything decided before the device runs.
+
+The accepted lengths of every step and sequence, where each token lands (slot contract: a
+:class:`Schedule`; paged contract: the allocator's :class:`~jax_dflash.cli.allocator.PagedPlan`),
+the initial pool, the RoPE table, the draft's weights and the jitted step's static spec. The
+device never waits for the host: the steps only read this plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jax_dflash.cli import allocator, pipeline
+from jax_dflash.cli.accept import AcceptDistribution
+from jax_dflash.cli.presets import FP8_NAMES, Preset, dtype_from_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Where every sequence starts and how much it accepts at every step (host, int32)."""
+
+    starts: np.ndarray  # [B]: initial position (the prompt the draft cache already holds)
+    positions: np.ndarray  # [steps, B]: position of the first token written at each step
+    lengths: np.ndarray  # [steps, B]: tokens written at each step (0 once the slot is full)
+    capacity: int
+
+    @property
+    def totals(self) -> np.ndarray:  # [B]
+        return self.lengths.sum(axis=0, dtype=np.int64).astype(np.int32)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    @property
+    def stopped(self) -> int:
+        """Sequences that filled their slot and stopped."""
+        return int(np.count_nonzero(self.starts + self.totals >= self.capacity))
+
+
+def make_schedule(rng, accept: AcceptDistribution, *, steps, batch, block_size, capacity):
+    starts = rng.integers(0, capacity // 4 + 1, batch).astype(np.int32)
+    drawn = accept.sample(rng, (steps, batch), block_size)
+    positions = np.empty((steps, batch), np.int32)
+    lengths = np.empty((steps, batch), np.int32)
+    pos = starts.astype(np.int64)
+    for i in range(steps):
+        positions[i] = pos
+        lengths[i] = np.minimum(drawn[i], capacity - pos)  # stop at the slot's end
+        pos = pos + lengths[i]
+    return Schedule(starts, positions, lengths, capacity)
+
+
+def random_pool(rng, shape, dtype: np.dtype) -> np.ndarray:
+    """Random finite values (|x| < 2) as random bits with the top exponent bit cleared: fast
+    enough for gigabyte pools, and no two writes are likely to leave the same bits."""
+    bits = np.dtype(f"uint{8 * dtype.itemsize}")
+    count = int(np.prod(shape))
+    words = -(-count * dtype.itemsize // 8)  # 64-bit draws: several times faster than 16-bit
+    raw = rng.integers(0, np.iinfo(np.uint64).max, size=words, dtype=np.uint64, endpoint=True)
+    raw = raw.view(bits)[:count].reshape(shape)
+    raw &= bits.type(np.iinfo(bits).max ^ (1 << (8 * dtype.itemsize - 2)))
+    return raw.view(dtype)
+
+
+def rope_table(capacity: int, rotary_dim: int, theta: float) -> np.ndarray:
+    """``[1, capacity, R]`` float32: ``R/2`` cosines then ``R/2`` sines per position."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)[None]
+
+
+class RunPlan:
+    """The host-side plan and data of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        preset: Preset,
+        *,
+        batch: int,
+        steps: int,
+        seed: int,
+        accept: AcceptDistribution,
+        dtype: str | None = None,
+        kv_dtype: str | None = None,
+        contract: str = "slot",
+        window: int | None = None,
+        fused_norm: bool = True,
+    ):
+        self.preset = preset
+        self.batch, self.steps, self.seed, self.accept = batch, steps, seed, accept
+        self.contract, self.window, self.fused_norm = contract, window, fused_norm
+        self.delta_dtype_name = dtype or preset.dtype
+        self.pool_dtype_name = kv_dtype or self.delta_dtype_name
+        self.dtype_name = self.pool_dtype_name
+        self.delta_dtype = dtype_from_name(self.delta_dtype_name)
+        self.dtype = self.pool_dtype = dtype_from_name(self.pool_dtype_name)
+        self.fp8 = self.pool_dtype_name in FP8_NAMES
+        p = preset
+        self.geometry = pipeline.Geometry(
+            p.num_layers, p.num_kv_heads, p.head_dim, p.rope_dim, p.feature_size, p.hidden_size
+        )
+        rng = np.random.default_rng(seed)
+        self.schedule, self.plan, self.pool_shape = self._addressing(rng)
+        self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
+        self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta)
+        self.host_weights = pipeline.random_weights(rng, self.geometry, self.delta_dtype)
+        self.spec = pipeline.StepSpec(
+            contract,
+            self.geometry,
+            batch,
+            p.block_size,
+            pages_per_slot=p.pages_per_slot if contract == "slot" else None,
+            ring=window is not None,
+            fused_norm=fused_norm,
+            fp8=self.fp8,
+        )
+
+    def _addressing(self, rng):
+        """``(schedule, paged plan, pool shape)``: one of the first two is None."""
+        p = self.preset
+        run = dict(steps=self.steps, batch=self.batch, block_size=p.block_size)
+        if self.contract == "slot":
+            schedule = make_schedule(rng, self.accept, capacity=p.slot_capacity, **run)
+            return schedule, None, p.pool_shape()
+        plan = allocator.plan_paged_run(
+            rng,
+            self.accept,
+            page_size=p.page_size,
+            max_length=p.slot_capacity,
+            window=self.window,
+            **run,
+        )
+        shape = (p.num_layers, 2, plan.num_pages, p.page_size, p.num_kv_heads, p.head_dim)
+        return None, plan, shape
+
+    # ---- sizes of the summary
+
+    @property
+    def prefill_steps(self) -> int:
+        return 0 if self.plan is None else self.plan.prefill.count
+
+    @property
+    def accepted_tokens(self) -> int:
+        s = self.schedule if self.plan is None else self.plan
+        return s.accepted_tokens
+
+    @property
+    def written_tokens(self) -> int:
+        if self.plan is None:
+            return self.schedule.accepted_tokens
+        return int(self.plan.written.sum())
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.preset.block_size
+
+    @property
+    def update_bytes(self) -> int:
+        """Bytes the update must move in the decode steps: per written token and layer, read
+        its key and value, write both into the pool, and read its RoPE row (float32)."""
+        p = self.preset
+        per_token = (
+            2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + self.pool_dtype.itemsize)
+            + 4 * p.rope_dim
+        )
+        return self.written_tokens * p.num_layers * per_token
+
+    def pool_bytes(self, dtype: np.dtype | None = None) -> int:
+        itemsize = (self.pool_dtype if dtype is None else np.dtype(dtype)).itemsize
+        return int(np.prod(self.pool_shape)) * itemsize

@@ -1,0 +1,248 @@
+"""What ``run`` prints: the header before the run, the results table, the read-back lines and
+the failures after it, and the ``--json`` summary."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_dflash.cli.common import PROG
+
+
+def pool_memory(w) -> dict[str, int]:
+    """The pool's bytes in every pool dtype (the run's first)."""
+    from jax_dflash.cli.presets import KV_DTYPES, dtype_from_name
+
+    sizes = {w.pool_dtype_name: w.pool_bytes()}
+    for name in KV_DTYPES.values():
+        sizes.setdefault(name, w.pool_bytes(dtype_from_name(name)))
+    return sizes
+
+
+def run_header(w, device) -> str:
+    from jax_dflash.cli.presets import KV_DTYPES, human_bytes
+
+    p = w.preset
+    short = {v: k for k, v in KV_DTYPES.items()}
+    memory = pool_memory(w)
+    others = ", ".join(f"{short[n]} {human_bytes(b)}" for n, b in list(memory.items())[1:])
+    lines = [
+        f"{PROG} run: preset {p.name} ({p.summary})",
+        f"  device {device.platform}:{device.id} ({device.device_kind}); deltas "
+        f"{w.delta_dtype_name}, pool {w.pool_dtype_name}"
+        + (" (per-head scales calibrated once)" if w.fp8 else "")
+        + f"; k-norm {'fused into the op' if w.fused_norm else 'in jnp, then the op'}",
+        f"  {p.num_layers} draft layers, pool [layers, 2, numPages, P, H, D] = "
+        f"{list(w.pool_shape)}: {human_bytes(w.pool_bytes())} ({others}), block "
+        f"{p.block_size}",
+    ]
+    lines += _slot_lines(w) if w.plan is None else _paged_lines(w)
+    return "\n".join(lines)
+
+
+def mean_accepted_length(w) -> float:
+    """Slot contract: tokens accepted per sequence and step, over the steps that accepted any."""
+    active = int(np.count_nonzero(w.schedule.lengths))
+    return w.accepted_tokens / active if active else 0.0
+
+
+def _slot_lines(w) -> list[str]:
+    p, s = w.preset, w.schedule
+    return [
+        f"  slot contract: batch {w.batch} of {p.num_slots} slots of {p.slot_capacity} "
+        f"tokens, {w.steps} steps, accept {w.accept.describe()}: {w.accepted_tokens} tokens "
+        f"accepted (mean {mean_accepted_length(w):.2f} per sequence and step), {s.stopped} of "
+        f"{w.batch} sequences reached the slot capacity and stopped"
+    ]
+
+
+def _paged_lines(w) -> list[str]:
+    plan = w.plan
+    window = (
+        f", window {w.window} tokens in {plan.table_pages} ring pages"
+        if plan.ring
+        else f", table of {plan.table_pages} pages"
+    )
+    return [
+        f"  paged contract: {w.batch} sequences in flight{window}; {len(plan.prompts)} "
+        f"prompts prefilled into shared pages ({w.prefill_steps} untimed steps)",
+        f"  {w.steps} steps, accept {w.accept.describe()}: {plan.accepted_tokens} tokens "
+        f"accepted, {w.written_tokens} written; {plan.sequences_started} sequences started, "
+        f"{plan.sequences_finished} finished; {plan.shared_page_references} shared prompt "
+        f"page references, peak {plan.peak_pages_in_use} of {plan.num_pages} pages in use"
+        + (f", {plan.ring_page_reuses} ring pages overwritten" if plan.ring else ""),
+    ]
+
+
+def _format(value, spec, missing="n/a"):
+    return missing if value is None else format(value, spec)
+
+
+def _check_text(r) -> str:
+    if r.check == "skipped":
+        return "skipped"
+    if r.check == "bit-exact":
+        return "bit-exact vs reference"
+    prefix = "FAILED: " if (r.check == "differs" and r.bit_exact_required) else ""
+    return (
+        f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
+        f"(max {r.max_ulp} ulp)"
+    )
+
+
+def results_table(results, w) -> str:
+    header = (
+        "implementation",
+        "steps/s",
+        "accepted tok/s",
+        "step ms",
+        "update ms",
+        "update share",
+        "update GB/s",
+        "compile s",
+        "check",
+    )
+    rows = [header]
+    for r in results:
+        share = r.update_share
+        rows.append(
+            (
+                r.label,
+                f"{r.steps_per_s:.1f}",
+                f"{r.accepted_tokens_per_s:.0f}",
+                f"{r.timing.step_seconds * 1e3:.3f}",
+                _format(r.update_seconds_per_step and r.update_seconds_per_step * 1e3, ".3f"),
+                _format(share and share * 100, ".1f") + ("%" if share is not None else ""),
+                _format(r.update_gb_per_s, ".3f"),
+                f"{r.timing.compile_seconds:.2f}",
+                _check_text(r),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(widths[i]) for i, c in enumerate(row[1:-1], start=1)]
+        cells.append(row[-1])
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    lines.append(
+        f"(update: the best step time minus the best time of the same jitted step "
+        f"without the update, over the run and replays of both; it moves "
+        f"{w.update_bytes / 1e6:.2f} MB per run)"
+    )
+    return "\n".join(lines)
+
+
+def run_summary(w, device, results) -> dict:
+    import jax
+
+    p = w.preset
+    summary = {
+        "command": "run",
+        "preset": p.name,
+        "preset_source": p.source,
+        "backend": device.platform,
+        "device": f"{device.platform}:{device.id} ({device.device_kind})",
+        "jax_version": jax.__version__,
+        "contract": w.contract,
+        "window": w.window,
+        "fused_norm": w.fused_norm,
+        "shape": _shape(w),
+        "pool_bytes_by_dtype": pool_memory(w),
+        "batch": w.batch,
+        "steps": w.steps,
+        "seed": w.seed,
+        "accept": w.accept.describe(),
+        "accepted_tokens": w.accepted_tokens,
+        "written_tokens": w.written_tokens,
+        "results": [r.as_dict() for r in results],
+        "check_passed": (
+            None
+            if all(r.check == "skipped" for r in results)
+            else not any(r.failed for r in results)
+        ),
+    }
+    if w.plan is None:
+        summary.update(
+            capacity_policy="stop",
+            mean_accepted_length=mean_accepted_length(w),
+            sequences_stopped=w.schedule.stopped,
+        )
+    else:
+        summary["paged"] = _paged_summary(w)
+    return summary
+
+
+def readback_lines(results) -> list[str]:
+    lines = []
+    for r in results:
+        if r.readback is None:
+            continue
+        rb = r.readback
+        verdict = "passed" if rb.passed else f"FAILED: {rb.failure}"
+        lines.append(
+            f"read-back ({r.label}): {rb.sequences} sequences, {rb.tokens} tokens, "
+            f"{rb.queries} queries; worst score / output difference "
+            f"{rb.worst_score_ratio:.3g} / {rb.worst_output_ratio:.3g} of the rounding "
+            f"bound: {verdict}"
+        )
+    return lines
+
+
+def failure_lines(results) -> list[str]:
+    """One line per failed check (for stderr)."""
+    lines = []
+    for r in results:
+        if r.check == "differs" and r.bit_exact_required:
+            lines.append(
+                f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
+                f"{r.mismatched_elements} of {r.checked_elements} elements"
+            )
+        if r.readback is not None and not r.readback.passed:
+            lines.append(f"{PROG}: check FAILED: read-back ({r.label}): {r.readback.failure}")
+    return lines
+
+
+# The summary's "shape": its keys and the Preset attributes they hold.
+_PRESET_SHAPE = {
+    "layers": "num_layers",
+    "num_kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "rotary_dim": "rope_dim",
+    "hidden_size": "hidden_size",
+    "feature_size": "feature_size",
+    "block_size": "block_size",
+    "page_size": "page_size",
+    "pages_per_slot": "pages_per_slot",
+    "slots": "num_slots",
+    "slot_capacity": "slot_capacity",
+}
+# The paged plan's counts in the summary, after its prompts and prefill steps.
+_PAGED_COUNTS = (
+    "sequences_started",
+    "sequences_finished",
+    "shared_page_references",
+    "peak_pages_in_use",
+    "ring_page_reuses",
+)
+
+
+def _shape(w) -> dict:
+    shape = {key: getattr(w.preset, name) for key, name in _PRESET_SHAPE.items()}
+    shape.update(
+        pool_shape=list(w.pool_shape),
+        pool_bytes=w.pool_bytes(),
+        dtype=w.dtype_name,
+        delta_dtype=w.delta_dtype_name,
+        pool_dtype=w.pool_dtype_name,
+    )
+    return shape
+
+
+def _paged_summary(w) -> dict:
+    plan = w.plan
+    summary = dict(num_pages=plan.num_pages, table_pages=plan.table_pages, ring=plan.ring)
+    summary.update(prompts=len(plan.prompts), prefill_steps=w.prefill_steps)
+    summary.update({name: getattr(plan, name) for name in _PAGED_COUNTS})
+    return summary

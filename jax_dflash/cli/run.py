@@ -1,0 +1,263 @@
+"""The ``run`` command: the DFlash draft-cache workload (:mod:`jax_dflash.cli.workload`), timed
+and checked. Its flags are checked (:mod:`~jax_dflash.cli.run_settings`), the ``--json`` file
+opened (:mod:`~jax_dflash.cli.json_output`) and the host memory estimated
+(:mod:`~jax_dflash.cli.memory`) before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from jax_dflash.cli.common import (
+    EXIT_CHECK_FAILED,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    PROG,
+    HelpFormatter,
+    positive_int,
+    seed,
+)
+from jax_dflash.cli.run_settings import BACKENDS, CONTRACTS, DEFAULT_ACCEPT, MAX_STEPS
+
+NAME = "run"
+SUMMARY = "simulate the draft side of DFlash decoding and check the result"
+HELP = "simulate DFlash draft-cache updates and check them against the NumPy reference"
+DESCRIPTION = textwrap.dedent("""\
+    Simulates the draft side of DFlash decoding as an engine runs it. Each step, every
+    sequence of the batch accepts 1..block-size tokens (--accept); ONE jitted step
+    takes their target features through the draft's fc projection and norm, all
+    layers' k/v projections as one matmul, and the op (fused k-norm, RoPE, the pool
+    dtype's FP8 scales), which writes every layer's pool in one launch (layer-batched
+    pools [layers, 2, numPages, P, H, D], donated: updated in place).
+
+    --contract slot: sequence b owns slot b (pages_per_slot pages); it starts at a
+    random position, and when it reaches its slot's capacity it STOPS (its last step
+    is clipped, later steps write nothing; no wrap).
+    --contract paged: token-major ragged deltas and a page table. A page allocator
+    hands out pages as sequences grow and takes them back when they finish; finished
+    sequences are replaced by new ones started from a prompt pool, whose full pages
+    are prefilled once and shared by every sequence using that prompt. --window N
+    keeps a sliding window of N tokens per layer in N/P + 1 ring pages (ring=True).
+
+    Checks: the final pools against the NumPy reference (jax_dflash.reference), bit for
+    bit, replayed on the host; and a read-back check: attention of draft queries over
+    the pool equals attention over keys and values recomputed from the features
+    without a cache, within the pool dtype's rounding.
+
+    Summary: pool memory; steps/s; accepted tokens/s; the update's share of the step,
+    measured as the same jitted step with and without the update (share = 1 - step
+    without / step with, at most 100%); update GB/s = bytes the update must move /
+    the update's time. Timings exclude compilation, prefill, warm-up steps and the
+    check's fetches; on a busy CPU they are noisy.""")
+
+
+def add_parser(commands) -> None:
+    from jax_dflash.cli.presets import presets_help
+
+    parser = commands.add_parser(
+        NAME,
+        formatter_class=HelpFormatter,
+        help=HELP,
+        description=DESCRIPTION,
+        epilog=presets_help(),
+    )
+    _add_shape_flags(parser)
+    _add_workload_flags(parser)
+    _add_output_flags(parser)
+    parser.set_defaults(execute=execute)
+
+
+def _add_shape_flags(parser) -> None:
+    from jax_dflash.cli.presets import DEFAULT_PRESET, PRESETS
+
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=DEFAULT_PRESET,
+        help=f"draft shape (default: {DEFAULT_PRESET}; list below)",
+    )
+    parser.add_argument(
+        "--contract",
+        choices=CONTRACTS,
+        help="slot (Edge-LLM 0.10) or paged (0.11) addressing (default: the "
+        "preset's, slot for all but the sliding-window one)",
+    )
+    parser.add_argument(
+        "--window",
+        type=positive_int,
+        metavar="N",
+        help="sliding window of every draft layer, in tokens (a multiple of the "
+        "page size; paged contract; default: the preset's)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="default",
+        help="JAX backend to run on (default: JAX's default backend)",
+    )
+
+
+def _add_workload_flags(parser) -> None:
+    from jax_dflash.cli.accept import ACCEPT_HELP
+    from jax_dflash.cli.presets import DTYPE_NAMES, KV_DTYPES
+
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help=f"decoding steps, at most {MAX_STEPS} (default: the preset's)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        metavar="B",
+        help="sequences in flight, at most the preset's slots (default: the preset's)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        metavar="S",
+        help="seed of every random draw, 0 <= S < 2**63 (default: 0)",
+    )
+    parser.add_argument(
+        "--accept",
+        default=DEFAULT_ACCEPT,
+        metavar="DIST",
+        help=f"accepted lengths per step: {ACCEPT_HELP} (default: {DEFAULT_ACCEPT})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        help="delta (compute) dtype, and the pool's unless --kv-dtype (default: the preset's)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPES),
+        help="pool dtype: fp16, bf16, fp32, or FP8 e4m3 / e5m2 with per-head "
+        "k/v scales calibrated once (default: the delta dtype)",
+    )
+    parser.add_argument(
+        "--fused-norm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the op applies the k-norm (default: on when the op supports it); "
+        "--no-fused-norm runs a jnp RMSNorm, then the op",
+    )
+
+
+def _add_output_flags(parser) -> None:
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the unfused pipeline a JAX user writes (jnp RMSNorm, jnp "
+        "RoPE, .at[].set per layer, FP8 by astype after a jnp saturation) "
+        "and print both; only the kernel must be bit-exact. Says how long "
+        "it will take before starting it",
+    )
+    parser.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip the checks (reference and read-back)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="run a GPU-sized preset on a CPU anyway"
+    )
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write a machine-readable summary to PATH (checked before the run), "
+        "or to stdout with no PATH or '-' (the table then goes to stderr)",
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+
+
+def execute(args) -> int:
+    from jax_dflash.cli import json_output, memory, run_settings
+    from jax_dflash.cli.presets import PRESETS
+
+    preset = PRESETS[args.preset]
+    settings = run_settings.validate(args, preset)
+    destination = json_output.open_summary(args.json)
+    try:
+        device = run_settings.select_device(args.backend)
+        fused = run_settings.check_runtime(args, settings, preset, device)
+        estimate = memory.check_host_memory(
+            preset, settings, device, check=args.check, compare=args.compare
+        )
+        summary, failed = _run(args, preset, settings, device, fused)
+        status = EXIT_CHECK_FAILED if failed else EXIT_OK
+        if destination is not None:
+            summary["host_memory"] = {
+                **estimate.as_dict(),
+                "measured_peak_bytes": memory.peak_rss(),
+            }
+            if not _write_summary(destination, json.dumps(summary, indent=2)):
+                status = EXIT_INTERNAL
+    finally:
+        if destination is not None:
+            destination.close()
+    return status
+
+
+def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
+    """Builds and runs the workload, prints the tables: (the --json summary, whether a check
+    failed)."""
+    from jax_dflash.cli import report, workload
+
+    out = sys.stderr if args.json == "-" else sys.stdout
+    w = workload.Workload(
+        preset,
+        batch=settings.batch,
+        steps=settings.steps,
+        seed=args.seed,
+        accept=settings.accept,
+        device=device,
+        dtype=settings.delta_dtype,
+        kv_dtype=settings.pool_dtype,
+        contract=settings.contract,
+        window=settings.window,
+        fused_norm=fused,
+    )
+    print(report.run_header(w, device), file=out, flush=True)
+    checks = dict(check=args.check, check_readback=args.check, progress=args.progress)
+    results = [w.run("kernel", **checks)]
+    if args.compare:
+        seconds, per_step = w.estimate_seconds("baseline")
+        print(
+            f"jnp baseline: about {seconds:.0f} s to run ({per_step * 1e3:.2f} ms per step, "
+            f"from a few timed steps; compilation included)",
+            file=out,
+            flush=True,
+        )
+        results.append(w.run("baseline", **checks))
+    print(file=out)
+    print(report.results_table(results, w), file=out)
+    for line in report.readback_lines(results):
+        print(line, file=out)
+    for line in report.failure_lines(results):
+        print(line, file=sys.stderr)
+    summary = report.run_summary(w, device, results) if args.json is not None else {}
+    return summary, any(r.failed for r in results)
+
+
+def _write_summary(destination, text: str) -> bool:
+    """Writes the --json summary; whether it was written. A file that fails now (it took a
+    write before the run: the disk filled up meanwhile, say) gets one line on stderr, and the
+    summary goes to stdout, so the run's work is not lost."""
+    from jax_dflash.cli.json_output import SummaryNotWritten
+
+    try:
+        destination.write(text)
+    except SummaryNotWritten as e:
+        print(text)
+        print(f"{PROG}: error: {e} (the summary is on stdout)", file=sys.stderr)
+        return False
+    return True
