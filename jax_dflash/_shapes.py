@@ -214,9 +214,8 @@ def _extras(p: dict, shapes: dict) -> Extras:
 
 def _common(p: dict, operands, names) -> dict:
     shapes = {n: tuple(x.shape) for n, x in zip(names, operands)}
-    layered = len(shapes["past_key_value"]) == 6
     return dict(
-        num_layers=p["num_layers"] if layered else None,
+        num_layers=p["num_layers"] if p["layered"] else None,
         num_kv_heads=p["num_kv_heads"],
         head_dim=p["head_dim"],
         num_pages=p["num_pages"],

@@ -7,10 +7,11 @@ import jax
 import numpy as np
 
 from jax_dflash import _ext
+from jax_dflash._shapes import FORMS
 
-POOL_OPERAND = 2  # past_key_value; result 0 aliases it
-SLOT_TARGET = _ext.SLOT_FFI_TARGET
-PAGED_TARGET = _ext.PAGED_FFI_TARGET
+POOL_OPERAND = FORMS["slot"]["operands"].index("past_key_value")  # result 0 aliases it
+SLOT_TARGET = FORMS["slot"]["ffi_target"]
+PAGED_TARGET = FORMS["paged"]["ffi_target"]
 
 
 def _norm_attributes(k_norm, v_norm, norm_eps) -> dict:

@@ -18,22 +18,19 @@ from jax.interpreters import batching
 
 from jax_dflash import lowering, sharding
 from jax_dflash._shapes import (
-    ARG_NAMES,
-    FP8_DTYPES,
+    FORMS,
     INDEX_DTYPE,
-    PAGED_ARG_NAMES,
     check_bool_attr,
     check_norm_eps,
     check_operands,
     check_pages_per_slot,
     check_update,
     check_update_paged,
+    takes_scales,
 )
+from jax_dflash.contract import DEFAULT_NORM_EPS
 
 POOL_OPERAND = lowering.POOL_OPERAND
-SLOT_BASE = len(ARG_NAMES)  # operands before the extras
-PAGED_BASE = len(PAGED_ARG_NAMES)
-DEFAULT_NORM_EPS = 1e-6
 
 try:  # whether no transformation is active (then an eager call may skip the bind machinery)
     from jax._src.core import trace_state_clean as _trace_state_clean
@@ -88,7 +85,7 @@ def _scale_operand(name, x):
 def _extras(past_key_value, k_scale, v_scale, k_norm_weight) -> list:
     """The operands after the base ones, in the FFI order: the scales (FP8 pool), the weight."""
     out = []
-    if np.dtype(past_key_value.dtype) in FP8_DTYPES:
+    if takes_scales(past_key_value.dtype):
         out += [k_scale, v_scale]
     if k_norm_weight is not None:
         out.append(k_norm_weight)
@@ -379,19 +376,28 @@ sharding.register_lowerings(
 
 # ---- batching: vmap over layers becomes the layer-batched form ---------------------------------
 
-# Kind of each operand: "always" (k, v, pool: per layer in the layered form), an int n (shared
-# rank n, per layer n + 1), "scale" (shared [] / [1] / [H], per layer [layers, 1] / [layers, H]).
-# Operands in one group share one layout (both shared or both per layer).
-_SLOT_KINDS = ("always", "always", "always", 3, 1, 1)
-_PAGED_KINDS = ("always", "always", "always", 2, 1, 1, 3)
-_SLOT_GROUPS = ((4, 5),)
-_PAGED_GROUPS = ((4, 5),)
+# Kind of each operand, from the form's descriptor: "always" (k, v, pool: per layer in the layered
+# form), an int n (shared rank n, per layer n + 1), "scale" (shared [] / [1] / [H], per layer
+# [layers, 1] / [layers, H]). The form's index operands share one layout (both shared or both per
+# layer), as do the scales.
 _BASE_POOL_RANK = 5
 
 
-def _kinds(base_kinds, n_operands, fp8, k_norm):
+def _base_kinds(form: str) -> tuple:
+    descriptor = FORMS[form]
+    return tuple(
+        "always" if role in ("k_delta", "v_delta", "pool") else dims.count(",") + 1
+        for role, dims in zip(descriptor["operand_roles"], descriptor["operand_dims"])
+    )
+
+
+def _index_group(form: str) -> tuple[int, ...]:
+    return tuple(i for i, role in enumerate(FORMS[form]["operand_roles"]) if role == "index")
+
+
+def _kinds(base_kinds, n_operands, scaled, k_norm):
     kinds = list(base_kinds)
-    if fp8:
+    if scaled:
         kinds += ["scale", "scale"]
     if k_norm:
         kinds.append(1)
@@ -407,15 +413,18 @@ def _as_per_layer(x, kind, size):
     return jnp.broadcast_to(x, (size, *x.shape))
 
 
-def _batching_rule_for(primitive, base_kinds, groups, base):
+def _batching_rule_for(primitive, form: str):
+    base_kinds, base = _base_kinds(form), len(FORMS[form]["operands"])
+    groups = (_index_group(form),)
+
     def rule(args, dims, **params):
         size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
         args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
         mapped = [d is not None for d in dims]
         pool = args[POOL_OPERAND]
-        fp8 = np.dtype(pool.dtype) in FP8_DTYPES
-        kinds = _kinds(base_kinds, len(args), fp8, params["k_norm"])
-        groups_all = list(groups) + ([(base, base + 1)] if fp8 else [])
+        scaled = takes_scales(pool.dtype)
+        kinds = _kinds(base_kinds, len(args), scaled, params["k_norm"])
+        groups_all = list(groups) + ([(base, base + 1)] if scaled else [])
         inner_pool_rank = pool.ndim - mapped[POOL_OPERAND]
         if inner_pool_rank == _BASE_POOL_RANK + 1:
             return _nested(primitive, args, mapped, kinds, size, params)
@@ -459,8 +468,8 @@ def _nested(primitive, args, mapped, kinds, size, params):
 
 
 batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule_for(
-    target_kv_cache_update_p, _SLOT_KINDS, _SLOT_GROUPS, SLOT_BASE
+    target_kv_cache_update_p, "slot"
 )
 batching.primitive_batchers[target_kv_cache_update_paged_p] = _batching_rule_for(
-    target_kv_cache_update_paged_p, _PAGED_KINDS, _PAGED_GROUPS, PAGED_BASE
+    target_kv_cache_update_paged_p, "paged"
 )

@@ -262,6 +262,8 @@ def _plan_dims(shape, dims, shards: Callable | None) -> Split:
     layered = shape.num_layers is not None
     lead = 1 if layered else 0
     spec_txt = f"sharding {_spec_text(dims)}"
+    if shards is not None:  # a mesh axis of size 1 splits nothing: it is replication
+        dims = [tuple(a for a in axes if shards((a,)) != 1) for axes in dims]
     allowed = (
         f"the KV heads (dim {lead + 3})"
         + ("" if paged else f", the slots (dim {lead + 1}, in whole slots)")

@@ -793,6 +793,18 @@ def test_paged_plan_allows_heads_and_layers_only():
         assert text in message, (text, message)
 
 
+def test_a_split_over_a_size_1_axis_is_replication():
+    """A mesh axis of size 1 splits nothing: naming it on a dim the update cannot split (the
+    paged pool's pages, P, D) is accepted as the replication it is, and plans no split."""
+    mesh = _abstract(one=1, also_one=1, tp=2)
+    shape = _paged_shape(heads=2)
+    spec = P(None, "one", "also_one", "tp")
+    split = plan_split(shape, mesh, NamedSharding(mesh, spec))
+    assert (split.layers, split.heads, split.slots) == ((), ("tp",), ())
+    with pytest.raises(ValueError, match=r"dim 1 \(numPages\)"):
+        plan_split(shape, mesh, NamedSharding(mesh, P(None, ("one", "tp"))))
+
+
 def test_operand_specs_follow_heads_and_layers():
     from jax_dflash.sharding import Split, operand_specs
 

@@ -62,7 +62,8 @@ enum class OperandRole : int32_t {
   kVDelta,      // k_delta's dtype
   kPool,        // a pool format's element type
   kRope,        // float32
-  kIndex,       // int32 positions, lengths, owners or page ids
+  kIndex,       // int32 positions and lengths, or positions and owners: one layout for the pair
+  kPageTable,   // int32 page ids
 };
 
 struct OperandSpec {
@@ -121,7 +122,7 @@ inline constexpr AddressingForm kAddressingForms[] = {
       {"rope_cos_sin", OperandRole::kRope, "[T, R]"},
       {"delta_positions", OperandRole::kIndex, "[T]"},
       {"delta_token_to_sequence", OperandRole::kIndex, "[T]"},
-      {"kv_page_table", OperandRole::kIndex, "[B, 2, M]"}},
+      {"kv_page_table", OperandRole::kPageTable, "[B, 2, M]"}},
      3,
      2,
      false,

@@ -235,7 +235,8 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
                  dtype_name(given);
         return {};
       case OperandRole::kRope: return expect(DType::kFloat32, "");
-      case OperandRole::kIndex: return expect(DType::kInt32, "");
+      case OperandRole::kIndex:
+      case OperandRole::kPageTable: return expect(DType::kInt32, "");
     }
   }
   if (scales_given && index < form.base_count + 2) return expect(DType::kFloat32, "");

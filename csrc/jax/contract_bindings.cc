@@ -118,16 +118,20 @@ nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t
     if (type_error) throw nb::type_error(e.c_str());
     throw nb::value_error(e.c_str());
   }
-  return params_dict(p);
+  nb::dict params = params_dict(p);
+  params["layered"] = descs[kPoolOperand].rank == 6;  // the layer-batched form, even of one layer
+  return params;
 }
 
 nb::dict forms_dict() {
   nb::dict forms;
   for (AddressingForm const& f : kAddressingForms) {
-    nb::list names, dims;
+    static constexpr char const* kRoles[] = {"k_delta", "v_delta", "pool", "rope", "index", "page_table"};
+    nb::list names, dims, roles;
     for (int32_t i = 0; i < f.base_count; ++i) {
       names.append(f.base[i].name);
       dims.append(f.base[i].dims);
+      roles.append(kRoles[int32_t(f.base[i].role)]);
     }
     nb::list attributes;
     if (f.has_pages_per_slot) attributes.append("pages_per_slot");
@@ -137,6 +141,7 @@ nb::dict forms_dict() {
     d["ffi_target"] = f.ffi_target;
     d["operands"] = nb::tuple(names);
     d["operand_dims"] = nb::tuple(dims);
+    d["operand_roles"] = nb::tuple(roles);
     d["delta_rank"] = f.delta_rank;
     d["rope_rank"] = f.rope_rank;
     d["attributes"] = nb::tuple(attributes);
