@@ -21,13 +21,18 @@ def target_kv_cache_update(
     pages_per_slot: int,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
-    delta_dtype: str = "",
-    pool_dtype: str = "",
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
 ) -> None:
-    """Updates ``pool`` (writable, C-contiguous) in place: the slot contract of docs/SPEC.md.
+    """Updates ``pool`` in place: the slot contract of docs/SPEC.md.
 
-    bfloat16 and FP8 arrays cross as uint16/uint8 (or int) views with ``delta_dtype`` /
-    ``pool_dtype`` naming them. Raises ValueError naming the argument on any invalid operand.
+    ``pool`` is a writable, C-contiguous array that the caller owns (a NumPy array, a CPU torch
+    tensor, or an object exporting one through DLPack); a jax.Array (or a view, export or capsule
+    of one), a read-only array and a bare DLPack capsule are refused. bfloat16 and FP8 arrays
+    cross as ml_dtypes NumPy arrays, as DLPack bfloat/float8 tensors, or as uint16/uint8 (or int)
+    views of their bits with ``delta_dtype`` / ``pool_dtype`` naming them (a name or a dtype).
+    The keywords take Python or NumPy scalars (``pages_per_slot`` an int in [1, 2^63-1]). Raises
+    TypeError or ValueError naming the argument, what was expected and what was given.
     """
 
 def target_kv_cache_update_paged(
@@ -45,7 +50,8 @@ def target_kv_cache_update_paged(
     ring: bool = False,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
-    delta_dtype: str = "",
-    pool_dtype: str = "",
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
 ) -> None:
-    """Updates ``pool`` (writable, C-contiguous) in place: the paged contract of docs/SPEC.md."""
+    """Updates ``pool`` in place: the paged contract of docs/SPEC.md; the arrays and keywords as
+    in target_kv_cache_update."""

@@ -20,12 +20,16 @@ def launch(
     pages_per_slot: int,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
-    delta_dtype: str = "",
-    pool_dtype: str = "",
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
     stream: int = 0,
 ) -> None:
-    """Enqueues the slot-contract update on ``stream`` (a cudaStream_t as int); ``pool`` (a CUDA
-    array) is updated in place. FP8 pools cross as uint8 views with ``pool_dtype`` naming them."""
+    """Enqueues the slot-contract update on ``stream`` (a cudaStream_t as an int); ``pool`` is
+    updated in place: a writable, C-contiguous CUDA array that the caller owns (a torch or cupy
+    tensor, or an object exporting one through DLPack); a jax.Array (or an export or capsule of
+    one), a read-only export and a bare DLPack capsule are refused. FP8 pools cross as float8
+    tensors or as uint8 views with ``pool_dtype`` naming them. Errors name the argument, what was
+    expected and what was given."""
 
 def launch_paged(
     k_delta: Any,
@@ -42,8 +46,9 @@ def launch_paged(
     ring: bool = False,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
-    delta_dtype: str = "",
-    pool_dtype: str = "",
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
     stream: int = 0,
 ) -> None:
-    """Enqueues the paged-contract update on ``stream``; ``pool`` is updated in place."""
+    """Enqueues the paged-contract update on ``stream``; ``pool`` is updated in place, the
+    arrays and keywords as in launch."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -221,6 +222,84 @@ def test_cpu_read_only_inputs_are_accepted(contract):
     assert_bits_equal(pool, expected_pool(contract, problem))
 
 
+# ml_dtypes' bfloat16 and FP8 NumPy arrays, which DLPack cannot carry: taken as they are.
+ML_DTYPES_VARIANTS = [
+    "bf16",
+    "f32_into_bf16",
+    "f16_into_e4m3_per_head",
+    "bf16_into_e5m2_per_tensor",
+    "k_norm_v_norm",
+    "layered",
+]
+
+
+@pytest.mark.parametrize("variant", ML_DTYPES_VARIANTS)
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_cpu_ml_dtypes_arrays_as_they_are(contract, variant):
+    """bfloat16 and FP8 NumPy arrays need no bits view and no dtype keyword: the update is the
+    reference's, in the caller's own pool."""
+    problem = build(contract, 17, **_variant(contract, variant))
+    pool = problem.past_key_value.copy()
+    call = raw_call(contract, problem, pool)
+    call.args[0], call.args[1], call.args[WEIGHT] = (
+        problem.k_delta,
+        problem.v_delta,
+        problem.k_norm_weight,
+    )
+    call.kwargs["delta_dtype"] = call.kwargs["pool_dtype"] = ""
+    assert any(x.dtype not in NATIVE for x in (problem.k_delta, pool))  # an ml_dtypes array
+    call.run(_cpu())
+    assert_bits_equal(pool, expected_pool(contract, problem))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bfloat16", np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16],
+    ids=["str", "dtype", "type"],
+)
+def test_cpu_dtype_keywords_name_the_arrays_own_dtype(name):
+    """A dtype keyword that agrees with an ml_dtypes array is fine, as a name or a dtype."""
+    problem = build("slot", 18, dtype=BF16, pool_dtype=BF16)
+    pool = problem.past_key_value.copy()
+    call = raw_call("slot", problem, pool)
+    call.args[0], call.args[1] = problem.k_delta, problem.v_delta
+    call.kwargs["delta_dtype"] = call.kwargs["pool_dtype"] = name
+    call.run(_cpu())
+    assert_bits_equal(pool, expected_pool("slot", problem))
+
+
+def test_cpu_numpy_scalars_as_keywords():
+    """NumPy ints, floats and bools are the keywords' types too, as in the JAX op."""
+    problem = build("slot", 19, dtype=F16, k_norm=True, v_norm=True, norm_eps=1e-5)
+    pool = problem.past_key_value.copy()
+    call = raw_call("slot", problem, pool)
+    call.kwargs.update(
+        pages_per_slot=np.int64(problem.pages_per_slot),
+        norm_eps=np.float32(problem.norm_eps),
+        v_norm=np.bool_(True),
+    )
+    call.run(_cpu())
+    assert_bits_equal(pool, expected_pool("slot", problem))
+
+
+@pytest.mark.parametrize("pool_dtype", [BF16, E4M3, E5M2], ids=str)
+def test_cpu_torch_pool_of_its_own_dtype(pool_dtype):
+    """A CPU torch tensor is a pool the caller owns; bfloat16 and FP8 cross DLPack as themselves
+    (DLPack's bfloat and float8 type codes), no pool_dtype needed."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    torch_dtype = {BF16: torch.bfloat16, E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}[
+        pool_dtype
+    ]
+    problem = build("slot", 20, dtype=F16, pool_dtype=pool_dtype)
+    bits_dtype = np.int16 if pool_dtype.itemsize == 2 else np.uint8
+    host = problem.past_key_value.view(bits_dtype).copy()
+    pool = torch.from_numpy(host).view(torch_dtype)
+    call = raw_call("slot", problem, pool)
+    call.kwargs["pool_dtype"] = ""
+    call.run(_cpu())
+    assert_bits_equal(host.view(pool_dtype), expected_pool("slot", problem))
+
+
 # ---- CPU: pools that cannot be updated in place --------------------------------------------------
 
 
@@ -310,6 +389,7 @@ class Bad:
     error: type
     words: tuple
     contracts: tuple = CONTRACTS
+    host_only: bool = False  # a bad argument that only a host array can be (a list, ml_dtypes)
 
 
 def _ones_f32(n):
@@ -477,7 +557,39 @@ BAD_CALLS = [
         {},
         _drop_kw("pages_per_slot"),
         TypeError,
-        ("pages_per_slot",),
+        ("pages_per_slot: expected an int in [1, 2^63-1], got NoneType None",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_2_to_the_63",
+        {},
+        _set_kw(pages_per_slot=2**63),
+        ValueError,
+        ("pages_per_slot: expected an int in [1, 2^63-1], got 9223372036854775808",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_negative",
+        {},
+        _set_kw(pages_per_slot=-(2**70)),
+        ValueError,
+        ("pages_per_slot: expected an int in [1, 2^63-1], got -1180591620717411303424",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_float",
+        {},
+        _set_kw(pages_per_slot=2.0),
+        TypeError,
+        ("pages_per_slot: expected an int in [1, 2^63-1], got float 2.0",),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_bool",
+        {},
+        _set_kw(pages_per_slot=True),
+        TypeError,
+        ("pages_per_slot: expected an int in [1, 2^63-1], got bool True",),
         ("slot",),
     ),
     Bad(
@@ -488,7 +600,122 @@ BAD_CALLS = [
         ("past_key_value", "pages_per_slot"),
         ("slot",),
     ),
-    Bad("ring_on_the_slot_entry", {}, _set_kw(ring=True), TypeError, ("ring",), ("slot",)),
+    Bad(
+        "ring_on_the_slot_entry",
+        {},
+        _set_kw(ring=True),
+        TypeError,
+        ("ring: expected a keyword of ", "pages_per_slot", "got ring=bool True"),
+        ("slot",),
+    ),
+    Bad(
+        "pages_per_slot_on_the_paged_entry",
+        {},
+        _set_kw(pages_per_slot=1),
+        TypeError,
+        ("pages_per_slot: expected a keyword of ", "ring", "got pages_per_slot=int 1"),
+        ("paged",),
+    ),
+    Bad(
+        "positions_bool",
+        {},
+        _set_arg(4, lambda x: x.astype(bool)),
+        ValueError,
+        ("delta_start_positions|delta_positions", "expected dtype int32, got bool"),
+    ),
+    Bad(
+        "page_table_uint32",
+        {},
+        _set_arg(6, lambda x: x.astype(np.uint32)),
+        ValueError,
+        ("kv_page_table: expected dtype int32, got uint32",),
+        ("paged",),
+        host_only=True,  # torch's DLPack export refuses uint32
+    ),
+    Bad(
+        "pool_complex64",
+        {},
+        _set_arg(2, lambda x: x.astype(np.complex64)),
+        ValueError,
+        ("past_key_value: expected dtype float16, bfloat16, float32", "got complex64"),
+    ),
+    Bad(
+        "k_scale_bool",
+        dict(pool_dtype=E4M3),
+        _set_arg(K_SCALE, lambda _: True),
+        TypeError,
+        ("k_scale: expected a float32 scale", "got bool True"),
+    ),
+    Bad(
+        "v_scale_numpy_bool",
+        dict(pool_dtype=E5M2),
+        _set_arg(V_SCALE, lambda _: np.bool_(False)),
+        TypeError,
+        ("v_scale: expected a float32 scale", "got bool"),
+    ),
+    Bad(
+        "k_scale_bool_array",
+        dict(pool_dtype=E4M3),
+        _set_arg(K_SCALE, lambda x: np.ones(x.shape, bool)),
+        ValueError,
+        ("k_scale: expected dtype float32, got bool",),
+    ),
+    Bad(
+        "v_norm_int",
+        {},
+        _set_kw(v_norm=1),
+        TypeError,
+        ("v_norm: expected a bool, got int 1",),
+    ),
+    Bad(
+        "ring_str",
+        {},
+        _set_kw(ring="yes"),
+        TypeError,
+        ("ring: expected a bool, got str 'yes'",),
+        ("paged",),
+    ),
+    Bad(
+        "norm_eps_str",
+        dict(k_norm=True),
+        _set_kw(norm_eps="1e-6"),
+        TypeError,
+        ("norm_eps: expected a float, got str '1e-6'",),
+    ),
+    Bad(
+        "norm_eps_bool",
+        dict(k_norm=True),
+        _set_kw(norm_eps=True),
+        TypeError,
+        ("norm_eps: expected a float, got bool True",),
+    ),
+    Bad(
+        "delta_dtype_an_int",
+        {},
+        _set_kw(delta_dtype=3),
+        TypeError,
+        ("delta_dtype: expected a dtype name", "got int 3"),
+    ),
+    Bad(
+        "k_delta_float8_e4m3fnuz",
+        dict(dtype=F16),
+        _set_arg(0, lambda x: x.astype(ml_dtypes.float8_e4m3fnuz)),
+        ValueError,
+        ("k_delta: expected dtype float16, bfloat16 or float32, got float8_e4m3fnuz",),
+        host_only=True,
+    ),
+    Bad(
+        "bfloat16_array_named_float16",
+        dict(dtype=BF16),
+        _chain(
+            _set_arg(0, lambda x: x.view(BF16)),
+            _set_arg(1, lambda x: x.view(BF16)),
+            _set_kw(delta_dtype="float16"),
+        ),
+        TypeError,
+        ("k_delta: expected float16 elements", "got bfloat16"),
+        host_only=True,
+    ),
     Bad(
         "rope_rows_not_tokens",
         {},
@@ -523,6 +750,8 @@ def test_cpu_wrong_argument_names_it_and_leaves_the_pool(contract, bad):
     with pytest.raises(bad.error) as err:
         call.run(_cpu())
     _assert_names(err.value, bad.words)
+    # The entry's own message, not nanobind's dump of the signature.
+    assert "incompatible function arguments" not in str(err.value), str(err.value)
     assert_bits_equal(pool, snapshot)
 
 
@@ -773,10 +1002,10 @@ def test_cuda_wrong_arguments_name_them(library, contract):
         pytest.skip(reason)
     lib = ARRAY_LIBRARIES[library]()
     for bad in BAD_CALLS:
-        if contract not in bad.contracts or bad.name in (
-            "index_as_a_list",
-            "pool_as_an_int",
-            "k_delta_fortran_order",
+        if (
+            contract not in bad.contracts
+            or bad.host_only
+            or bad.name in ("index_as_a_list", "pool_as_an_int", "k_delta_fortran_order")
         ):
             continue  # host-only shapes of a bad argument
         if library == "torch" and bad.name in TORCH_HAS_BFLOAT16:
@@ -788,6 +1017,28 @@ def test_cuda_wrong_arguments_name_them(library, contract):
         with pytest.raises(bad.error) as err:
             call.run(_cuda_module())
         _assert_names(err.value, bad.words)
+
+
+@pytest.mark.parametrize(
+    "stream, error, words",
+    [
+        (-1, ValueError, "stream: expected an int in [0, 2^64-1] (a cudaStream_t), got -1"),
+        (2**64, ValueError, "got 18446744073709551616"),
+        ("0", TypeError, "stream: expected an int in [0, 2^64-1] (a cudaStream_t), got str '0'"),
+        (True, TypeError, "got bool True"),
+    ],
+)
+def test_cuda_stream_argument_is_checked(stream, error, words):
+    reason = _cuda_reason()
+    if reason:
+        pytest.skip(reason)
+    lib = ARRAY_LIBRARIES["torch"]()
+    problem = build("slot", 48)
+    call = _on_device(lib, raw_call("slot", problem, problem.past_key_value.copy()))
+    call.kwargs["stream"] = stream
+    with pytest.raises(error) as err:
+        call.run(_cuda_module())
+    assert words in str(err.value), str(err.value)
 
 
 @pytest.mark.parametrize("contract", CONTRACTS)

@@ -1,9 +1,15 @@
 // The raw (array) entries of both extension modules: NumPy / DLPack arrays -> TensorDescs ->
 // KVUpdateParams (operands.h), for callers outside XLA (the ONNX reference runtime, benchmarks,
 // the TensorRT parity harness). The pool is updated in place, so it must be a writable,
-// C-contiguous array of the right device: a silent copy would lose the update.
+// C-contiguous array of the right device that the caller owns: a silent copy would lose the
+// update, and writing into memory that JAX holds as an immutable array (however it is handed
+// over: the jax.Array, its DLPack capsule, a NumPy view of it) would change a value behind JAX's
+// back. Every error names the argument, what was expected and what was given.
 #pragma once
 
+#include <dlfcn.h>
+
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,41 +22,312 @@ namespace dflash::jax {
 
 namespace nb = nanobind;
 
+// ---- what was given, for the messages ----------------------------------------------------------
+
+inline std::string type_of(nb::handle object) {
+  return nb::cast<std::string>(nb::str(object.type().attr("__name__")));
+}
+
+// The type and a short repr of a scalar argument, e.g. "float 2.5".
+inline std::string given_value(nb::handle object) {
+  std::string text = nb::cast<std::string>(nb::repr(object));
+  if (text.size() > 48) text = text.substr(0, 45) + "...";
+  return type_of(object) + " " + text;
+}
+
+inline nb::module_ numpy() { return nb::module_::import_("numpy"); }
+
+// Python's and NumPy's bools: ints to Python, never an int or a float argument here.
+inline bool is_bool(nb::handle object) {
+  return PyBool_Check(object.ptr()) || nb::isinstance(object, numpy().attr("bool_"));
+}
+
+// ---- keyword arguments: type and range checked here, not by nanobind's signature dump --------
+
+// A Python or NumPy int in [minimum, 2^63-1]; `range` says so in the message.
+inline int64_t int_argument(nb::handle value, char const* name, int64_t minimum, char const* range) {
+  std::string const expected = std::string(name) + ": expected an int in " + range + ", got ";
+  PyObject* index = is_bool(value) ? nullptr : PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw nb::type_error((expected + given_value(value)).c_str());
+  }
+  nb::object const as_int = nb::steal(index);
+  int overflow = 0;
+  long long const v = PyLong_AsLongLongAndOverflow(index, &overflow);
+  if (overflow != 0 || v < minimum)
+    throw nb::value_error((expected + nb::cast<std::string>(nb::str(as_int))).c_str());
+  return int64_t(v);
+}
+
+// A cudaStream_t given as a Python or NumPy int.
+inline uintptr_t stream_argument(nb::handle value) {
+  std::string const expected = "stream: expected an int in [0, 2^64-1] (a cudaStream_t), got ";
+  PyObject* index = is_bool(value) ? nullptr : PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
+    throw nb::type_error((expected + given_value(value)).c_str());
+  }
+  nb::object const as_int = nb::steal(index);
+  unsigned long long const v = PyLong_AsUnsignedLongLong(index);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw nb::value_error((expected + nb::cast<std::string>(nb::str(as_int))).c_str());
+  }
+  return uintptr_t(v);
+}
+
+inline bool bool_argument(nb::handle value, char const* name) {
+  if (!is_bool(value))
+    throw nb::type_error((std::string(name) + ": expected a bool, got " + given_value(value)).c_str());
+  return PyObject_IsTrue(value.ptr()) == 1;
+}
+
+// A Python or NumPy float or int (not a bool); its value is the core's to judge.
+inline float float_argument(nb::handle value, char const* name) {
+  nb::module_ const np = numpy();
+  bool const number = PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr()) ||
+                      nb::isinstance(value, np.attr("floating")) || nb::isinstance(value, np.attr("integer"));
+  if (is_bool(value) || !number)
+    throw nb::type_error((std::string(name) + ": expected a float, got " + given_value(value)).c_str());
+  double const v = PyFloat_AsDouble(value.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw nb::value_error((std::string(name) + ": expected a float, got " + given_value(value)).c_str());
+  }
+  return float(v);
+}
+
+inline constexpr char kDTypeNames[] = "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2";
+
+// delta_dtype / pool_dtype: a name, a NumPy dtype or scalar type (ml_dtypes' too), or ""/None for
+// the arrays' own dtypes.
+inline std::string dtype_argument(nb::handle value, char const* name) {
+  if (value.is_none()) return {};
+  if (PyUnicode_Check(value.ptr())) return nb::cast<std::string>(value);
+  try {
+    return nb::cast<std::string>(numpy().attr("dtype")(value).attr("name"));
+  } catch (nb::python_error const&) {
+    throw nb::type_error(
+        (std::string(name) + ": expected a dtype name (" + kDTypeNames + "), got " + given_value(value))
+            .c_str());
+  }
+}
+
 inline DType dtype_from_name(std::string const& name, char const* argument) {
   if (name == "float16") return DType::kFloat16;
   if (name == "bfloat16") return DType::kBFloat16;
   if (name == "float32") return DType::kFloat32;
   if (name == "float8_e4m3fn") return DType::kFloat8E4M3;
   if (name == "float8_e5m2") return DType::kFloat8E5M2;
-  throw nb::value_error((std::string(argument) +
-                         ": expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, got '" + name +
-                         "'")
-                            .c_str());
+  throw nb::value_error(
+      (std::string(argument) + ": expected " + kDTypeNames + ", got '" + name + "'").c_str());
 }
+
+// ---- array dtypes ------------------------------------------------------------------------------
+
+// DLPack's type codes, by number: older nanobind releases do not name the FP8 ones.
+enum DLPackCode : uint8_t {
+  kDLInt = 0,
+  kDLUInt = 1,
+  kDLFloat = 2,
+  kDLOpaqueHandle = 3,
+  kDLBfloat = 4,
+  kDLComplex = 5,
+  kDLBool = 6,
+  kDLFloat8E4M3FN = 10,
+  kDLFloat8E5M2 = 12,
+};
 
 // The dtype an array says it has; unsigned ints only carry bits (bfloat16/FP8 views).
 inline DType dtype_of(nb::dlpack::dtype d) {
-  auto const code = nb::dlpack::dtype_code(d.code);
   if (d.lanes != 1) return DType::kOther;
-  if (code == nb::dlpack::dtype_code::Float && d.bits == 16) return DType::kFloat16;
-  if (code == nb::dlpack::dtype_code::Float && d.bits == 32) return DType::kFloat32;
-  if (code == nb::dlpack::dtype_code::Bfloat && d.bits == 16) return DType::kBFloat16;
-  if (code == nb::dlpack::dtype_code::Int && d.bits == 32) return DType::kInt32;
-  if (code == nb::dlpack::dtype_code::Int && d.bits == 64) return DType::kInt64;
+  if (d.code == kDLFloat && d.bits == 16) return DType::kFloat16;
+  if (d.code == kDLFloat && d.bits == 32) return DType::kFloat32;
+  if (d.code == kDLBfloat && d.bits == 16) return DType::kBFloat16;
+  if (d.code == kDLFloat8E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
+  if (d.code == kDLFloat8E5M2 && d.bits == 8) return DType::kFloat8E5M2;
+  if (d.code == kDLInt && d.bits == 32) return DType::kInt32;
+  if (d.code == kDLInt && d.bits == 64) return DType::kInt64;
   return DType::kOther;
 }
 
 inline std::string given_dtype(nb::dlpack::dtype d) {
-  char const* kind = "type";
-  switch (nb::dlpack::dtype_code(d.code)) {
-    case nb::dlpack::dtype_code::Int: kind = "int"; break;
-    case nb::dlpack::dtype_code::UInt: kind = "uint"; break;
-    case nb::dlpack::dtype_code::Float: kind = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: kind = "bfloat"; break;
-    default: break;
+  static char const* const fp_names[] = {"float8_e3m4",     "float8_e4m3",     "float8_e4m3b11fnuz",
+                                         "float8_e4m3fn",   "float8_e4m3fnuz", "float8_e5m2",
+                                         "float8_e5m2fnuz", "float8_e8m0fnu",  "float6_e2m3fn",
+                                         "float6_e3m2fn",   "float4_e2m1fn"};
+  std::string name;
+  switch (d.code) {
+    case kDLInt: name = "int" + std::to_string(d.bits); break;
+    case kDLUInt: name = "uint" + std::to_string(d.bits); break;
+    case kDLFloat: name = "float" + std::to_string(d.bits); break;
+    case kDLBfloat: name = "bfloat" + std::to_string(d.bits); break;
+    case kDLComplex: name = "complex" + std::to_string(d.bits); break;
+    case kDLBool: name = "bool"; break;
+    case kDLOpaqueHandle: name = "an opaque handle"; break;
+    default:
+      name = d.code >= 7 && d.code <= 17
+                 ? fp_names[d.code - 7]
+                 : "DLPack type code " + std::to_string(d.code) + " of " + std::to_string(d.bits) + " bits";
   }
-  return kind + std::to_string(d.bits);
+  if (d.lanes != 1) name += " x" + std::to_string(d.lanes) + " lanes";
+  return name;
 }
+
+// ---- who owns an array's memory ----------------------------------------------------------------
+
+// DLPack's managed tensors (dlpack.h before 1.0, and 1.x): read for the read-only flag and for
+// the library that made the tensor (the one holding its deleter).
+struct ManagedTensorLegacy {
+  nb::dlpack::dltensor tensor;
+  void* manager_ctx;
+  void (*deleter)(void*);
+};
+struct ManagedTensorVersioned {
+  uint32_t major, minor;
+  void* manager_ctx;
+  void (*deleter)(void*);
+  uint64_t flags;
+  nb::dlpack::dltensor tensor;
+};
+inline constexpr uint64_t kDLPackReadOnly = 1;  // DLPACK_FLAG_BITMASK_READ_ONLY
+
+struct CapsuleFacts {
+  bool read_only = false;
+  std::string producer;  // the file of the library that made it; "" when unknown
+};
+
+inline std::string library_of(void* address) {
+  Dl_info info;
+  if (address == nullptr || dladdr(address, &info) == 0 || info.dli_fname == nullptr) return {};
+  return info.dli_fname;
+}
+
+// A DLPack capsule that still owns its tensor: fresh from __dlpack__() ("dltensor"), or the base
+// NumPy keeps for an array it made from one ("numpy_dltensor"); "_versioned" for DLPack 1.x. A
+// consumed one ("used_dltensor") may point at freed memory and is not read.
+inline CapsuleFacts capsule_facts(nb::handle capsule) {
+  CapsuleFacts facts;
+  char const* name = PyCapsule_GetName(capsule.ptr());
+  if (name == nullptr) {
+    PyErr_Clear();
+    return facts;
+  }
+  std::string const n = name;
+  bool const versioned = n == "dltensor_versioned" || n == "numpy_dltensor_versioned";
+  if (!versioned && n != "dltensor" && n != "numpy_dltensor") return facts;
+  void* const pointer = PyCapsule_GetPointer(capsule.ptr(), name);
+  if (pointer == nullptr) {
+    PyErr_Clear();
+    return facts;
+  }
+  void (*deleter)(void*) = nullptr;
+  if (versioned) {
+    auto const* t = static_cast<ManagedTensorVersioned const*>(pointer);
+    facts.read_only = (t->flags & kDLPackReadOnly) != 0;
+    deleter = t->deleter;
+  } else {
+    deleter = static_cast<ManagedTensorLegacy const*>(pointer)->deleter;
+  }
+  facts.producer = library_of(reinterpret_cast<void*>(deleter));
+  return facts;
+}
+
+// jaxlib's libraries, where jax.Array's DLPack export lives, and JAX's PJRT plugin packages.
+inline bool is_jax_library(std::string const& path) {
+  for (size_t start = 0; start < path.size();) {
+    size_t end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    std::string const part = path.substr(start, end - start);
+    if (part == "jaxlib" || part == "jax_plugins" || part.rfind("jax_cuda", 0) == 0 ||
+        part.rfind("jax_rocm", 0) == 0 || part.rfind("libjax", 0) == 0)
+      return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+inline bool is_jax_array(nb::handle object) {
+  return nb::cast<std::string>(object.type().attr("__module__")).rfind("jax", 0) == 0;
+}
+
+[[noreturn]] inline void refuse_jax_memory(std::string const& name, char const* given) {
+  throw nb::value_error(
+      (name + ": expected a writable array that the caller owns (NumPy, torch, cupy), got " + given +
+       ", which JAX holds as immutable; use jax_dflash.target_kv_cache_update(_paged) "
+       "for JAX arrays")
+          .c_str());
+}
+
+[[noreturn]] inline void refuse_read_only(std::string const& name, std::string const& why) {
+  throw nb::value_error(
+      (name + ": expected a writable array (it is updated in place), got a read-only one" + why).c_str());
+}
+
+inline void check_capsule(std::string const& name, CapsuleFacts const& facts, char const* jax_given,
+                          char const* read_only_why) {
+  if (is_jax_library(facts.producer)) refuse_jax_memory(name, jax_given);
+  if (facts.read_only) refuse_read_only(name, read_only_why);
+}
+
+// The object to import as the pool, after checking that it may be written: not a bare capsule
+// (it says neither who owns the memory nor, before DLPack 1.0, whether it may be written), not
+// JAX's memory (the object, what a NumPy array or memoryview views, or its DLPack export's
+// producer), not read-only (NumPy's flag, DLPack's flag). The DLPack export nanobind would make
+// is made here instead, so that it can be read first; nanobind then imports that capsule.
+inline nb::object pool_source(std::string const& name, nb::handle object) {
+  if (PyCapsule_CheckExact(object.ptr()))
+    throw nb::type_error(
+        (name +
+         ": expected the writable array that holds the pool (NumPy, torch, cupy), got a DLPack capsule, "
+         "which says neither who owns its memory nor whether it may be written (jax.Array.__dlpack__() "
+         "returns one for an immutable array); pass the array itself")
+            .c_str());
+  nb::module_ const np = numpy();
+  if (nb::isinstance(object, np.attr("ndarray")) && !nb::cast<bool>(object.attr("flags").attr("writeable")))
+    refuse_read_only(name, "");
+  nb::object current = nb::borrow(object);
+  for (int depth = 0; depth < 64; ++depth) {
+    if (is_jax_array(current)) refuse_jax_memory(name, depth == 0 ? "a jax.Array" : "a view of a jax.Array");
+    if (depth > 0 && PyCapsule_CheckExact(current.ptr())) {
+      check_capsule(name, capsule_facts(current), "a view of a jax.Array (through DLPack)",
+                    " (it views a DLPack tensor marked read-only)");
+      break;
+    }
+    nb::object next;
+    if (PyMemoryView_Check(current.ptr()))
+      next = current.attr("obj");
+    else if (nb::isinstance(current, np.attr("ndarray")))
+      next = current.attr("base");
+    if (!next.is_valid() || next.is_none()) break;
+    current = next;
+  }
+  if (!nb::hasattr(object, "__dlpack__")) return nb::borrow(object);
+  nb::object capsule;
+  try {
+    try {
+      capsule = object.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 1));
+    } catch (nb::python_error& e) {
+      if (!e.matches(PyExc_TypeError)) throw;  // a producer before DLPack 1.0 takes no max_version
+      capsule = object.attr("__dlpack__")();
+    }
+  } catch (nb::python_error& e) {
+    throw nb::value_error((name + ": expected an array that exports itself through DLPack, got a " +
+                           type_of(object) + " whose __dlpack__() raised " + type_of(e.value()) + ": " +
+                           nb::cast<std::string>(nb::str(e.value())))
+                              .c_str());
+  }
+  if (!PyCapsule_CheckExact(capsule.ptr()))
+    throw nb::type_error((name + ": expected __dlpack__() to return a DLPack capsule, got a " +
+                          type_of(capsule) + " from a " + type_of(object))
+                             .c_str());
+  check_capsule(name, capsule_facts(capsule), "an array that exports a jax.Array's memory",
+                " (its DLPack export is marked read-only)");
+  return capsule;
+}
+
+// ---- one array operand -------------------------------------------------------------------------
 
 struct ArraySpec {
   char const* name;
@@ -58,6 +335,7 @@ struct ArraySpec {
   DType declared = DType::kOther;  // delta_dtype / pool_dtype given by name; kOther: the array's own
   bool writable = false;
   char const* dtype_keyword = nullptr;  // the keyword that names this operand's dtype, if any
+  char const* expected = "";            // the dtypes it takes, for messages
 };
 
 // The arrays of one call, kept alive while their data is used: the pool writable, the rest may be
@@ -67,28 +345,43 @@ struct KeptArrays {
   std::vector<nb::ndarray<nb::ro>> read_only;
 };
 
-// One array operand: type, device, layout and dtype checked, each error naming the argument.
+// A NumPy array of a dtype DLPack cannot carry (ml_dtypes' bfloat16 and FP8, void dtypes):
+// replaced by a view of its bits (the same memory), its dtype returned; kOther for other arrays.
+inline DType view_ml_dtypes_array(ArraySpec const& spec, nb::object& source) {
+  nb::module_ const np = numpy();
+  if (!nb::isinstance(source, np.attr("ndarray"))) return DType::kOther;
+  nb::object const dtype = source.attr("dtype");
+  // User-defined dtypes (ml_dtypes' are) have type numbers from NPY_USERDEF = 256 on.
+  if (nb::cast<int>(dtype.attr("num")) < 256 && nb::cast<std::string>(dtype.attr("kind")) != "V")
+    return DType::kOther;
+  std::string const dtype_text = nb::cast<std::string>(nb::str(dtype));
+  DType d = DType::kOther;
+  if (dtype_text == "bfloat16") d = DType::kBFloat16;
+  if (dtype_text == "float8_e4m3fn") d = DType::kFloat8E4M3;
+  if (dtype_text == "float8_e5m2") d = DType::kFloat8E5M2;
+  if (d == DType::kOther)
+    throw nb::value_error(
+        (std::string(spec.name) + ": expected dtype " + spec.expected + ", got " + dtype_text).c_str());
+  source = source.attr("view")(dtype_bytes(d) == 2 ? "uint16" : "uint8");
+  return d;
+}
+
+// One array operand: type, owner, device, layout and dtype checked, each error naming the argument.
 template <typename Device, typename Array>
 TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   std::string const name = spec.name;
-  // NumPy says whether an array is writable (cupy's flags do not carry the field).
-  if (spec.writable && nb::hasattr(spec.object, "flags") &&
-      nb::hasattr(spec.object.attr("flags"), "writeable") &&
-      !nb::cast<bool>(spec.object.attr("flags").attr("writeable")))
-    throw nb::value_error(
-        (name + ": expected a writable array (it is updated in place), got a read-only one").c_str());
-  // A jax.Array is immutable: writing into its buffer would change a value JAX still holds.
-  if (spec.writable && nb::cast<std::string>(spec.object.type().attr("__module__")).rfind("jax", 0) == 0)
-    throw nb::value_error((name +
-                           ": expected a writable array (NumPy, torch, cupy), got a jax.Array, which is "
-                           "immutable; use jax_dflash.target_kv_cache_update(_paged) for JAX arrays")
-                              .c_str());
+  nb::object source = nb::borrow(spec.object);
+  DType const viewed = view_ml_dtypes_array(spec, source);
+  if (spec.writable) source = pool_source(name, source);
   Array array;
-  if (!nb::try_cast(spec.object, array, /*convert=*/false))
-    throw nb::type_error((name +
-                          ": expected an array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
-                          nb::cast<std::string>(nb::str(spec.object.type().attr("__name__"))))
+  if (!nb::try_cast(source, array, /*convert=*/false)) {
+    nb::ndarray<nb::ro> read_only;
+    if (spec.writable && nb::try_cast(source, read_only, /*convert=*/false)) refuse_read_only(name, "");
+    throw nb::type_error((name + ": expected " + (spec.writable ? "a writable" : "an") +
+                          " array (NumPy, or a DLPack tensor of jax, torch or cupy), got " +
+                          type_of(spec.object))
                              .c_str());
+  }
   if (array.device_type() != Device::value)
     throw nb::value_error((name + ": expected an array on the " +
                            (Device::value == nb::device::cpu::value ? "CPU" : "CUDA device") +
@@ -107,23 +400,25 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
     expected_stride *= int64_t(array.shape(i));
   }
   TensorDesc desc;
-  DType const own = dtype_of(array.dtype());
+  DType const own = viewed != DType::kOther ? viewed : dtype_of(array.dtype());
+  std::string const given = viewed != DType::kOther ? dtype_name(viewed) : given_dtype(array.dtype());
   if (spec.declared != DType::kOther) {
     bool const same_width = int64_t(array.dtype().bits) == 8 * dtype_bytes(spec.declared);
-    auto const code = nb::dlpack::dtype_code(array.dtype().code);
-    bool const bits_view = code == nb::dlpack::dtype_code::UInt || code == nb::dlpack::dtype_code::Int;
+    bool const bits_view =
+        viewed == DType::kOther && (array.dtype().code == kDLUInt || array.dtype().code == kDLInt);
     if (!same_width || !(own == spec.declared || bits_view))
       throw nb::type_error((name + ": expected " + dtype_name(spec.declared) + " elements (or a uint/int" +
                             std::to_string(8 * dtype_bytes(spec.declared)) + " view of their bits), got " +
-                            given_dtype(array.dtype()))
+                            given)
                                .c_str());
     desc.dtype = spec.declared;
   } else {
     if (own == DType::kOther)
       throw nb::value_error(
-          (name + ": expected a dtype the update takes, got " + given_dtype(array.dtype()) +
+          (name + ": expected dtype " + spec.expected + ", got " + given +
            (spec.dtype_keyword != nullptr
-                ? std::string(" (bfloat16 and FP8 arrays cross as uint16/uint8 views named with ") +
+                ? std::string(" (bfloat16 and FP8 arrays may also cross as uint16/uint8 views of their bits "
+                              "named with ") +
                       spec.dtype_keyword + "=\"...\")"
                 : std::string()))
               .c_str());
@@ -136,61 +431,85 @@ TensorDesc describe_array(ArraySpec const& spec, std::vector<Array>& keep) {
   return desc;
 }
 
+// A keyword the entry does not take: named with the ones it does (rather than nanobind's dump of
+// the signature).
+inline void refuse_unknown_keywords(nb::kwargs const& unknown, char const* entry, char const* keywords) {
+  for (auto [key, value] : unknown)
+    throw nb::type_error((nb::cast<std::string>(nb::str(key)) + ": expected a keyword of " + entry + " (" +
+                          keywords + "), got " + nb::cast<std::string>(nb::str(key)) + "=" +
+                          given_value(value))
+                             .c_str());
+}
+
+// ---- the whole call ----------------------------------------------------------------------------
+
 // The attributes of a raw call of each contract (k_norm follows from k_norm_weight).
-inline UpdateAttrs slot_attrs(int64_t pages_per_slot, bool v_norm, float norm_eps) {
+inline UpdateAttrs slot_attrs(nb::handle pages_per_slot, nb::handle v_norm, nb::handle norm_eps) {
   UpdateAttrs attrs;
   attrs.contract = Contract::kSlot;
-  attrs.pages_per_slot = pages_per_slot;
-  attrs.v_norm = v_norm;
-  attrs.norm_eps = norm_eps;
+  attrs.pages_per_slot = int_argument(pages_per_slot, "pages_per_slot", 1, "[1, 2^63-1]");
+  attrs.v_norm = bool_argument(v_norm, "v_norm");
+  attrs.norm_eps = float_argument(norm_eps, "norm_eps");
   return attrs;
 }
-inline UpdateAttrs paged_attrs(bool ring, bool v_norm, float norm_eps) {
+inline UpdateAttrs paged_attrs(nb::handle ring, nb::handle v_norm, nb::handle norm_eps) {
   UpdateAttrs attrs;
   attrs.contract = Contract::kPaged;
-  attrs.ring = ring;
-  attrs.v_norm = v_norm;
-  attrs.norm_eps = norm_eps;
+  attrs.ring = bool_argument(ring, "ring");
+  attrs.v_norm = bool_argument(v_norm, "v_norm");
+  attrs.norm_eps = float_argument(norm_eps, "norm_eps");
   return attrs;
+}
+
+// A per-tensor scale may be a Python float or int (float32, as in the JAX op) or a NumPy scalar
+// (an array of its own dtype); a bool is neither.
+inline nb::object scale_array(nb::handle scale, char const* name) {
+  if (is_bool(scale))
+    throw nb::type_error((std::string(name) +
+                          ": expected a float32 scale (a float, or a float32 array), got " +
+                          given_value(scale))
+                             .c_str());
+  nb::module_ const np = numpy();
+  if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) return np.attr("asarray")(scale, "float32");
+  if (nb::isinstance(scale, np.attr("generic"))) return np.attr("asarray")(scale);
+  return nb::borrow(scale);
 }
 
 // The whole call: base operands (SPEC.md's order), then the present extras; raises on any
 // invalid operand, attribute or parameter. delta_dtype names k, v and the weight; pool_dtype
-// the pool ("" = the arrays' own dtypes).
+// the pool ("" or None = the arrays' own dtypes).
 template <typename Device>
 KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> const& base, nb::handle k_scale,
-                                  nb::handle v_scale, nb::handle k_norm_weight,
-                                  std::string const& delta_dtype, std::string const& pool_dtype,
-                                  KeptArrays& keep) {
+                                  nb::handle v_scale, nb::handle k_norm_weight, nb::handle delta_dtype,
+                                  nb::handle pool_dtype, KeptArrays& keep) {
   attrs.k_norm = !k_norm_weight.is_none();
   if (k_scale.is_none() != v_scale.is_none())
     throw nb::value_error(k_scale.is_none()
                               ? "k_scale: v_scale is given, so k_scale is expected too, got None"
                               : "v_scale: k_scale is given, so v_scale is expected too, got None");
-  DType const delta = delta_dtype.empty() ? DType::kOther : dtype_from_name(delta_dtype, "delta_dtype");
-  DType const pool = pool_dtype.empty() ? DType::kOther : dtype_from_name(pool_dtype, "pool_dtype");
+  std::string const delta_name = dtype_argument(delta_dtype, "delta_dtype");
+  std::string const pool_name = dtype_argument(pool_dtype, "pool_dtype");
+  DType const delta = delta_name.empty() ? DType::kOther : dtype_from_name(delta_name, "delta_dtype");
+  DType const pool = pool_name.empty() ? DType::kOther : dtype_from_name(pool_name, "pool_dtype");
+  char const* const delta_dtypes = "float16, bfloat16 or float32";
   std::vector<ArraySpec> specs;
   for (size_t i = 0; i < base.size(); ++i) {
     char const* name = operand_name(attrs, int32_t(i), int32_t(base.size()));
     DType const declared = i < 2 ? delta : i == 2 ? pool : DType::kOther;
     char const* keyword = i < 2 ? "delta_dtype" : i == 2 ? "pool_dtype" : nullptr;
-    specs.push_back({name, base[i], declared, /*writable=*/i == 2, keyword});
+    char const* expected = i < 2 ? delta_dtypes : i == 2 ? kDTypeNames : i == 3 ? "float32" : "int32";
+    specs.push_back({name, base[i], declared, /*writable=*/i == 2, keyword, expected});
   }
-  // Scales may be Python or NumPy scalars too (per-tensor scales), as in the JAX op.
   nb::object k_scale_array, v_scale_array;
   if (!k_scale.is_none()) {
-    auto as_array = [](nb::handle scale) -> nb::object {
-      nb::module_ const numpy = nb::module_::import_("numpy");
-      bool const scalar = nb::isinstance<nb::float_>(scale) || nb::isinstance<nb::int_>(scale) ||
-                          nb::isinstance(scale, numpy.attr("generic"));
-      return scalar ? numpy.attr("asarray")(scale, "float32") : nb::borrow(scale);
-    };
-    k_scale_array = as_array(k_scale);
-    v_scale_array = as_array(v_scale);
-    specs.push_back({"k_scale", k_scale_array});
-    specs.push_back({"v_scale", v_scale_array});
+    k_scale_array = scale_array(k_scale, "k_scale");
+    v_scale_array = scale_array(v_scale, "v_scale");
+    specs.push_back({"k_scale", k_scale_array, DType::kOther, false, nullptr, "float32"});
+    specs.push_back({"v_scale", v_scale_array, DType::kOther, false, nullptr, "float32"});
   }
-  if (attrs.k_norm) specs.push_back({"k_norm_weight", k_norm_weight, delta, false, "delta_dtype"});
+  if (attrs.k_norm)
+    specs.push_back({"k_norm_weight", k_norm_weight, delta, false, "delta_dtype",
+                     "float16, bfloat16 or float32 (k_delta's)"});
   std::vector<TensorDesc> operands;
   for (ArraySpec const& spec : specs)
     operands.push_back(spec.writable ? describe_array<Device>(spec, keep.writable)

@@ -43,10 +43,15 @@ void run_numpy(KVUpdateParams const& p) {
   target_kv_cache_update_cpu(p);
 }
 
+// The keywords arrive as Python objects, so that a wrong one is reported by name (array_operands.h).
 void update_slot_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
                        nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale,
-                       nb::handle v_scale, nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm,
-                       float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype) {
+                       nb::handle v_scale, nb::handle k_norm_weight, nb::handle pages_per_slot,
+                       nb::handle v_norm, nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype,
+                       nb::kwargs const& unknown) {
+  refuse_unknown_keywords(unknown, "target_kv_cache_update",
+                          "k_scale, v_scale, k_norm_weight, pages_per_slot, v_norm, norm_eps, delta_dtype, "
+                          "pool_dtype");
   UpdateAttrs const attrs = slot_attrs(pages_per_slot, v_norm, norm_eps);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(
@@ -57,8 +62,10 @@ void update_slot_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, 
 void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
                         nb::handle delta_positions, nb::handle delta_token_to_sequence,
                         nb::handle kv_page_table, nb::handle k_scale, nb::handle v_scale,
-                        nb::handle k_norm_weight, bool ring, bool v_norm, float norm_eps,
-                        std::string const& delta_dtype, std::string const& pool_dtype) {
+                        nb::handle k_norm_weight, nb::handle ring, nb::handle v_norm, nb::handle norm_eps,
+                        nb::handle delta_dtype, nb::handle pool_dtype, nb::kwargs const& unknown) {
+  refuse_unknown_keywords(unknown, "target_kv_cache_update_paged",
+                          "k_scale, v_scale, k_norm_weight, ring, v_norm, norm_eps, delta_dtype, pool_dtype");
   UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(
@@ -83,14 +90,18 @@ NB_MODULE(_dflash_cpu, m) {
   dflash::jax::bind_contract(m);
   m.def("target_kv_cache_update", &dflash::jax::update_slot_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
         "rope_cos_sin"_a, "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(),
-        "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a,
-        "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "",
+        "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
+        "pages_per_slot"_a = nb::none(), "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "",
+        "pool_dtype"_a = "", "kwargs"_a,
         "Updates `pool` in place with the CPU kernel (slot contract, docs/SPEC.md). bfloat16 and FP8\n"
-        "arrays are passed as uint16/uint8 views with delta_dtype/pool_dtype naming them.");
+        "arrays: ml_dtypes NumPy arrays as they are, or uint16/uint8 views of their bits with\n"
+        "delta_dtype/pool_dtype naming them. The pool must be a writable array the caller owns.");
   m.def("target_kv_cache_update_paged", &dflash::jax::update_paged_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
         "rope_cos_sin"_a, "delta_positions"_a, "delta_token_to_sequence"_a, "kv_page_table"_a,
         "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
         "ring"_a = false, "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "",
+        "kwargs"_a,
         "Updates `pool` in place with the CPU kernel (paged contract, docs/SPEC.md). bfloat16 and FP8\n"
-        "arrays are passed as uint16/uint8 views with delta_dtype/pool_dtype naming them.");
+        "arrays: ml_dtypes NumPy arrays as they are, or uint16/uint8 views of their bits with\n"
+        "delta_dtype/pool_dtype naming them. The pool must be a writable array the caller owns.");
 }

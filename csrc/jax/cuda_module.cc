@@ -60,31 +60,40 @@ void enqueue(KVUpdateParams const& p, uintptr_t stream) {
     throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(status));
 }
 
+// The keywords arrive as Python objects, so that a wrong one is reported by name (array_operands.h).
 void launch_slot(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
                  nb::handle delta_start_positions, nb::handle delta_lengths, nb::handle k_scale,
-                 nb::handle v_scale, nb::handle k_norm_weight, int64_t pages_per_slot, bool v_norm,
-                 float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype,
-                 uintptr_t stream) {
+                 nb::handle v_scale, nb::handle k_norm_weight, nb::handle pages_per_slot, nb::handle v_norm,
+                 nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype, nb::handle stream,
+                 nb::kwargs const& unknown) {
+  refuse_unknown_keywords(unknown, "launch",
+                          "k_scale, v_scale, k_norm_weight, pages_per_slot, v_norm, norm_eps, delta_dtype, "
+                          "pool_dtype, stream");
   UpdateAttrs const attrs = slot_attrs(pages_per_slot, v_norm, norm_eps);
+  uintptr_t const cuda_stream = stream_argument(stream);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_start_positions, delta_lengths}, k_scale,
               v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
-          stream);
+          cuda_stream);
 }
 
 void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::handle rope_cos_sin,
                   nb::handle delta_positions, nb::handle delta_token_to_sequence, nb::handle kv_page_table,
-                  nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, bool ring, bool v_norm,
-                  float norm_eps, std::string const& delta_dtype, std::string const& pool_dtype,
-                  uintptr_t stream) {
+                  nb::handle k_scale, nb::handle v_scale, nb::handle k_norm_weight, nb::handle ring,
+                  nb::handle v_norm, nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype,
+                  nb::handle stream, nb::kwargs const& unknown) {
+  refuse_unknown_keywords(unknown, "launch_paged",
+                          "k_scale, v_scale, k_norm_weight, ring, v_norm, norm_eps, delta_dtype, pool_dtype, "
+                          "stream");
   UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
+  uintptr_t const cuda_stream = stream_argument(stream);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
               attrs,
               {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
               k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep),
-          stream);
+          cuda_stream);
 }
 
 }  // namespace
@@ -103,14 +112,17 @@ NB_MODULE(_dflash_cuda, m) {
   });
   m.def("launch", &dflash::jax::launch_slot, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
         "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
-        "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a, "v_norm"_a = false,
-        "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
+        "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a = nb::none(), "v_norm"_a = false,
+        "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0, "kwargs"_a,
         "Enqueues the slot-contract update on `stream` over CUDA arrays (DLPack: jax, torch, cupy); the\n"
-        "pool is updated in place. FP8 pools as uint8 views with pool_dtype naming them.");
+        "pool, a writable array the caller owns (torch, cupy), is updated in place. FP8 pools as\n"
+        "float8 tensors or as uint8 views with pool_dtype naming them.");
   m.def("launch_paged", &dflash::jax::launch_paged, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
         "delta_positions"_a, "delta_token_to_sequence"_a, "kv_page_table"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(), "ring"_a = false,
         "v_norm"_a = false, "norm_eps"_a = 1e-6f, "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0,
+        "kwargs"_a,
         "Enqueues the paged-contract update on `stream` over CUDA arrays (DLPack: jax, torch, cupy); the\n"
-        "pool is updated in place. FP8 pools as uint8 views with pool_dtype naming them.");
+        "pool, a writable array the caller owns (torch, cupy), is updated in place. FP8 pools as\n"
+        "float8 tensors or as uint8 views with pool_dtype naming them.");
 }
