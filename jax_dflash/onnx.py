@@ -1,9 +1,13 @@
 """``jax_dflash.onnx``: the ONNX nodes of both contracts, the slot contract's and Edge-LLM 0.11's
-paged node. The same module object as :mod:`jax_dflash.interop.onnx`, where it lives beside the
-other interop code; this is its short name."""
+paged node, under a short name. They live in :mod:`jax_dflash.interop.onnx`, beside the other
+interop code; every name of that module reads through this one."""
 
-import sys
+from jax_dflash.interop import onnx as _interop_onnx
 
-from jax_dflash.interop import onnx as _onnx
 
-sys.modules[__name__] = _onnx
+def __getattr__(name: str):
+    return getattr(_interop_onnx, name)
+
+
+def __dir__():
+    return dir(_interop_onnx)

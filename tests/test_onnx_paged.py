@@ -643,9 +643,13 @@ def test_onnx_reference_matches_jax_cuda(dtype, options):
     assert_bits_equal(cuda_out, onnx_out)
 
 
-def test_the_short_module_name_is_the_interop_module():
+def test_the_short_module_name_reads_the_interop_module():
+    import sys
+
     import jax_dflash.onnx as short
 
-    assert short is dflash_onnx
-    assert jax_dflash.onnx is dflash_onnx
+    assert sys.modules["jax_dflash.onnx"] is short  # its own module, not a swapped one
+    assert jax_dflash.onnx is short
     assert short.make_paged_update_model is dflash_onnx.make_paged_update_model
+    assert short.PLUGIN_NAME == dflash_onnx.PLUGIN_NAME
+    assert set(dir(dflash_onnx)) <= set(dir(short))

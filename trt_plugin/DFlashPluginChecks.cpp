@@ -28,6 +28,9 @@ DType toDType(DataType type) {
     case DataType::kFP8: return DType::kFloat8E4M3;  // TensorRT 10 describes e4m3 only
     case DataType::kINT32: return DType::kInt32;
     case DataType::kINT64: return DType::kInt64;
+    case DataType::kINT8: return DType::kInt8;
+    case DataType::kUINT8: return DType::kUInt8;
+    case DataType::kBOOL: return DType::kBool;
     default: return DType::kOther;
   }
 }

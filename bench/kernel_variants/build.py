@@ -19,14 +19,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 # What the CUDA kernel library of CMakeLists.txt compiles: the dispatcher, one unit per pool
-# dtype, and the operand checks it links against.
-KERNEL_SOURCES = (
-    "dflash/kv_update_cuda.cu",
-    "dflash/kv_update_cuda_f16.cu",
-    "dflash/kv_update_cuda_bf16.cu",
-    "dflash/kv_update_cuda_f32.cu",
-    "dflash/kv_update_cuda_e4m3.cu",
-    "dflash/kv_update_cuda_e5m2.cu",
+# format (the same glob), and the operand checks it links against.
+KERNEL_SOURCES = ("dflash/kv_update_cuda.cu",) + tuple(
+    sorted(str(p.relative_to(CSRC)) for p in (CSRC / "dflash").glob("kv_update_cuda_*.cu"))
 )
 HOST_SOURCES = ("dflash/operands.cc",)
 KNOBS = (

@@ -17,8 +17,9 @@
 
 namespace dflash {
 
-// Element types the operands can have. The ones past kInt64 only name what was given in error
-// messages.
+// Element types the operands can have: the contract's (contract.h says which operand takes
+// which), and the others a runtime can hand over, named in messages. Every runtime adapter maps
+// all of them, so that a new pool format is a row of contract.h, not an edit of each adapter.
 enum class DType : int32_t {
   kFloat16 = 0,
   kBFloat16 = 1,
@@ -43,10 +44,18 @@ inline int64_t dtype_bytes(DType dtype) {
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kFloat32:
-    case DType::kInt32: return 4;
+    case DType::kInt32:
+    case DType::kUInt32: return 4;
     case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2: return 1;
-    case DType::kInt64: return 8;
+    case DType::kFloat8E5M2:
+    case DType::kBool:
+    case DType::kInt8:
+    case DType::kUInt8: return 1;
+    case DType::kInt16:
+    case DType::kUInt16: return 2;
+    case DType::kInt64:
+    case DType::kUInt64:
+    case DType::kFloat64: return 8;
     default: return 0;
   }
 }

@@ -32,6 +32,14 @@ inline DType from_ffi(ffi::DataType type) {
     case ffi::DataType::F8E5M2: return DType::kFloat8E5M2;
     case ffi::DataType::S32: return DType::kInt32;
     case ffi::DataType::S64: return DType::kInt64;
+    case ffi::DataType::PRED: return DType::kBool;
+    case ffi::DataType::S8: return DType::kInt8;
+    case ffi::DataType::U8: return DType::kUInt8;
+    case ffi::DataType::S16: return DType::kInt16;
+    case ffi::DataType::U16: return DType::kUInt16;
+    case ffi::DataType::U32: return DType::kUInt32;
+    case ffi::DataType::U64: return DType::kUInt64;
+    case ffi::DataType::F64: return DType::kFloat64;
     default: return DType::kOther;
   }
 }
