@@ -29,14 +29,16 @@ struct PoolFormat {
   // The largest finite magnitude a scaled store saturates to; 0 for the IEEE formats, whose
   // rounding overflows to infinity.
   float max_finite;
+  // Whether TensorRT has the element type (its kFP8 is e4m3): the plugin's pool formats.
+  bool tensorrt;
 };
 
 inline constexpr PoolFormat kPoolFormats[] = {
-    {DType::kFloat16, ScaleGranularity::kNone, 0.0f},
-    {DType::kBFloat16, ScaleGranularity::kNone, 0.0f},
-    {DType::kFloat32, ScaleGranularity::kNone, 0.0f},
-    {DType::kFloat8E4M3, ScaleGranularity::kStatic, 448.0f},
-    {DType::kFloat8E5M2, ScaleGranularity::kStatic, 57344.0f},
+    {DType::kFloat16, ScaleGranularity::kNone, 0.0f, true},
+    {DType::kBFloat16, ScaleGranularity::kNone, 0.0f, true},
+    {DType::kFloat32, ScaleGranularity::kNone, 0.0f, true},
+    {DType::kFloat8E4M3, ScaleGranularity::kStatic, 448.0f, true},
+    {DType::kFloat8E5M2, ScaleGranularity::kStatic, 57344.0f, false},
 };
 
 // The format of a pool of this dtype; null when no pool has it.
@@ -51,8 +53,9 @@ constexpr bool takes_scales(DType pool) {
   PoolFormat const* f = pool_format(pool);
   return f != nullptr && f->scales != ScaleGranularity::kNone;
 }
-// "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages.
-std::string pool_dtype_list();
+// "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages; TensorRT's only
+// with `tensorrt`.
+std::string pool_dtype_list(bool tensorrt = false);
 
 // ---- addressing forms ----------------------------------------------------------------------------
 

@@ -157,11 +157,11 @@ std::string check_tensorrt_profile(Checker& c, int32_t count, bool* type_error) 
   if (known(pool.dims[2]) && pool.dims[2] != kTensorRTPageSize)
     return c.fail_shape(kPoolOperand, "dim 2 == " + page + " tokens per page (the TensorRT contract)"),
            c.error();
-  if (pool.dtype == DType::kFloat8E5M2)
+  if (PoolFormat const* format = pool_format(pool.dtype); format != nullptr && !format->tensorrt)
     return *type_error = true,
-           c.fail(kPoolOperand,
-                  "expected dtype float16, bfloat16, float32 or float8_e4m3fn (TensorRT's kFP8 is e4m3; "
-                  "float8_e5m2 pools are JAX-only), got float8_e5m2"),
+           c.fail(kPoolOperand, "expected dtype " + pool_dtype_list(true) + " (TensorRT's kFP8 is e4m3; " +
+                                    dtype_name(pool.dtype) + " pools are JAX-only), got " +
+                                    dtype_name(pool.dtype)),
            c.error();
   int32_t const base = base_operand_count(c.attrs().contract);
   if (scale_operands(c.attrs(), count) == 2)
@@ -191,11 +191,15 @@ char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count)
   return "operand";
 }
 
-std::string pool_dtype_list() {
+std::string pool_dtype_list(bool tensorrt) {
   std::string text;
-  constexpr size_t n = sizeof(kPoolFormats) / sizeof(kPoolFormats[0]);
-  for (size_t i = 0; i < n; ++i)
-    text += std::string(i == 0 ? "" : i + 1 == n ? " or " : ", ") + dtype_name(kPoolFormats[i].element);
+  size_t n = 0, listed = 0;
+  for (PoolFormat const& f : kPoolFormats) n += !tensorrt || f.tensorrt;
+  for (PoolFormat const& f : kPoolFormats) {
+    if (tensorrt && !f.tensorrt) continue;
+    text += std::string(listed == 0 ? "" : listed + 1 == n ? " or " : ", ") + dtype_name(f.element);
+    ++listed;
+  }
   return text;
 }
 

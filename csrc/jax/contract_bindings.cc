@@ -156,6 +156,7 @@ nb::dict formats_dict() {
     nb::dict d;
     d["scales"] = f.scales == ScaleGranularity::kNone ? "none" : "static";
     d["max_finite"] = f.max_finite;
+    d["tensorrt"] = f.tensorrt;
     formats[dtype_name(f.element)] = d;
   }
   return formats;

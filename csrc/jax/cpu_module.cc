@@ -81,9 +81,9 @@ NB_MODULE(_dflash_cpu, m) {
   using namespace nb::literals;
   m.def("registrations", []() {
     nb::dict targets;
-    targets["dflash_target_kv_cache_update"] =
+    targets[dflash::addressing_form(dflash::Contract::kSlot).ffi_target] =
         nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdateCpu));
-    targets["dflash_target_kv_cache_update_paged"] =
+    targets[dflash::addressing_form(dflash::Contract::kPaged).ffi_target] =
         nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCpu));
     return targets;
   });

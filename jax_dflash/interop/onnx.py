@@ -49,8 +49,9 @@ NORM_WEIGHT_INPUT = _shapes.EXTRA_NAMES[2]
 TRT_TOKENS_PER_PAGE = 128  # P in the TensorRT contracts
 INT32_MAX = 2**31 - 1  # plugin fields are INT32
 DELTA_DTYPES = ("float16", "bfloat16", "float32")
-TRT_POOL_DTYPES = (*DELTA_DTYPES, "float8_e4m3fn")  # TensorRT 10 has e4m3 only (kFP8)
-FP8_POOL_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# The pool formats TensorRT has (its kFP8 is e4m3), from the core's descriptors.
+TRT_POOL_DTYPES = tuple(name for name, f in _shapes.POOL_FORMATS.items() if f["tensorrt"])
+FP8_POOL_DTYPES = tuple(str(d) for d in _shapes.SCALED_DTYPES)
 _ONNX_TYPES = {
     "float16": "FLOAT16",
     "bfloat16": "BFLOAT16",
