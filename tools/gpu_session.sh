@@ -49,10 +49,11 @@ stage_build() {
 }
 
 # The carried wheels the tests use where present: TensorRT 11.4 lean runtime (plugin registry
-# test), jax2onnx + onnx-ir (export tests). Installed --no-deps into /tmp/extras.
+# test), jax2onnx + onnx-ir (export tests), z-lab's dflash (the oracle test). Installed --no-deps
+# into /tmp/extras.
 stage_extras() {
   local wheels
-  wheels=$(ls .whl/tensorrt_lean_cu13_*.whl .whl/jax2onnx-*.whl .whl/onnx_ir-*.whl 2>/dev/null)
+  wheels=$(ls .whl/tensorrt_lean_cu13_*.whl .whl/jax2onnx-*.whl .whl/onnx_ir-*.whl .whl/dflash-*.whl 2>/dev/null)
   if [ -z "$wheels" ]; then echo "no extra wheels carried"; return 0; fi
   # shellcheck disable=SC2086
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/extras $wheels || return 1
@@ -63,6 +64,7 @@ stage_extras() {
       *tensorrt_lean_cu13_bindings*) module=tensorrt_lean_bindings ;;
       *jax2onnx*) module=jax2onnx ;;
       *onnx_ir*) module=onnx_ir ;;
+      *dflash-*) module=dflash ;;
       *) continue ;;
     esac
     PYTHONPATH="/tmp/extras${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import $module; print('$module', getattr($module, '__version__', '(no version)'))" || status=1
