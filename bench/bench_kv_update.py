@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The DFlash KV-update benchmark: see bench/dflash_bench.py.
+"""The DFlash KV-update benchmark: see bench/dflash_bench/ (its package docstring).
 
 python bench/bench_kv_update.py                  # GPU when JAX sees one, else scaled-down CPU
 python bench/bench_kv_update.py --backend cpu --quick

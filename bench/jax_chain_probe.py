@@ -7,7 +7,7 @@ P=128, L=16, slot capacity 2048, donated pool), timed per update from the host.
 
 SETS: rotated input sets (8); WITH_TORCH: import torch and hold 1 GiB of GPU memory first.
 BENCHMARKS.md ("How the benchmark times") quotes its numbers. The chain and the rope table are
-the benchmark's own (bench/dflash_bench.py)."""
+the benchmark's own (bench/dflash_bench/)."""
 
 import os
 import sys
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_dflash
-from dflash_bench import jitted_chain, rope_table
+from dflash_bench.jax_contenders import jitted_chain
+from dflash_bench.problem import rope_table
 
 B, L, H, D, P, PPS = int(sys.argv[1]), 16, 8, 128, 128, 16
 CHAIN = int(sys.argv[2]) if len(sys.argv) > 2 else 8

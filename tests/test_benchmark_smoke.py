@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 
 import numpy as np
 import pytest
 
 import dflash_bench as benchmark
+from dflash_bench.check import compare_sample
+from dflash_bench.clocks import (
+    GpuClocks,
+    clock_notes,
+    clocks_during,
+    mark_clock_limited,
+    parse_clock_samples,
+    sampled_gpu,
+)
+from dflash_bench.contenders import CONTENDERS, PREPARERS
+from dflash_bench.contracts import CONTRACTS
+from dflash_bench.dtypes import bits
+from dflash_bench.problem import make_problem
+from dflash_bench.shapes import BenchShape
+from dflash_bench.targets import evaluate_targets, norm_kernels_us
+from dflash_bench.timing import Prepared, Settings, time_interleaved
 
+# A shape small enough for the NumPy reference in a test: H=2, D=16, R=8, P=4, M=2.
+TINY = {"num_kv_heads": 2, "head_dim": 16, "rotary_dim": 8, "page_size": 4, "min_capacity": 8}
 GPU_ONLY = (
     "flashinfer",
 )  # on CPU "ours_raw" / "paged_raw" are the NumPy entries of the CPU kernel
@@ -39,7 +58,7 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
     by_name = {e["name"]: e for e in results["shapes"]}
     for entry in results["shapes"]:
         contenders = entry["contenders"]
-        assert set(contenders) == set(benchmark.CONTENDERS)
+        assert set(contenders) == set(CONTENDERS)
         fp8 = entry["pool_dtype"] == "float8_e4m3fn"
         timed = ["ours_jax", "ours_raw", "paged_jax", "paged_raw", "knorm_jax", "copy"]
         timed += [] if fp8 else ["jax_baseline"]
@@ -87,26 +106,6 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
         "| shape | bytes | ours_jax (us) | ours_raw (us) | paged_jax (us) | paged_raw (us)"
         in printed
     )
-
-
-@pytest.mark.parametrize(
-    "flag, value, message",
-    [
-        ("--min-time", "nan", "finite number of seconds > 0, got nan"),
-        ("--min-time", "0", "finite number of seconds > 0, got 0"),
-        ("--min-time", "-inf", "finite number of seconds > 0, got -inf"),
-        ("--iters", "0", "integer >= 1, got 0"),
-        ("--repeats", "-5", "integer >= 1, got -5"),
-        ("--repeats", "two", "integer >= 1, got 'two'"),
-    ],
-)
-def test_bad_numeric_flags_exit_2_with_the_reason(flag, value, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(["--backend", "cpu", f"{flag}={value}", "--out", str(tmp_path)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {flag}: expected" in err and message in err
-    assert not list(tmp_path.iterdir())  # nothing ran
 
 
 def test_out_must_be_a_writable_directory(tmp_path, capsys):
@@ -169,7 +168,7 @@ def test_gpu_targets_are_evaluated_from_the_measurements():
             entry("decode_b64", paged_jax=3.0, paged_raw=3.4, ours_jax=3.0, ours_raw=3.0),
         ],
     }
-    met = {t["target"]: t["met"] for t in benchmark.evaluate_targets(results)}
+    met = {t["target"]: t["met"] for t in evaluate_targets(results)}
     assert met["prefill_b8_l2048: paged op within 10% of the slot op (JAX)"]
     assert met["prefill_b8_l2048: fused k-norm at most +10% over the op without it"]
     # 14.0 - 10.5 = 3.5 >= 3.0: the fusion saves at least the norm's own time; but not the
@@ -182,7 +181,7 @@ def test_gpu_targets_are_evaluated_from_the_measurements():
         "prefill_b8_l2048: fused k-norm faster than the unfused pair by at least the "
         "norm's own time (its kernels' device time in the pair)"
     ]
-    assert benchmark.norm_kernels_us(pair_kernels) == 3.6
+    assert norm_kernels_us(pair_kernels) == 3.6
     # 1e6 bytes in 10.2 us = 98 GB/s = 98% of 100 GB/s.
     assert met["prefill_b8_l2048: paged_jax >= 90% of measured copy bandwidth (its bytes)"]
     assert met["prefill_b8_l2048: paged_jax >= 2.5x faster than Edge-LLM 0.11 (quoted 103.4 us)"]
@@ -196,31 +195,27 @@ def test_gpu_targets_are_evaluated_from_the_measurements():
 
 
 def test_correctness_gate_rejects_one_wrong_element():
-    shape = benchmark.BenchShape(
-        "tiny", 2, 4, num_kv_heads=2, head_dim=16, rotary_dim=8, page_size=4, min_capacity=8
-    )
-    problem = benchmark.make_problem(shape, "cpu")
+    shape = BenchShape("tiny", 2, 4, **TINY)
+    problem = make_problem(shape, "cpu")
     good = problem.expected("slot").copy()
-    assert benchmark.compare_sample(good, good.copy(), exact_required=True)["ok"]
+    assert compare_sample(good, good.copy(), exact_required=True)["ok"]
     wrong = good.copy()
     written = np.argwhere(good.astype(np.float32) != problem.sample_init.astype(np.float32))
     wrong[tuple(written[0])] += np.float16(0.5)
-    assert not benchmark.compare_sample(wrong, good, exact_required=True)["ok"]
-    assert not benchmark.compare_sample(wrong, good, exact_required=False)["ok"]
+    assert not compare_sample(wrong, good, exact_required=True)["ok"]
+    assert not compare_sample(wrong, good, exact_required=False)["ok"]
     # One ulp off is not bit-exact but within the peers' tolerance.
     ulp = good.copy()
     ulp.view(np.uint16)[tuple(written[0])] += 1
-    assert not benchmark.compare_sample(ulp, good, exact_required=True)["ok"]
-    assert benchmark.compare_sample(ulp, good, exact_required=False)["ok"]
+    assert not compare_sample(ulp, good, exact_required=True)["ok"]
+    assert compare_sample(ulp, good, exact_required=False)["ok"]
 
 
 def test_paged_problem_addresses_the_rows_of_the_slot_problem():
     """Token b * L + t sits at start[b] + t of sequence b, its rope row is that position's, and
     the table is a permutation of the pool's pages in each plane (V ids offset by N)."""
-    shape = benchmark.BenchShape(
-        "tiny", 3, 4, num_kv_heads=2, head_dim=16, rotary_dim=8, page_size=4, min_capacity=8
-    )
-    problem = benchmark.make_problem(shape, "cpu")
+    shape = BenchShape("tiny", 3, 4, **TINY)
+    problem = make_problem(shape, "cpu")
     n, m = shape.num_pages, shape.pages_per_slot
     for starts, positions, rope in zip(
         problem.start_sets, problem.position_sets, problem.paged_rope_sets
@@ -231,9 +226,74 @@ def test_paged_problem_addresses_the_rows_of_the_slot_problem():
     assert problem.table.shape == (3, 2, m)
     assert sorted(problem.table[:, 0].ravel()) == list(range(n))
     assert sorted(problem.table[:, 1].ravel()) == list(range(n, 2 * n))
-    k_pages, v_pages = problem.gather_order()
+    k_pages, v_pages = problem.page_order("paged")
     assert k_pages.tolist() == problem.table[:, 0].ravel().tolist()
     assert (v_pages + n).tolist() == problem.table[:, 1].ravel().tolist()
+
+
+def test_every_contract_names_entries_and_operands_that_exist():
+    """Each addressing form's table entry: the op, the reference and the NumPy entry it names
+    exist (the CUDA launcher in the extension's stub), and the operands it builds are
+    parameters of each; every contender's contract and kind have an entry."""
+    import inspect
+
+    import jax_dflash
+    from jax_dflash import _ext, reference
+
+    stub = (pathlib.Path(jax_dflash.__file__).parent / "_dflash_cuda.pyi").read_text()
+    shape = BenchShape("tiny", 2, 4, **TINY)
+    problem = make_problem(shape, "cpu")
+    for c in CONTRACTS.values():
+        names = {*c.per_set(problem, 1), *c.shared(problem), *c.statics(shape)}
+        for fn in (getattr(jax_dflash, c.jax_op), getattr(reference, c.reference)):
+            assert names <= set(inspect.signature(fn).parameters), (c.name, fn)
+        assert callable(getattr(_ext.extension("cpu"), c.cpu_entry))
+        launcher = stub[stub.index(f"def {c.cuda_launcher}(") :].split(") -> None")[0]
+        assert all(f"    {name}:" in launcher for name in names), (c.name, names)
+    kinds = {kind for kind, _ in PREPARERS}
+    for spec in CONTENDERS.values():
+        assert spec.contract in CONTRACTS and spec.kind in kinds, spec
+
+
+def test_every_contract_reference_writes_the_same_sample():
+    shape = BenchShape("tiny", 3, 4, **TINY)
+    problem = make_problem(shape, "cpu")
+    for fused_norm in (False, True):
+        samples = [problem.expected(c, fused_norm) for c in CONTRACTS]
+        for sample in samples[1:]:
+            np.testing.assert_array_equal(bits(sample), bits(samples[0]))
+    assert not np.array_equal(bits(problem.expected("slot")), bits(problem.sample_init))
+
+
+def test_torch_pools_and_gathers_match_the_host_ones(monkeypatch):
+    """The CUDA-side helpers, run on the CPU (``.cuda()`` made the identity): the known pool
+    built on the device is the host's, bit for bit, in every pool format and contract; the
+    sample read back is its sample; a pool gathered in slot order is the slot layout."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from dflash_bench.check import sample_array
+    from dflash_bench.problem import host_pool
+    from dflash_bench.torch_side import count_mismatches, gather_pool, to_torch, torch_pool
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    for dtype, pool_dtype in (("float16", None), ("bfloat16", None), ("float16", "float8_e4m3fn")):
+        shape = BenchShape("tiny", 2, 4, dtype, pool_dtype, num_layers=3, **TINY)
+        problem = make_problem(shape, "cpu")
+        for contract in CONTRACTS:
+            host = host_pool(problem, contract)
+            pool = torch_pool(torch, problem, contract)
+            assert count_mismatches(torch, pool, to_torch(torch, host)) == 0, (shape, contract)
+            np.testing.assert_array_equal(
+                bits(sample_array(pool, problem, contract)), bits(problem.sample_init)
+            )
+            slot_order = gather_pool(torch, pool, problem, contract)
+            assert (
+                count_mismatches(torch, slot_order, to_torch(torch, host_pool(problem, "slot")))
+                == 0
+            )
+        mangled = torch_pool(torch, problem, "slot")
+        raw = mangled.view(-1).view(torch.uint8)
+        raw[0] = raw[0] ^ 1  # one bit of one element
+        assert count_mismatches(torch, mangled, torch_pool(torch, problem, "slot")) == 1
 
 
 def test_interleaved_timing_rotates_the_order_and_calibrates_in_the_steady_state():
@@ -248,15 +308,15 @@ def test_interleaved_timing_rotates_the_order_and_calibrates_in_the_steady_state
             state["calls"] += calls
             return calls * seconds_per_call + slow * 0.01  # a slow call costs 10 ms more
 
-        return benchmark.Prepared(run, updates_per_call=10, info={"check": {"ok": True}})
+        return Prepared(run, updates_per_call=10, info={"check": {"ok": True}})
 
     prepared = {
         "a": contender("a", 1e-3, first_calls_slow=3),
         "b": contender("b", 2e-3),
         "c": contender("c", 4e-3),
     }
-    settings = benchmark.Settings("cpu", chain=10, baseline_chain=10, repeats=6, min_time=0.05)
-    results = benchmark.time_interleaved(prepared, settings)
+    settings = Settings("cpu", chain=10, baseline_chain=10, repeats=6, min_time=0.05)
+    results = time_interleaved(prepared, settings)
     # Calibrated past the slow first calls: 1 ms per call -> 50 calls for 50 ms, not 5.
     assert results["a"]["updates_per_measurement"] == 10 * 50
     assert results["b"]["updates_per_measurement"] == 10 * 25
@@ -275,11 +335,11 @@ def test_interleaved_timing_reports_a_contender_that_fails_and_times_the_others(
         raise RuntimeError("device lost")
 
     prepared = {
-        "bad": benchmark.Prepared(failing, 1, {}),
-        "good": benchmark.Prepared(lambda calls: calls * 1e-3, 1, {"check": {"ok": True}}),
+        "bad": Prepared(failing, 1, {}),
+        "good": Prepared(lambda calls: calls * 1e-3, 1, {"check": {"ok": True}}),
     }
-    settings = benchmark.Settings("cpu", chain=1, baseline_chain=1, repeats=2, min_time=0.01)
-    results = benchmark.time_interleaved(prepared, settings)
+    settings = Settings("cpu", chain=1, baseline_chain=1, repeats=2, min_time=0.01)
+    results = time_interleaved(prepared, settings)
     assert results["bad"] == {"status": "error", "reason": "RuntimeError: device lost"}
     assert results["good"]["samples_us"] == [1000.0, 1000.0]
 
@@ -292,7 +352,7 @@ def test_clock_samples_are_parsed_and_kept_to_the_measurements_they_fall_in():
         "2026/12/01 19:24:25.7",  # cut short
         "2026/12/01 19:24:25.762, 1980, 535.44",
     ]
-    samples = benchmark.parse_clock_samples(lines)
+    samples = parse_clock_samples(lines)
     assert [(mhz, watts) for _, mhz, watts in samples] == [
         (1920.0, 417.34),
         (1635.0, 699.81),
@@ -301,14 +361,14 @@ def test_clock_samples_are_parsed_and_kept_to_the_measurements_they_fall_in():
     t0 = samples[0][0]
     assert [round(t - t0, 3) for t, _, _ in samples] == [0.0, 0.2, 0.6]
     # Windows that hold the first two samples, not the third.
-    got = benchmark.clocks_during([(t0 - 0.01, t0 + 0.01), (t0 + 0.15, t0 + 0.25)], samples)
+    got = clocks_during([(t0 - 0.01, t0 + 0.01), (t0 + 0.15, t0 + 0.25)], samples)
     assert got == {
         "samples": 2,
         "sm_mhz_min": 1635.0,
         "sm_mhz_median": 1777.5,
         "power_w_max": 699.81,
     }
-    assert benchmark.clocks_during([(t0 + 1, t0 + 2)], samples) is None
+    assert clocks_during([(t0 + 1, t0 + 2)], samples) is None
 
 
 def test_interleaved_timing_attributes_clock_samples_to_each_contender():
@@ -320,14 +380,18 @@ def test_interleaved_timing_attributes_clock_samples_to_each_contender():
 
     def contender(mhz, watts):
         def run(calls):
-            taken.append((time.time(), mhz, watts))  # a sample during this measurement
+            # A sample in the middle of this measurement: time.time() taken back to back can
+            # round to the same float, which would put it on the edge of the neighbours' windows.
+            time.sleep(0.002)
+            taken.append((time.time(), mhz, watts))
+            time.sleep(0.002)
             return calls * 1e-3
 
-        return benchmark.Prepared(run, updates_per_call=1, info={"check": {"ok": True}})
+        return Prepared(run, updates_per_call=1, info={"check": {"ok": True}})
 
     prepared = {"hot": contender(1860.0, 700.0), "cool": contender(1980.0, 610.0)}
-    settings = benchmark.Settings("gpu", chain=1, baseline_chain=1, repeats=4, min_time=0.001)
-    results = benchmark.time_interleaved(prepared, settings, Clocks())
+    settings = Settings("gpu", chain=1, baseline_chain=1, repeats=4, min_time=0.001)
+    results = time_interleaved(prepared, settings, Clocks())
     # Each contender's clocks are the samples of its own measurements only (4 each), not of the
     # other's and not of its calibration calls.
     assert results["hot"]["clocks"] == {
@@ -338,9 +402,7 @@ def test_interleaved_timing_attributes_clock_samples_to_each_contender():
     }
     assert results["cool"]["clocks"]["sm_mhz_median"] == 1980.0
     assert results["cool"]["clocks"]["samples"] == 4
-    notes = benchmark.clock_notes(
-        {"shapes": [{"name": "prefill_b8_l2048_fp8", "contenders": results}]}
-    )
+    notes = clock_notes({"shapes": [{"name": "prefill_b8_l2048_fp8", "contenders": results}]})
     assert notes == [
         "prefill_b8_l2048_fp8 hot: SM clock median 1860 MHz (min 1860, 4 samples) against "
         "1980 MHz, power up to 700 W"
@@ -352,7 +414,7 @@ def test_interleaved_timing_attributes_clock_samples_to_each_contender():
     [(None, "0"), ("", "0"), ("3", "3"), ("2,3", "2"), (" GPU-8f2a-41 ,1", "GPU-8f2a-41")],
 )
 def test_clocks_are_sampled_on_the_benchmarked_gpu_only(visible, gpu):
-    assert benchmark.sampled_gpu(visible) == gpu
+    assert sampled_gpu(visible) == gpu
 
 
 def test_clock_sampling_that_cannot_start_says_why_and_samples_nothing(tmp_path, monkeypatch):
@@ -360,11 +422,11 @@ def test_clock_sampling_that_cannot_start_says_why_and_samples_nothing(tmp_path,
     broken.write_text("not a program\n")
     broken.chmod(0o755)  # found on PATH, but exec fails: no interpreter line, not ELF
     monkeypatch.setenv("PATH", str(tmp_path))
-    clocks = benchmark.GpuClocks()
-    why = clocks.start()
+    sampler = GpuClocks()
+    why = sampler.start()
     assert why is not None and why.startswith("nvidia-smi could not be started")
-    assert clocks.samples() == []
-    clocks.stop()
+    assert sampler.samples() == []
+    sampler.stop()
 
 
 def test_targets_of_a_shape_measured_below_the_top_clock_are_marked():
@@ -392,6 +454,6 @@ def test_targets_of_a_shape_measured_below_the_top_clock_are_marked():
             },
         ],
     }
-    benchmark.mark_clock_limited(results)
+    mark_clock_limited(results)
     assert "clock_limited" not in results["targets"][0]
     assert results["targets"][1]["clock_limited"] == ["paged_jax", "knorm_jax"]

@@ -2,7 +2,8 @@
 
 jnp RoPE on the keys, then a scatter with ``.at[].set(mode="drop")``. It has the same semantics
 as the kernel on valid inputs (padding, pass-through past S, dropping past the slot and negative
-positions) and is the comparison point for the benchmark and ``jax-dflash run --compare``.
+positions) and is the benchmark's ``jax_baseline`` contender. (``jax-dflash run --compare``
+has its own, over a whole decode step: jax_dflash/cli/pipeline.py.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,108 @@
+"""This project's kernel without JAX: the CUDA extension's raw launchers over torch tensors
+(``chain`` launches captured in a CUDA graph) and, on the CPU, the NumPy entries."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dflash_bench.check import compare_sample, sample_array
+from dflash_bench.contracts import CONTRACTS, delta_shape
+from dflash_bench.dtypes import host_view
+from dflash_bench.problem import Problem, host_pool
+from dflash_bench.timing import Prepared, Settings, Skip, cuda_graph, host_loop
+from dflash_bench.torch_side import (
+    TorchInputs,
+    count_mismatches,
+    gather_pool,
+    import_torch,
+    torch_pool,
+)
+
+if TYPE_CHECKING:
+    from dflash_bench.contenders import Contender
+
+
+def _cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
+    """``launch(pool, j)``: the contract's raw CUDA entry on input set j (DLPack arrays)."""
+    from jax_dflash import _ext
+
+    try:
+        cuda = _ext.extension("cuda")
+    except ImportError as e:
+        raise Skip(str(e)) from e
+    c, s = CONTRACTS[contract], problem.shape
+    entry, statics = getattr(cuda, c.cuda_launcher), c.statics(s)
+    per_set, shared = inputs.operands(contract)
+    spec = s.pool_spec
+    # A format torch has no dtype for crosses as raw bits, with pool_dtype naming it.
+    dtypes = {"pool_dtype": spec.name if spec.torch_name != spec.name else ""}
+
+    def launch(pool, j: int) -> None:
+        entry(
+            pool=pool,
+            **per_set[j],
+            **shared,
+            **inputs.scales,
+            **statics,
+            **dtypes,
+            stream=torch.cuda.current_stream().cuda_stream,
+        )
+
+    return launch
+
+
+def prepare_raw_gpu(spec: Contender, problem: Problem, settings: Settings, ctx: dict) -> Prepared:
+    """The raw launcher of ``spec.contract``: its sample against the reference, bit for bit; a
+    contract other than the slot one also its whole pool, gathered in slot order, against the
+    slot launcher's."""
+    torch = import_torch()
+    if "torch_inputs" not in ctx:
+        ctx["torch_inputs"] = TorchInputs(torch, problem)
+    inputs = ctx["torch_inputs"]
+    contract = spec.contract
+    launch = _cuda_launcher(problem, torch, inputs, contract)
+    pool = torch_pool(torch, problem, contract)
+    launch(pool, 0)
+    torch.cuda.synchronize()
+    check = compare_sample(
+        sample_array(pool, problem, contract), problem.expected(contract), exact_required=True
+    )
+    if contract != "slot":
+        twin = torch_pool(torch, problem, "slot")
+        _cuda_launcher(problem, torch, inputs, "slot")(twin, 0)
+        mismatches = count_mismatches(torch, gather_pool(torch, pool, problem, contract), twin)
+        check["full_pool_bits_differing_vs_slot_op"] = mismatches
+        check["ok"] = check["ok"] and mismatches == 0
+        del twin
+    info = {"check": check}
+    return cuda_graph(torch, lambda i: launch(pool, i % len(inputs.ks)), settings.chain, info)
+
+
+def prepare_raw_cpu(spec: Contender, problem: Problem, settings: Settings, ctx: dict) -> Prepared:
+    """The NumPy entry of ``spec.contract`` (the CPU kernel), checked bit for bit, then timed
+    call by call from the host."""
+    from jax_dflash import _ext
+
+    cpu = _ext.extension("cpu")
+    c, s = CONTRACTS[spec.contract], problem.shape
+    entry, statics, layout = getattr(cpu, c.cpu_entry), c.statics(s), delta_shape(c, s)
+    pool = host_pool(problem, spec.contract)
+    raw_pool = host_view(pool)
+    sets = [
+        (host_view(k).reshape(layout), host_view(v).reshape(layout), c.per_set(problem, j))
+        for j, (k, v) in enumerate(zip(problem.k_sets, problem.v_sets))
+    ]
+    shared, scales = c.shared(problem), problem.scales()
+    dtypes = {"delta_dtype": s.dtype, "pool_dtype": s.pool_dtype_name}
+
+    def update(j: int) -> None:
+        k, v, operands = sets[j]
+        entry(k, v, raw_pool, **operands, **shared, **scales, **statics, **dtypes)
+
+    update(0)
+    check = compare_sample(
+        sample_array(pool, problem, spec.contract),
+        problem.expected(spec.contract),
+        exact_required=True,
+    )
+    return host_loop(lambda i: update(i % len(sets)), settings.chain, {"check": check})

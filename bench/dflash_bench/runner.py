@@ -1,0 +1,119 @@
+"""One shape end to end: its problem, every contender set up and checked, then all timed
+together; the shape's entry of the results (what the JSON holds per shape)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dflash_bench.clocks import GpuClocks
+from dflash_bench.contenders import OURS, prepare_contender
+from dflash_bench.dtypes import bits
+from dflash_bench.problem import Problem, make_problem
+from dflash_bench.shapes import BenchShape
+from dflash_bench.timing import Prepared, Settings, time_interleaved
+
+
+def measured_us(entry: dict, name: str) -> float | None:
+    """A contender's time per update at a shape, when it ran (right or wrong)."""
+    c = entry["contenders"].get(name, {})
+    return c.get("us") if c.get("status") in ("ok", "wrong") else None
+
+
+def _shape_entry(shape: BenchShape, problem: Problem) -> dict:
+    return {
+        "name": shape.name,
+        "description": shape.describe(),
+        "dtype": shape.dtype,
+        "pool_dtype": shape.pool_dtype_name,
+        "num_layers": shape.num_layers,
+        "batch": shape.batch,
+        "delta_len": shape.delta_len,
+        "tokens": shape.tokens,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "rotary_dim": shape.rotary_dim,
+        "page_size": shape.page_size,
+        "pages_per_slot": shape.pages_per_slot,
+        "slot_capacity": shape.slot_capacity,
+        "num_pages": shape.num_pages,
+        "num_input_sets": problem.num_sets,
+        "bytes": problem.bytes,
+        "contenders": {},
+    }
+
+
+def _prepare_all(problem: Problem, settings: Settings, contenders) -> tuple[dict, dict]:
+    """(prepared contenders, results of those that do not run), each with its setup time."""
+    prepared, results, ctx = {}, {}, {}
+    for name in contenders:
+        t0 = time.perf_counter()
+        ready = prepare_contender(name, problem, settings, ctx)
+        setup_s = round(time.perf_counter() - t0, 2)
+        if isinstance(ready, Prepared):
+            ready.info["setup_s"] = setup_s
+            prepared[name] = ready
+        else:
+            results[name] = {**ready, "setup_s": setup_s}
+    # ctx ends here: the shared uploads stay alive as long as a prepared contender holds them.
+    return prepared, results
+
+
+def _references_agree(problem: Problem) -> bool | None:
+    """Whether the references of the contracts computed (two at least) agree bit for bit; None
+    when fewer were computed."""
+    plain = [r for (_, fused_norm), r in problem.references.items() if not fused_norm]
+    if len(plain) < 2:
+        return None
+    return all(np.array_equal(bits(plain[0]), bits(r)) for r in plain[1:])
+
+
+def run_shape(
+    shape: BenchShape,
+    settings: Settings,
+    contenders,
+    peak_bw: float,
+    clocks: GpuClocks | None = None,
+) -> dict:
+    problem = make_problem(shape, settings.backend)
+    entry = _shape_entry(shape, problem)
+    # Every contender is set up first and they are timed together, interleaved (time_interleaved).
+    prepared, results = _prepare_all(problem, settings, contenders)
+    results.update(time_interleaved(prepared, settings, clocks))
+    del prepared  # frees this shape's buffers before the next shape's
+    agree = _references_agree(problem)
+    if agree is not None:
+        entry["references_agree"] = agree
+    for name in contenders:
+        result = results[name]
+        if "check" in result and "us" in result:
+            result["status"] = "ok" if result["check"]["ok"] else "wrong"
+        entry["contenders"][name] = result
+        if result["status"] == "n/a":
+            continue
+        shown = (
+            f"{result['us']:.2f} us (min {result['us_min']:.2f}, max {result['us_max']:.2f})"
+            if "us" in result
+            else result.get("reason", "")
+        )
+        print(f"  {shape.name:<24} {name:<13} {result['status']:<8} {shown}", flush=True)
+    entry["derived"] = derived(entry, peak_bw)
+    return entry
+
+
+def derived(entry: dict, peak_bw: float) -> dict:
+    """This project's contenders' fractions of the copy floor and of peak copy bandwidth."""
+    total = entry["bytes"]["total"]
+    floor = measured_us(entry, "copy")
+    out = {}
+    for name in OURS:
+        t = measured_us(entry, name)
+        if t is None:
+            continue
+        if floor is not None:
+            out[f"floor_over_{name}"] = floor / t
+        if peak_bw:
+            out[f"{name}_bytes_per_s"] = total / (t * 1e-6)
+            out[f"{name}_fraction_of_peak_copy_bw"] = total / (t * 1e-6) / peak_bw
+    return out

@@ -1,0 +1,156 @@
+"""The targets the measurements are held to: met or missed, with the numbers behind each."""
+
+from __future__ import annotations
+
+from dflash_bench.runner import measured_us as us
+from dflash_bench.shapes import EDGE_LLM_0_11_US
+
+SLOT_AND_PAGED = ("ours_jax", "ours_raw", "paged_jax", "paged_raw")
+
+
+def norm_kernels_us(kernels: dict[str, float]) -> float:
+    """The unfused pair's kernels other than this project's update kernel: the RMSNorm's."""
+    return sum(t for name, t in kernels.items() if "update_kernel" not in name)
+
+
+class _Targets:
+    def __init__(self, results: dict):
+        self.entries = results["shapes"]
+        self.shapes = {e["name"]: e for e in self.entries}
+        self.peak = results.get("peak_copy_bandwidth", {}).get("bytes_per_s")
+        self.rows: list[dict] = []
+
+    def add(self, text: str, ok, measured: str) -> None:
+        self.rows.append({"target": text, "met": bool(ok), "measured": measured})
+
+    def bandwidth(self, e: dict, who: str) -> float | None:
+        t = us(e, who)
+        return None if t is None or not self.peak else e["bytes"]["total"] / (t * 1e-6) / self.peak
+
+    def ratio(self, e: dict, who: str, other: str, limit: float, text: str) -> None:
+        a, b = us(e, who), us(e, other)
+        if a is not None and b is not None:
+            self.add(
+                f"{e['name']}: {text}",
+                a <= limit * b,
+                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
+            )
+
+
+def _cpu(t: _Targets) -> None:
+    for e in t.entries:
+        ours, base = us(e, "ours_jax"), us(e, "jax_baseline")
+        if ours and base:
+            t.add(
+                f"{e['name']}: CPU kernel >= 2x the straightforward JAX version",
+                base / ours >= 2.0,
+                f"{base / ours:.2f}x ({ours:.1f} vs {base:.1f} us)",
+            )
+
+
+def _absolute_and_bandwidth(t: _Targets) -> None:
+    for name, limit in (("prefill_b8_l2048", 37.0), ("decode_b64", 3.5), ("decode_b1", 2.2)):
+        for who in ("ours_jax", "ours_raw") if name in t.shapes else ():
+            time_us = us(t.shapes[name], who)
+            if time_us is not None:
+                t.add(f"{name}: {who} <= {limit} us", time_us <= limit, f"{time_us:.2f} us")
+    for name in ("prefill_b8_l2048", "prefill_b8_l2048_fp8"):
+        e = t.shapes.get(name)
+        for who in SLOT_AND_PAGED if e else ():
+            frac = t.bandwidth(e, who)
+            if frac is not None:
+                t.add(
+                    f"{name}: {who} >= 90% of measured copy bandwidth (its bytes)",
+                    frac >= 0.9,
+                    f"{100 * frac:.1f}%",
+                )
+    one, stacked = t.shapes.get("decode_b64"), t.shapes.get("decode_b64_5layers")
+    for who in ("ours_jax", "ours_raw") if one and stacked else ():
+        a, b = us(one, who), us(stacked, who)
+        if a and b:
+            t.add(
+                f"5 stacked layers at B=64 L=16: {who} <= 1.6x one layer",
+                b <= 1.6 * a,
+                f"{b / a:.2f}x",
+            )
+
+
+def _per_shape(t: _Targets, e: dict) -> None:
+    """Against FlashInfer, between the paths and contracts, and the fused norm's gain."""
+    fi = us(e, "flashinfer")
+    for who in ("ours_jax", "ours_raw"):
+        mine = us(e, who)
+        if fi is not None and mine is not None:
+            t.add(
+                f"{e['name']}: {who} faster than FlashInfer rope + append",
+                mine < fi,
+                f"{mine:.2f} vs {fi:.2f} us",
+            )
+    t.ratio(e, "ours_jax", "ours_raw", 1.10, "JAX path within 10% of the raw launcher")
+    t.ratio(e, "paged_jax", "paged_raw", 1.05, "paged JAX path within 5% of the paged raw launcher")
+    t.ratio(e, "paged_jax", "ours_jax", 1.10, "paged op within 10% of the slot op (JAX)")
+    t.ratio(e, "paged_raw", "ours_raw", 1.10, "paged launcher within 10% of the slot launcher")
+    t.ratio(e, "knorm_jax", "paged_jax", 1.10, "fused k-norm at most +10% over the op without it")
+    fused, pair, norm = (us(e, n) for n in ("knorm_jax", "unfused_jax", "rmsnorm_jax"))
+    if None not in (fused, pair, norm):
+        t.add(
+            f"{e['name']}: fused k-norm faster than the unfused pair by at least the norm's "
+            f"own time (the RMSNorm jitted alone, host-timed)",
+            pair - fused >= norm,
+            f"pair {pair:.2f} - fused {fused:.2f} = {pair - fused:.2f} us, norm {norm:.2f} us",
+        )
+    kernels = (e["contenders"].get("unfused_jax") or {}).get("kernels_us")
+    if None not in (fused, pair) and kernels:
+        norm = norm_kernels_us(kernels)
+        t.add(
+            f"{e['name']}: fused k-norm faster than the unfused pair by at least the norm's "
+            f"own time (its kernels' device time in the pair)",
+            pair - fused >= norm,
+            f"pair {pair:.2f} - fused {fused:.2f} = {pair - fused:.2f} us, norm kernels "
+            f"{norm:.2f} us",
+        )
+
+
+def _against_others(t: _Targets) -> None:
+    """Against the quoted Edge-LLM kernel, the fp16 pool and the straightforward version."""
+    for name in ("prefill_b8_l2048", "decode_b64"):
+        e, peer = t.shapes.get(name), EDGE_LLM_0_11_US.get(name)
+        for who in ("paged_jax", "paged_raw") if e else ():
+            mine = us(e, who)
+            if mine is not None:
+                t.add(
+                    f"{name}: {who} >= 2.5x faster than Edge-LLM 0.11 (quoted {peer} us)",
+                    peer / mine >= 2.5,
+                    f"{peer / mine:.2f}x ({mine:.2f} us)",
+                )
+    fp8, fp16 = t.shapes.get("decode_b64_fp8"), t.shapes.get("decode_b64")
+    for who in SLOT_AND_PAGED if fp8 and fp16 else ():
+        a, b = us(fp8, who), us(fp16, who)
+        if a is not None and b is not None:
+            t.add(
+                f"decode_b64_fp8: {who} within 10% of the fp16-pool time",
+                a <= 1.1 * b,
+                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
+            )
+    e = t.shapes.get("prefill_b8_l2048")
+    base = us(e, "jax_baseline") if e else None
+    for who in ("ours_jax", "ours_raw") if e else ():
+        mine = us(e, who)
+        if base is not None and mine is not None:
+            t.add(
+                f"prefill_b8_l2048: {who} >= 5x faster than the straightforward JAX version",
+                base / mine >= 5.0,
+                f"{base / mine:.1f}x",
+            )
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    t = _Targets(results)
+    if results["backend"] == "cpu":
+        _cpu(t)
+        return t.rows
+    _absolute_and_bandwidth(t)
+    for e in t.entries:
+        _per_shape(t, e)
+    _against_others(t)
+    return t.rows
