@@ -67,6 +67,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_dflash  # noqa: E402
 from helpers import zlab_oracle as zlab  # noqa: E402
 from jax_dflash.cli import pipeline  # noqa: E402
+from jax_dflash.contract import DEFAULT_NORM_EPS  # noqa: E402
 from jax_dflash.testing import assert_bits_equal  # noqa: E402
 
 PAGE = 16
@@ -253,7 +254,7 @@ def test_pipeline_step_matches_zlab_cache(trace, contract, monkeypatch):
     hidden_norm and the k/v projections itself, in XLA, so keys and values are compared within
     ``PIPELINE_ULPS``; what it adds on top (k-norm, RoPE, addressing) is what the op tests below
     check bit for bit (values) and within ``KEY_ULPS`` (keys)."""
-    assert trace.norm_eps == pipeline.NORM_EPS, "the pipeline's norms use pipeline.NORM_EPS"
+    assert trace.norm_eps == DEFAULT_NORM_EPS, "the pipeline's norms use the default norm_eps"
     monkeypatch.setattr(pipeline, "features", _recorded_features(trace))
     g = pipeline.Geometry(
         layers=zlab.DRAFT_LAYERS,
