@@ -338,3 +338,17 @@ def test_int32_attribute_range():
         dflash_onnx.check_int32_attribute(2**31, "pages_per_slot", minimum=1)
     with pytest.raises(TypeError, match="pages_per_slot: .* got bool True"):
         dflash_onnx.check_int32_attribute(True, "pages_per_slot", minimum=1)
+
+
+def test_node_attributes_and_inputs_are_judged_as_the_plugin_reads_them():
+    """pages_per_slot is an INT32 plugin field at any size (never called an int64 attribute), and
+    every input needs a name: an empty one is ONNX's "optional input left out"."""
+    for too_large in (2**31, 2**63):
+        with pytest.raises(ValueError, match=r"pages_per_slot: .*\(an INT32 plugin field\)"):
+            dflash_onnx.make_update_node(pages_per_slot=too_large)
+    inputs = list(dflash_onnx.SLOT_INPUTS)
+    inputs[3] = ""
+    with pytest.raises(ValueError, match="inputs: expected a non-empty name for rope_cos_sin"):
+        dflash_onnx.make_update_node(inputs, pages_per_slot=2)
+    with pytest.raises(ValueError, match="inputs: expected a non-empty name for kv_page_table"):
+        dflash_onnx.make_paged_update_node([*dflash_onnx.PAGED_INPUTS[:6], ""])

@@ -115,9 +115,9 @@ float readEps(PluginField const& field) {
     throw std::invalid_argument(fieldWhere(field) + "expected type kFLOAT32, got " +
                                 fieldTypeName(field.type));
   float const value = *static_cast<float const*>(field.data);
-  if (!(std::isfinite(value) && value > 0.0f))
-    throw std::invalid_argument(fieldWhere(field) + "expected a finite float32 > 0, got " +
-                                std::to_string(value));
+  // The core's rule (a normal float32 > 0), worded for a field.
+  if (std::string const e = check_norm_eps(value); !e.empty())
+    throw std::invalid_argument(fieldWhere(field) + e.substr(e.find(':') + 2));
   return value;
 }
 

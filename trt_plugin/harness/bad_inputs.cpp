@@ -554,11 +554,13 @@ void fieldCases() {
     Fields f;
     f.addInt32(dtrt::kNORM_EPS_FIELD, 1);
     rejected("norm_eps of type INT32", "field 'norm_eps': expected type kFLOAT32, got kINT32", f);
-    for (float value :
-         {0.0f, -1e-6f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    // A subnormal eps is zero under a flush-to-zero mode: refused like zero.
+    for (float value : {0.0f, -1e-6f, 1e-40f, std::numeric_limits<float>::quiet_NaN(),
+                        std::numeric_limits<float>::infinity()}) {
       Fields g;
       g.addFloat32(dtrt::kNORM_EPS_FIELD, value);
-      rejected("norm_eps = " + std::to_string(value), "field 'norm_eps': expected a finite float32 > 0", g);
+      rejected("norm_eps = " + std::to_string(value),
+               "field 'norm_eps': expected a finite float > 0 that is a normal float32", g);
     }
     Fields h;
     float const values[2] = {1e-6f, 1e-6f};
