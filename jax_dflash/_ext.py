@@ -58,7 +58,6 @@ def cuda_extension_available() -> bool:
 # ---- the TensorRT plugin library shipped inside the package ----------------------------------
 
 PLUGIN_LIBRARY_NAME = "libdflash_trt_plugin.so"
-CONTRACT_HARNESS_NAME = "dflash_trt_contract_harness"
 _ENV_OVERRIDE = "DFLASH_TRT_PLUGIN_LIBRARY"
 
 
@@ -90,15 +89,5 @@ def trt_plugin_library_path() -> str:
         raise FileNotFoundError(
             f"jax_dflash: {PLUGIN_LIBRARY_NAME} was not built: it needs a CUDA toolkit and the TensorRT "
             "headers (TENSORRT_ROOT, or `python tools/fetch_trt_headers.py`) at build time; see BUILD.md"
-        )
-    return str(found.resolve())
-
-
-def contract_harness_path() -> str:
-    """The contract harness executable installed next to the plugin library (for the tests)."""
-    found = _installed_file(CONTRACT_HARNESS_NAME)
-    if found is None:
-        raise FileNotFoundError(
-            f"jax_dflash: {CONTRACT_HARNESS_NAME} was not built (it is built with the TensorRT plugin)"
         )
     return str(found.resolve())

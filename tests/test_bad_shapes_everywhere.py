@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ import pytest
 from helpers.children import run_in_children
 
 ALL_PATHS = ("python", "op", "ffi", "plugin")
-HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
 I64 = 2**63
 DTYPES = {
     "float16": np.float16,
@@ -402,20 +400,12 @@ def plugin_line(row) -> str:
 
 
 def _harness():
-    override = os.environ.get(HARNESS_OVERRIDE)
-    if override:
-        if not Path(override).is_file():
-            pytest.fail(f"{HARNESS_OVERRIDE}={override!r}: expected a file, found none")
-        return override
-    from jax_dflash import _ext
+    from helpers.trt_harness import _harness_path
 
     try:
-        return _ext.contract_harness_path()
+        return _harness_path()
     except FileNotFoundError as e:
-        pytest.skip(
-            f"the TensorRT contract harness is not built here ({e}); set "
-            f"{HARNESS_OVERRIDE} to a build's trt_plugin/dflash_trt_contract_harness"
-        )
+        pytest.skip(f"the TensorRT contract harness is not built here: {e}")
 
 
 _plugin_cache: dict = {}

@@ -467,7 +467,7 @@ def _harness_or_skip():
         pytest.skip("no GPU backend in this JAX: the TensorRT enqueue parity runs on the H200")
     from helpers import trt_harness
 
-    return trt_harness, trt_harness._built(trt.contract_harness_path)
+    return trt_harness, trt_harness._built(trt_harness._harness_path)
 
 
 def _node_for_case(meta):

@@ -7,7 +7,8 @@ this file reads. ``--check-shapes`` gives the plugin's own verdict on cases writ
 GPU (the H200): the harness also enqueues on device buffers and dumps inputs and pools; every pool
 the plugin produced equals the JAX op's on the GPU and the NumPy reference's, bit for bit.
 
-The harness is the installed one (``jax_dflash._ext.contract_harness_path()``);
+The harness is the one in the editable build's tree (``build/<tag>/trt_plugin/``; it is not
+installed with the package);
 ``DFLASH_TRT_HARNESS=/path/to/dflash_trt_contract_harness`` runs another build instead (e.g. a
 build directory's ``trt_plugin/dflash_trt_contract_harness``).
 """

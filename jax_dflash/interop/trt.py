@@ -17,9 +17,9 @@ import os
 import threading
 from pathlib import Path
 
-from jax_dflash._ext import contract_harness_path, trt_plugin_library_path
+from jax_dflash._ext import trt_plugin_library_path
 
-__all__ = ["build_engine", "contract_harness_path", "load_plugin", "trt_plugin_library_path"]
+__all__ = ["build_engine", "load_plugin", "trt_plugin_library_path"]
 
 _loaded_lock = threading.Lock()
 _registry_handles: dict[int, object] = {}  # id(registry) -> handle from load_library

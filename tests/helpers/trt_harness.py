@@ -13,10 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_dflash.interop import trt
-
 REPO = Path(__file__).resolve().parents[2]
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
+HARNESS_NAME = "dflash_trt_contract_harness"
 DTYPES = {
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -63,7 +62,16 @@ def _harness_path() -> str:
         if not Path(override).is_file():
             raise FileNotFoundError(f"{HARNESS_OVERRIDE}={override!r}: expected a file, found none")
         return str(Path(override).resolve())
-    return trt.contract_harness_path()
+    # The harness is a test tool, built beside the plugin but not installed with the package:
+    # the newest of the editable builds' (make build: build/<wheel tag>/trt_plugin/).
+    root = REPO
+    built = sorted(root.glob(f"build/*/trt_plugin/{HARNESS_NAME}"), key=lambda p: p.stat().st_mtime)
+    if not built:
+        raise FileNotFoundError(
+            f"{HARNESS_NAME} was not built in {root / 'build'} (make build builds it with the "
+            f"TensorRT plugin); {HARNESS_OVERRIDE} names another build's"
+        )
+    return str(built[-1])
 
 
 def _run_harness(harness, *args, timeout=300, report=None):
