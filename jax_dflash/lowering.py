@@ -1,5 +1,6 @@
-"""The per-device lowering of both primitives: one XLA FFI custom call (SPEC.md, "The XLA FFI
-custom calls") whose result aliases the pool operand."""
+"""The per-device lowering of the update primitives: one XLA FFI custom call per addressing form
+(SPEC.md, "The XLA FFI custom calls"), named by the form's descriptor, whose result aliases the
+pool operand."""
 
 from __future__ import annotations
 
@@ -13,36 +14,31 @@ POOL_OPERAND = FORMS["slot"]["operands"].index("past_key_value")  # result 0 ali
 SLOT_TARGET = FORMS["slot"]["ffi_target"]
 PAGED_TARGET = FORMS["paged"]["ffi_target"]
 
+# The handlers' attribute types (SPEC.md's ABI): a form's own attributes, then the norms'.
+ATTRIBUTE_TYPES = {
+    "pages_per_slot": np.int64,
+    "ring": np.bool_,
+    "k_norm": np.bool_,
+    "v_norm": np.bool_,
+    "norm_eps": np.float32,
+}
+_NORM_ATTRIBUTES = ("k_norm", "v_norm", "norm_eps")
 
-def _norm_attributes(k_norm, v_norm, norm_eps) -> dict:
-    # Typed NumPy scalars: the handlers bind bool (i1) and float32 attributes.
-    return dict(k_norm=np.bool_(k_norm), v_norm=np.bool_(v_norm), norm_eps=np.float32(norm_eps))
 
+def lowering_for(form: str):
+    """The lowering rule factory of ``form``'s primitive: ``platform`` (cpu/cuda) -> rule."""
+    names = (*FORMS[form]["attributes"], *_NORM_ATTRIBUTES)
 
-def slot_lowering(platform: str):
-    """The lowering rule of ``dflash_target_kv_cache_update`` on ``platform`` (cpu/cuda)."""
-    lower = jax.ffi.ffi_lowering(SLOT_TARGET, operand_output_aliases={POOL_OPERAND: 0})
-
-    def rule(ctx, *operands, pages_per_slot, k_norm, v_norm, norm_eps):
-        _ext.ensure_registered(platform)
-        return lower(
-            ctx,
-            *operands,
-            pages_per_slot=np.int64(pages_per_slot),
-            **_norm_attributes(k_norm, v_norm, norm_eps),
+    def for_platform(platform: str):
+        lower = jax.ffi.ffi_lowering(
+            FORMS[form]["ffi_target"], operand_output_aliases={POOL_OPERAND: 0}
         )
 
-    return rule
+        def rule(ctx, *operands, **params):
+            _ext.ensure_registered(platform)
+            # Typed NumPy scalars: the handlers bind int64, bool (i1) and float32 attributes.
+            return lower(ctx, *operands, **{n: ATTRIBUTE_TYPES[n](params[n]) for n in names})
 
+        return rule
 
-def paged_lowering(platform: str):
-    """The lowering rule of ``dflash_target_kv_cache_update_paged`` on ``platform``."""
-    lower = jax.ffi.ffi_lowering(PAGED_TARGET, operand_output_aliases={POOL_OPERAND: 0})
-
-    def rule(ctx, *operands, ring, k_norm, v_norm, norm_eps):
-        _ext.ensure_registered(platform)
-        return lower(
-            ctx, *operands, ring=np.bool_(ring), **_norm_attributes(k_norm, v_norm, norm_eps)
-        )
-
-    return rule
+    return for_platform

@@ -364,11 +364,14 @@ target_kv_cache_update_paged_p.def_impl(_impl_for(target_kv_cache_update_paged_p
 
 # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
 sharding.register_lowerings(
-    target_kv_cache_update_p, lowering.slot_lowering, platforms=("cpu", "cuda"), contract="slot"
+    target_kv_cache_update_p,
+    lowering.lowering_for("slot"),
+    platforms=("cpu", "cuda"),
+    contract="slot",
 )
 sharding.register_lowerings(
     target_kv_cache_update_paged_p,
-    lowering.paged_lowering,
+    lowering.lowering_for("paged"),
     platforms=("cpu", "cuda"),
     contract="paged",
 )

@@ -23,18 +23,18 @@ ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRet
   return ffi::Error::Success();
 }
 
-ffi::Error slot_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  return run_cpu(Contract::kSlot, args, rets, attrs);
-}
-
-ffi::Error paged_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
-  return run_cpu(Contract::kPaged, args, rets, attrs);
-}
+// The XLA FFI handler of form C on CPU.
+template <Contract C> struct CpuHandler {
+  static ffi::Error run(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
+    return run_cpu(C, args, rets, attrs);
+  }
+  static XLA_FFI_Error* call(XLA_FFI_CallFrame* call_frame) {
+    XLA_FFI_DEFINE_HANDLER(handler, run, bind_update_call(ffi::Ffi::Bind()));
+    return (*handler)(call_frame);
+  }
+};
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCpu, slot_cpu, bind_update_call(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCpu, paged_cpu, bind_update_call(ffi::Ffi::Bind()));
 
 namespace {
 
@@ -81,10 +81,8 @@ NB_MODULE(_dflash_cpu, m) {
   using namespace nb::literals;
   m.def("registrations", []() {
     nb::dict targets;
-    targets[dflash::addressing_form(dflash::Contract::kSlot).ffi_target] =
-        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdateCpu));
-    targets[dflash::addressing_form(dflash::Contract::kPaged).ffi_target] =
-        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCpu));
+    for (auto const& [name, handler] : dflash::jax::form_targets<dflash::jax::CpuHandler>())
+      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
     return targets;
   });
   dflash::jax::bind_contract(m);

@@ -33,24 +33,21 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   return ffi::Error::Success();
 }
 
-ffi::Error slot_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     ffi::Dictionary attrs) {
-  return run_cuda(Contract::kSlot, stream, args, rets, attrs);
-}
-
-ffi::Error paged_cuda(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                      ffi::Dictionary attrs) {
-  return run_cuda(Contract::kPaged, stream, args, rets, attrs);
-}
+// The XLA FFI handler of form C on CUDA; it only enqueues, so XLA may record it in a command buffer.
+template <Contract C> struct CudaHandler {
+  static ffi::Error run(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        ffi::Dictionary attrs) {
+    return run_cuda(C, stream, args, rets, attrs);
+  }
+  static XLA_FFI_Error* call(XLA_FFI_CallFrame* call_frame) {
+    XLA_FFI_DEFINE_HANDLER(handler, run,
+                           bind_update_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                           {ffi::Traits::kCmdBufferCompatible});
+    return (*handler)(call_frame);
+  }
+};
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdateCuda, slot_cuda,
-                              bind_update_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TargetKVCacheUpdatePagedCuda, paged_cuda,
-                              bind_update_call(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
 
 namespace {
 
@@ -104,10 +101,8 @@ NB_MODULE(_dflash_cuda, m) {
   using namespace nb::literals;
   m.def("registrations", []() {
     nb::dict targets;
-    targets["dflash_target_kv_cache_update"] =
-        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdateCuda));
-    targets["dflash_target_kv_cache_update_paged"] =
-        nb::capsule(reinterpret_cast<void*>(dflash::jax::TargetKVCacheUpdatePagedCuda));
+    for (auto const& [name, handler] : dflash::jax::form_targets<dflash::jax::CudaHandler>())
+      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
     return targets;
   });
   m.def("launch", &dflash::jax::launch_slot, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <array>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dflash/operands.h"
@@ -133,10 +135,22 @@ inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
   return ffi::Error::Success();
 }
 
-// The binding of both targets, after the platform context (if any): SPEC.md's operands in order
+// The binding of every target, after the platform context (if any): SPEC.md's operands in order
 // then the extras, one result (aliasing the pool), the attributes as a dictionary.
 template <typename Binding> auto bind_update_call(Binding binding) {
   return std::move(binding).RemainingArgs().RemainingRets().template Attrs<ffi::Dictionary>();
+}
+
+// One FFI target per addressing form of contract.h: {target name, handler}, where
+// Handler<C>::call is the form's handler on one platform. A new form is a row of the table.
+using TargetHandler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+template <template <Contract> class Handler, size_t... I>
+constexpr std::array<std::pair<char const*, TargetHandler>, sizeof...(I)> form_targets(
+    std::index_sequence<I...>) {
+  return {{{kAddressingForms[I].ffi_target, &Handler<kAddressingForms[I].contract>::call}...}};
+}
+template <template <Contract> class Handler> constexpr auto form_targets() {
+  return form_targets<Handler>(std::make_index_sequence<std::size(kAddressingForms)>{});
 }
 
 }  // namespace dflash::jax
