@@ -39,6 +39,7 @@ class Case:
     pool_spec: tuple | None = None  # overrides the pool's PartitionSpec (error cases)
 
 
+# Long: a table of cases, one entry each.
 def cases(n: int) -> list[Case]:
     """The cases of an ``n``-device mesh along one axis ``x``."""
     import ml_dtypes

@@ -136,6 +136,7 @@ def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
 # ---- the slot contract -----------------------------------------------------------------------
 
 
+# Long: its docstring is the API's reference (every operand's shape, dtype and rule).
 def target_kv_cache_update(
     k_delta: jax.Array,
     v_delta: jax.Array,

@@ -330,6 +330,7 @@ def _random_tokens(rng, tokens, batch, table_pages, page_size, hostile):
     return positions.astype(np.int32), owners.astype(np.int32)
 
 
+# Long: one keyword per knob of the problem, each drawn in turn.
 def make_paged_problem(
     rng: np.random.Generator,
     *,

@@ -105,6 +105,7 @@ def _fp8_scales(n=2):
     return {"k_scale": ("float32", (n,)), "v_scale": ("float32", (n,))}
 
 
+# Long: a table of cases, one entry each.
 def _rows():
     s, p = slot_specs(), paged_specs()
     s_fp8, p_fp8 = slot_specs(pool="float8_e4m3fn"), paged_specs(pool="float8_e4m3fn")

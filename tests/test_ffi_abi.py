@@ -282,6 +282,7 @@ def _index_names(contract):
     )
 
 
+# Long: a table of cases, one entry each.
 def _cases() -> list[Case]:
     cases = []
     both = lambda *a: cases.extend(_both_contracts(*a))  # noqa: E731

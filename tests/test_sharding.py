@@ -72,6 +72,7 @@ class Case:
         return math.prod(size for _, size in self.mesh)
 
 
+# Long: a table of cases, one entry each.
 def cases(num_devices: int) -> list[Case]:
     """The cases that fit on ``num_devices`` (2 or 4) devices."""
     n = num_devices
@@ -521,6 +522,7 @@ def _written(case: Case, problem, updated: np.ndarray) -> tuple[int, int]:
     return slots, int(np.prod(problem.k_delta.shape[:-3]))  # B, or layers * B
 
 
+# Long: one case's steps (build, compile, run, compare, inspect the HLO), in order.
 def run_case(case: Case, devices) -> dict:
     # Not hostile unless asked: every sequence then writes, so a wrong slot cannot hide.
     problem = _problem(case, zlib.crc32(case.name.encode()))

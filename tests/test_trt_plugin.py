@@ -210,6 +210,7 @@ def _python_verdict(line):
     return True
 
 
+# Long: a table of shape cases, one entry each, then one harness run.
 def test_check_shapes_verdicts(harness, tmp_path):
     fp8_scales = (_tensor("float32", 2), _tensor("float32", 2))
     cases = {  # name -> (line, accepted, an operand or field the rejection must name)

@@ -53,6 +53,7 @@ def _replace(args, index, value):
     return args
 
 
+# Long: a table of cases, one entry each.
 def _slot_cases():
     p = _problem()
     k, v, pool, rope, starts, lengths = p.args()
@@ -359,6 +360,7 @@ def test_slot_trace_time_errors(case):
     _expect(error, [fragments[0]], lambda: reference.target_kv_cache_update(*args, **keywords))
 
 
+# Long: a table of cases, one entry each.
 def _paged_cases():
     p = _paged()
     k, v, pool, rope, positions, owners, table = p.args()

@@ -59,6 +59,7 @@ def _pool(rng, shape, pool_name):
     return raw.view(BITS[pool_name])  # random bits: NaNs with payloads included
 
 
+# Long: one random draw per knob of a case, in turn.
 def make_case(rng, case):
     contract = "slot" if case % 2 == 0 else "paged"
     delta, pool = DELTA[rng.integers(3)], POOL[rng.integers(5)]
@@ -224,6 +225,7 @@ def _load_old(path):
     return module
 
 
+# Long: a table of timed shapes, then one loop that times them.
 def timing(old_path=None, only=None):
     import torch
 

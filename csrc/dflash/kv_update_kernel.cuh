@@ -429,6 +429,8 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 
 // NORM: the fused-norm form the kernel carries (NormForm), a template parameter so that the plain
 // kernels carry none of its registers and the butterfly none of the row form's stack.
+// Long: the kernel is the order of its loads and waits (what is issued before the dependent load,
+// what is computed while it is in flight, what after), and that order is read in one body.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
 __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Launch<C> constants) {
   Geometry const& g = constants.g;

@@ -387,6 +387,7 @@ def _model(helper, node, graph_name, inputs, output, opset):
     return model
 
 
+# Long: one ONNX model built input by input (value infos, node, graph); read in order.
 def make_update_model(
     *,
     num_kv_heads: int,
@@ -491,6 +492,7 @@ def _typed_model(helper, TensorProto, node, names, shapes, extras, graph_name, o
     return _model(helper, node, graph_name, inputs, output, opset)
 
 
+# Long: one ONNX model built input by input (value infos, node, graph); read in order.
 def make_paged_update_model(
     *,
     num_kv_heads: int,
