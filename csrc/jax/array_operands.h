@@ -139,16 +139,21 @@ enum DLPackCode : uint8_t {
   kDLFloat8E5M2 = 12,
 };
 
-// The dtype an array says it has; unsigned ints only carry bits (bfloat16/FP8 views).
+// The dtype an array says it has, for every element type the core names (so that a new pool
+// format needs no change here); unsigned ints only carry bits (bfloat16/FP8 views).
 inline DType dtype_of(nb::dlpack::dtype d) {
   if (d.lanes != 1) return DType::kOther;
   if (d.code == kDLFloat && d.bits == 16) return DType::kFloat16;
   if (d.code == kDLFloat && d.bits == 32) return DType::kFloat32;
+  if (d.code == kDLFloat && d.bits == 64) return DType::kFloat64;
   if (d.code == kDLBfloat && d.bits == 16) return DType::kBFloat16;
   if (d.code == kDLFloat8E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
   if (d.code == kDLFloat8E5M2 && d.bits == 8) return DType::kFloat8E5M2;
+  if (d.code == kDLInt && d.bits == 8) return DType::kInt8;
+  if (d.code == kDLInt && d.bits == 16) return DType::kInt16;
   if (d.code == kDLInt && d.bits == 32) return DType::kInt32;
   if (d.code == kDLInt && d.bits == 64) return DType::kInt64;
+  if (d.code == kDLBool) return DType::kBool;
   return DType::kOther;
 }
 
