@@ -75,6 +75,11 @@ class Checker {
   std::string error_;
 };
 
+// "a float16", "an int8": a dtype's name with its article, for messages.
+std::string with_article(DType d) {
+  return std::string(dtype_name(d)[0] == 'i' ? "an " : "a ") + dtype_name(d);
+}
+
 // ceil(n / d) for n >= 0, d > 0, without forming n + d - 1 (which overflows for n near INT64_MAX).
 int64_t ceil_div(int64_t n, int64_t d) { return n / d + (n % d != 0 ? 1 : 0); }
 
@@ -233,7 +238,7 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
         if (!is_pool_dtype(given))
           return name() + ": expected dtype " + pool_dtype_list() + ", got " + dtype_name(given);
         if (takes_scales(given) && !scales_given)
-          return name() + ": a " + dtype_name(given) + " pool needs the k_scale and v_scale operands";
+          return name() + ": " + with_article(given) + " pool needs the k_scale and v_scale operands";
         if (!takes_scales(given) && scales_given)
           return name() + ": k_scale and v_scale are given, so a pool format with scales is expected, got " +
                  dtype_name(given);
@@ -390,11 +395,11 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   // Whether the scales are there is a question of values, not dtypes: asked before the dtypes.
   if (is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
     return scales == 2
-               ? "past_key_value: a " + std::string(dtype_name(pool_dtype)) +
+               ? "past_key_value: " + with_article(pool_dtype) +
                      " pool takes no k_scale, v_scale (only pool formats with scales do), got k_scale of "
                      "shape " +
                      dims_text(c.op(base))
-               : "past_key_value: a " + std::string(dtype_name(pool_dtype)) +
+               : "past_key_value: " + with_article(pool_dtype) +
                      " pool needs k_scale and v_scale (float32, [] or [1] per tensor, [H] per KV head), got "
                      "none";
   for (int32_t i = 0; i < count; ++i)

@@ -98,8 +98,6 @@ inline float float_argument(nb::handle value, char const* name) {
   return float(v);
 }
 
-inline constexpr char kDTypeNames[] = "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2";
-
 // delta_dtype / pool_dtype: a name, a NumPy dtype or scalar type (ml_dtypes' too), or ""/None for
 // the arrays' own dtypes.
 inline std::string dtype_argument(nb::handle value, char const* name) {
@@ -109,19 +107,17 @@ inline std::string dtype_argument(nb::handle value, char const* name) {
     return nb::cast<std::string>(numpy().attr("dtype")(value).attr("name"));
   } catch (nb::python_error const&) {
     throw nb::type_error(
-        (std::string(name) + ": expected a dtype name (" + kDTypeNames + "), got " + given_value(value))
+        (std::string(name) + ": expected a dtype name (" + pool_dtype_list() + "), got " + given_value(value))
             .c_str());
   }
 }
 
+// A delta or pool dtype named by delta_dtype / pool_dtype: any the contract has (contract.h).
 inline DType dtype_from_name(std::string const& name, char const* argument) {
-  if (name == "float16") return DType::kFloat16;
-  if (name == "bfloat16") return DType::kBFloat16;
-  if (name == "float32") return DType::kFloat32;
-  if (name == "float8_e4m3fn") return DType::kFloat8E4M3;
-  if (name == "float8_e5m2") return DType::kFloat8E5M2;
+  for (PoolFormat const& f : kPoolFormats)
+    if (name == dtype_name(f.element)) return f.element;
   throw nb::value_error(
-      (std::string(argument) + ": expected " + kDTypeNames + ", got '" + name + "'").c_str());
+      (std::string(argument) + ": expected " + pool_dtype_list() + ", got '" + name + "'").c_str());
 }
 
 // ---- array dtypes ------------------------------------------------------------------------------
@@ -497,12 +493,13 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
   DType const delta = delta_name.empty() ? DType::kOther : dtype_from_name(delta_name, "delta_dtype");
   DType const pool = pool_name.empty() ? DType::kOther : dtype_from_name(pool_name, "pool_dtype");
   char const* const delta_dtypes = "float16, bfloat16 or float32";
+  static std::string const pool_dtypes = pool_dtype_list();
   std::vector<ArraySpec> specs;
   for (size_t i = 0; i < base.size(); ++i) {
     char const* name = operand_name(attrs, int32_t(i), int32_t(base.size()));
     DType const declared = i < 2 ? delta : i == 2 ? pool : DType::kOther;
     char const* keyword = i < 2 ? "delta_dtype" : i == 2 ? "pool_dtype" : nullptr;
-    char const* expected = i < 2 ? delta_dtypes : i == 2 ? kDTypeNames : i == 3 ? "float32" : "int32";
+    char const* expected = i < 2 ? delta_dtypes : i == 2 ? pool_dtypes.c_str() : i == 3 ? "float32" : "int32";
     specs.push_back({name, base[i], declared, /*writable=*/i == 2, keyword, expected});
   }
   nb::object k_scale_array, v_scale_array;
