@@ -18,6 +18,7 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT32 = np.dtype(np.float32)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+_INT8 = np.dtype(np.int8)
 
 # Canonical quiet NaN bits of each pool dtype (SPEC.md, "NaN").
 CANONICAL_NAN = {
@@ -163,9 +164,21 @@ def rope_rotate(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return y
 
 
+def round_int8(q: np.ndarray) -> np.ndarray:
+    """float32 ``q`` (already divided by the scale) to int8: round half to even, clamp to
+    [-127, 127] (infinities too), NaN gives 0."""
+    q = np.asarray(q, np.float32)
+    with np.errstate(invalid="ignore"):
+        clamped = np.clip(np.where(np.isnan(q), np.float32(0), q), -127, 127)
+    return np.rint(clamped).astype(np.int8)
+
+
 def _store(delta, y, touched, pool_dtype, inv_scale):
     """The pool elements for delta [n, H, D] whose float32 result is y; `touched` [n or 1, D]
-    marks channels arithmetic changed (else, in the same dtype, the delta's bits are copied)."""
+    marks channels arithmetic changed (else, in the same dtype, the delta's bits are copied).
+    ``inv_scale`` is what the format's conversion takes (_conversion_scale)."""
+    if pool_dtype == _INT8:
+        return round_int8(y / inv_scale)
     if pool_dtype in FP8_FORMATS:
         return round_fp8(y * inv_scale, pool_dtype)
     out = round_to(y, pool_dtype)
@@ -196,13 +209,16 @@ def _stored_rows(
     return (_store(k, y, k_touched, pool_dtype, inv_k), _store(v, z, v_touched, pool_dtype, inv_v))
 
 
-def _inverse_scale(scale):
-    """``inv = 1 / scale`` in float32, shaped to broadcast over [n, H, D]."""
+def _conversion_scale(scale, pool_dtype):
+    """What a scaled store takes, shaped to broadcast over [n, H, D]: ``1 / scale`` in float32
+    (FP8: the value times it), or the scale itself (int8: the value divided by it)."""
     if scale is None:
         return None
-    with np.errstate(divide="ignore"):
-        inv = np.float32(1) / np.asarray(scale, np.float32).reshape(-1)
-    return inv[None, :, None]  # [1] (per tensor) or [H] (per head)
+    scale = np.asarray(scale, np.float32).reshape(-1)
+    if pool_dtype != _INT8:
+        with np.errstate(divide="ignore"):
+            scale = np.float32(1) / scale
+    return scale[None, :, None]  # [1] (per tensor) or [H] (per head)
 
 
 def _layer_slice(x, per_layer, layer):
@@ -230,8 +246,8 @@ def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v
                 *static,
                 pool_dtype=pool.dtype,
                 rotary_dim=rotary_dim,
-                inv_k=_inverse_scale(at(ks, ks is not None and ks.ndim == 2)),
-                inv_v=_inverse_scale(at(vs, vs is not None and vs.ndim == 2)),
+                inv_k=_conversion_scale(at(ks, ks is not None and ks.ndim == 2), pool.dtype),
+                inv_v=_conversion_scale(at(vs, vs is not None and vs.ndim == 2), pool.dtype),
                 k_norm_weight=at(w, w is not None and w.ndim == 2),
                 v_norm=bool(v_norm),
                 eps=eps,

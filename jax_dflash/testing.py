@@ -15,7 +15,10 @@ import numpy as np
 
 DELTA_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
-POOL_DTYPES = DELTA_DTYPES + FP8_DTYPES
+INT8 = np.dtype(np.int8)
+# Pool formats that take k_scale and v_scale (contract.h's descriptors).
+SCALED_DTYPES = FP8_DTYPES + (INT8,)
+POOL_DTYPES = DELTA_DTYPES + SCALED_DTYPES
 
 ULP_SAMPLE = 1 << 20
 
@@ -45,7 +48,11 @@ def _dtype_arg(name, dtype, allowed):
 def _random_pool(rng, shape, pool_dtype):
     """Standard-normal values in the pool dtype; FP8 zeros are nudged to the smallest subnormal
     of their sign (a zero pool element could not tell an unwritten row from a zero write)."""
-    pool = rng.standard_normal(shape, dtype=np.float32).astype(pool_dtype)
+    values = rng.standard_normal(shape, dtype=np.float32)
+    if pool_dtype == INT8:  # spread over the bytes, zero nudged to +-1 for the same reason
+        q = np.clip(np.rint(values * 40), -127, 127)
+        return np.where(q == 0, np.where(np.signbit(values), -1, 1), q).astype(np.int8)
+    pool = values.astype(pool_dtype)
     if pool_dtype in FP8_DTYPES:
         bits = pool.view(np.uint8)
         bits[(bits & 0x7F) == 0] |= 0x01
@@ -70,10 +77,12 @@ def _scale_shape(scale_shape, heads, layers):
 def _random_scales(rng, shape, pool_dtype, hostile):
     # Log-uniform: hostile ranges reach far past the format's largest value (saturation) and
     # down into its subnormals; otherwise the scale roughly fits unit-normal data to the format.
-    if hostile:
-        low, high = (-8.0, 1.0) if pool_dtype == FP8_DTYPES[0] else (-14.0, 1.0)
-    else:
-        low, high = (-6.0, -4.0) if pool_dtype == FP8_DTYPES[0] else (-12.0, -10.0)
+    ranges = {  # (hostile, fitted) log2 ranges per format
+        FP8_DTYPES[0]: ((-8.0, 1.0), (-6.0, -4.0)),
+        FP8_DTYPES[1]: ((-14.0, 1.0), (-12.0, -10.0)),
+        INT8: ((-10.0, 2.0), (-5.0, -3.0)),
+    }
+    low, high = ranges[pool_dtype][0 if hostile else 1]
     return np.exp2(rng.uniform(low, high, shape)).astype(np.float32)
 
 
@@ -119,13 +128,14 @@ def _make_extras(
     norm_weight_per_layer,
 ) -> _Extras:
     extras = _Extras(norm_eps=float(norm_eps), v_norm=bool(v_norm))
-    if pool_dtype in FP8_DTYPES:
+    if pool_dtype in SCALED_DTYPES:
         shape = _scale_shape(scale_shape, heads, layers)
         extras.k_scale = _random_scales(rng, shape, pool_dtype, hostile)
         extras.v_scale = _random_scales(rng, shape, pool_dtype, hostile)
     elif scale_shape is not None:
         raise ValueError(
-            f"scale_shape: scales go with an FP8 pool only, got pool_dtype {pool_dtype}"
+            f"scale_shape: scales go with a pool format that takes them (FP8, int8), got "
+            f"pool_dtype {pool_dtype}"
         )
     if k_norm:
         if norm_weight_per_layer and layers is None:

@@ -23,9 +23,17 @@ enum class ScaleGranularity : int32_t {
   kStatic = 1,  // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
 };
 
+// How a float32 value y becomes a stored element (numerics.h).
+enum class Conversion : int32_t {
+  kRound = 0,            // round_X(y), nearest even (the IEEE formats)
+  kTimesReciprocal = 1,  // fp8(y * (1 / scale)), nearest even, saturating (SPEC.md, "FP8 pools")
+  kDivideByScale = 2,    // clamp(round_half_even(y / scale), -max, max), NaN -> 0 (integers)
+};
+
 struct PoolFormat {
   DType element;
   ScaleGranularity scales;
+  Conversion conversion;
   // The largest finite magnitude a scaled store saturates to; 0 for the IEEE formats, whose
   // rounding overflows to infinity.
   float max_finite;
@@ -34,11 +42,12 @@ struct PoolFormat {
 };
 
 inline constexpr PoolFormat kPoolFormats[] = {
-    {DType::kFloat16, ScaleGranularity::kNone, 0.0f, true},
-    {DType::kBFloat16, ScaleGranularity::kNone, 0.0f, true},
-    {DType::kFloat32, ScaleGranularity::kNone, 0.0f, true},
-    {DType::kFloat8E4M3, ScaleGranularity::kStatic, 448.0f, true},
-    {DType::kFloat8E5M2, ScaleGranularity::kStatic, 57344.0f, false},
+    {DType::kFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
+    {DType::kBFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
+    {DType::kFloat32, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
+    {DType::kFloat8E4M3, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 448.0f, true},
+    {DType::kFloat8E5M2, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 57344.0f, false},
+    {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, false},
 };
 
 // The format of a pool of this dtype; null when no pool has it.
@@ -52,6 +61,11 @@ constexpr bool is_pool_dtype(DType d) { return pool_format(d) != nullptr; }
 constexpr bool takes_scales(DType pool) {
   PoolFormat const* f = pool_format(pool);
   return f != nullptr && f->scales != ScaleGranularity::kNone;
+}
+// Whether a pool of this dtype stores round(y / scale) rather than y times the scale's reciprocal.
+constexpr bool divides_by_scale(DType pool) {
+  PoolFormat const* f = pool_format(pool);
+  return f != nullptr && f->conversion == Conversion::kDivideByScale;
 }
 // "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages; TensorRT's only
 // with `tensorrt`.

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dflash/contract.h"
 #include "dflash/float_bits.h"
 #include "dflash/numerics.h"
 
@@ -270,7 +271,8 @@ void narrow_fp8(float const* y, uint8_t* out, int64_t begin, int64_t end, float 
   for (; j < end; ++j) out[j] = float_to_fp8_bits<F>(mul_rn(y[j], inv_scale));
 }
 
-// dst[begin, end) <- y stored in the pool dtype (FP8: y times inv_scale, saturated).
+// dst[begin, end) <- y stored in the pool dtype (FP8: y times inv_scale, saturated; int8: y divided
+// by it, which for a dividing format is the scale itself: see conversion_scale).
 void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t end, float inv_scale) {
   switch (dtype) {
     case DType::kFloat16:
@@ -293,6 +295,11 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       return narrow_fp8<E4M3Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
     case DType::kFloat8E5M2:
       return narrow_fp8<E5M2Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
+    case DType::kInt8: {
+      uint8_t* const out = static_cast<uint8_t*>(dst);
+      for (int64_t j = begin; j < end; ++j) out[j] = float_to_int8_bits(div_rn(y[j], inv_scale));
+      return;
+    }
     default: return;
   }
 }
@@ -377,8 +384,12 @@ struct HeadWriter {
   }
 };
 
-float inverse_scale(float const* scales, KVUpdateParams const& p, int64_t layer, int64_t h) {
-  return scales == nullptr ? 1.0f : div_rn(1.0f, scales[scale_index(p, layer, h)]);
+// What a scaled store is given: the scale's reciprocal, or the scale itself for a format that
+// divides by it (contract.h's Conversion).
+float conversion_scale(float const* scales, KVUpdateParams const& p, int64_t layer, int64_t h) {
+  if (scales == nullptr) return 1.0f;
+  float const scale = scales[scale_index(p, layer, h)];
+  return divides_by_scale(p.pool_dtype) ? scale : div_rn(1.0f, scale);
 }
 
 // Writes one token: its key (rotated with cos_sin unless that is null) and value rows.
@@ -407,14 +418,14 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
       heads.write(k_src + h * head_bytes, k_dst + h * p.head_dim * pool_elem, p.k_norm, weight,
-                  rotate ? cos_sin : nullptr, inverse_scale(p.k_scale, p, layer, h), same && !p.k_norm);
+                  rotate ? cos_sin : nullptr, conversion_scale(p.k_scale, p, layer, h), same && !p.k_norm);
   }
   if (same && !p.v_norm) {
     std::memcpy(v_dst, v_src, size_t(stride * pool_elem));
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
       heads.write(v_src + h * head_bytes, v_dst + h * p.head_dim * pool_elem, p.v_norm, nullptr, nullptr,
-                  inverse_scale(p.v_scale, p, layer, h), false);
+                  conversion_scale(p.v_scale, p, layer, h), false);
   }
 }
 

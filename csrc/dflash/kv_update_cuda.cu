@@ -9,6 +9,7 @@ DFLASH_DECLARE_POOL(BF16)
 DFLASH_DECLARE_POOL(F32)
 DFLASH_DECLARE_POOL(E4M3)
 DFLASH_DECLARE_POOL(E5M2)
+DFLASH_DECLARE_POOL(I8)
 
 namespace dflash {
 namespace {
@@ -31,6 +32,7 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
     case DType::kFloat32: return for_delta<C, F32>(p, stream);
     case DType::kFloat8E4M3: return for_delta<C, E4M3>(p, stream);
     case DType::kFloat8E5M2: return for_delta<C, E5M2>(p, stream);
+    case DType::kInt8: return for_delta<C, I8>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -114,10 +114,18 @@ struct E5M2 {
     return float4_to_e5m2x4_bits(a, b, c, d);
   }
 };
+struct I8 {
+  using Bits = uint8_t;
+  static constexpr DType kDType = DType::kInt8;
+  static __device__ __forceinline__ Bits encode(float q) { return float_to_int8_bits(q); }
+};
 template <typename T> inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
 // A pool element type whose format stores values times the reciprocal of k_scale / v_scale
 // (contract.h): the kernels load the scales and pass their reciprocals to the stores.
 template <typename T> inline constexpr bool kScaledPool = takes_scales(T::kDType);
+// A scaled pool whose stores divide by the scale (contract.h's Conversion): they get the scale
+// itself where the others get its reciprocal.
+template <typename T> inline constexpr bool kDividingPool = divides_by_scale(T::kDType);
 
 // Widening a delta vector, and the fused norms' round trips through the delta dtype, two channels
 // per packed conversion (on values: no reinterpreted memory). The round trips skip the canonical
@@ -391,6 +399,7 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
+// `inv_scale` is the scale's reciprocal, or the scale itself for a dividing pool (kDividingPool).
 template <typename Pool, int VEC>
 __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC],
                                                                       float inv_scale) {
@@ -418,7 +427,9 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if constexpr (kIsFp8<Pool>)
+      if constexpr (kDividingPool<Pool>)
+        out.v[i] = Pool::encode(div_rn(y[i], inv_scale));
+      else if constexpr (kIsFp8<Pool>)
         out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
       else
         out.v[i] = Pool::encode(y[i]);
@@ -578,8 +589,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     }
   }
   using Out = Pack<PBits, VEC>;
-  float const inv_k = kScaledPool<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
-  float const inv_v = kScaledPool<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
+  float const inv_k = kDividingPool<Pool> ? k_scale : kScaledPool<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
+  float const inv_v = kDividingPool<Pool> ? v_scale : kScaledPool<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
   // The stored packs of K and of V (the second of each unused unless pair).
   auto key_packs = [&](Out& out0, Out& out1) {
     if (kSame && !k_norm && !rotate) {

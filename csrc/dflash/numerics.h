@@ -279,6 +279,20 @@ DFLASH_HOST_DEVICE uint8_t float_to_e5m2_bits(float f) {
 #endif
 }
 
+// ---- int8: round half to even, clamp to [-127, 127], NaN -> 0 ----------------------------------------
+
+// q = y / scale, already divided: the stored two's-complement byte. Clamped before the conversion
+// (which is then exact and defined); infinities clamp, NaN stores 0.
+DFLASH_HOST_DEVICE uint8_t float_to_int8_bits(float q) {
+  if (!(q == q)) return 0;
+  float const clamped = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+#if defined(__CUDA_ARCH__)
+  return uint8_t(int8_t(__float2int_rn(clamped)));
+#else
+  return uint8_t(int8_t(std::nearbyint(clamped)));  // the default rounding mode: nearest even
+#endif
+}
+
 // ---- fused norms --------------------------------------------------------------------------------
 
 inline constexpr int64_t kNormChunk = 8;  // channels summed left to right before the tree
