@@ -24,7 +24,7 @@ import numpy as np
 warnings.filterwarnings("ignore", "overflow encountered in cast")
 
 DELTA = ("float16", "bfloat16", "float32")
-POOL = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+POOL = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "int8")
 # Bits cross to torch as signed views (torch's unsigned 16/32-bit types are only partly supported).
 BITS = {
     "float16": np.int16,
@@ -32,8 +32,9 @@ BITS = {
     "float32": np.int32,
     "float8_e4m3fn": np.uint8,
     "float8_e5m2": np.uint8,
+    "int8": np.int8,
 }
-UNSIGNED = {np.int16: np.uint16, np.int32: np.uint32, np.uint8: np.uint8}
+UNSIGNED = {np.int16: np.uint16, np.int32: np.uint32, np.uint8: np.uint8, np.int8: np.uint8}
 
 
 def _values(rng, shape, dtype_name, hostile):
@@ -62,7 +63,7 @@ def _pool(rng, shape, pool_name):
 # Long: one random draw per knob of a case, in turn.
 def make_case(rng, case):
     contract = "slot" if case % 2 == 0 else "paged"
-    delta, pool = DELTA[rng.integers(3)], POOL[rng.integers(5)]
+    delta, pool = DELTA[rng.integers(len(DELTA))], POOL[rng.integers(len(POOL))]
     head_dim = int(rng.choice([128, 64, 256, 96, 16, 8, 7, 40, 130]))
     rotary_dim = (
         head_dim - head_dim % 2
@@ -77,7 +78,7 @@ def make_case(rng, case):
     k_norm = rng.random() < 0.4
     v_norm = rng.random() < 0.3
     hostile = rng.random() < 0.5
-    fp8 = pool.startswith("float8")
+    fp8 = pool.startswith("float8") or pool == "int8"  # the pool formats that take scales
     kw = dict(
         v_norm=v_norm,
         norm_eps=float(rng.choice([1e-6, 1e-5, 0.5])),

@@ -16,6 +16,8 @@ class DtypeSpec:
     host_bits: str | None = None  # the view the NumPy entries take (formats NumPy lacks)
     quantized: bool = False  # a pool format that takes per-head scales (k_scale, v_scale)
     label: str = ""  # how a message names a quantized format
+    # The per-head scales drawn for it: unit-normal keys and values then fit its range.
+    scale_range: tuple[float, float] = (1 / 96, 1 / 48)
 
     @property
     def np(self) -> np.dtype:
@@ -32,6 +34,7 @@ DTYPES = {
         DtypeSpec("float32", 2.0**-23, "float32"),
         DtypeSpec("float8_e4m3fn", 2.0**-3, "uint8", "uint8", quantized=True, label="FP8"),
         DtypeSpec("float8_e5m2", 2.0**-2, "uint8", "uint8", quantized=True, label="FP8"),
+        DtypeSpec("int8", 1.0, "int8", quantized=True, label="int8", scale_range=(1 / 40, 1 / 30)),
     )
 }
 

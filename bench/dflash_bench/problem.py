@@ -157,8 +157,8 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
     table = np.ascontiguousarray(np.stack([k_pages, v_pages], axis=1))
     k_scale = v_scale = None
     if shape.pool_spec.quantized:  # per head, so that unit-normal keys and values fit its range
-        k_scale = rng.uniform(1 / 96, 1 / 48, shape.num_kv_heads).astype(np.float32)
-        v_scale = rng.uniform(1 / 96, 1 / 48, shape.num_kv_heads).astype(np.float32)
+        k_scale = rng.uniform(*shape.pool_spec.scale_range, shape.num_kv_heads).astype(np.float32)
+        v_scale = rng.uniform(*shape.pool_spec.scale_range, shape.num_kv_heads).astype(np.float32)
     k_norm_weight = rng.uniform(0.5, 1.5, shape.head_dim).astype(dtype)
 
     slots = min(shape.batch, SAMPLE_SLOTS)

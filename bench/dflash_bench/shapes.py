@@ -108,6 +108,7 @@ class BenchShape:
 
 
 _FP8 = {"pool_dtype": "float8_e4m3fn"}
+_INT8 = {"pool_dtype": "int8"}
 
 GPU_SHAPES = (
     BenchShape("decode_b1", 1, 16),
@@ -120,6 +121,8 @@ GPU_SHAPES = (
     BenchShape("prefill_b8_l2048_bf16", 8, 2048, dtype="bfloat16"),
     BenchShape("decode_b64_fp8", 64, 16, **_FP8),
     BenchShape("prefill_b8_l2048_fp8", 8, 2048, **_FP8),
+    BenchShape("decode_b64_int8", 64, 16, **_INT8),
+    BenchShape("prefill_b8_l2048_int8", 8, 2048, **_INT8),
 )
 
 # The GPU set scaled down so that a 2-core machine finishes in a few minutes.
@@ -134,6 +137,7 @@ CPU_SHAPES = (
     BenchShape("prefill_b4_l256_bf16", 4, 256, dtype="bfloat16", **_SMALL),
     BenchShape("decode_b8_fp8", 8, 16, **_FP8, **_SMALL),
     BenchShape("prefill_b4_l256_fp8", 4, 256, **_FP8, **_SMALL),
+    BenchShape("decode_b8_int8", 8, 16, **_INT8, **_SMALL),
 )
 
 

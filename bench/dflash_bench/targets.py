@@ -54,7 +54,7 @@ def _absolute_and_bandwidth(t: _Targets) -> None:
             time_us = us(t.shapes[name], who)
             if time_us is not None:
                 t.add(f"{name}: {who} <= {limit} us", time_us <= limit, f"{time_us:.2f} us")
-    for name in ("prefill_b8_l2048", "prefill_b8_l2048_fp8"):
+    for name in ("prefill_b8_l2048", "prefill_b8_l2048_fp8", "prefill_b8_l2048_int8"):
         e = t.shapes.get(name)
         for who in SLOT_AND_PAGED if e else ():
             frac = t.bandwidth(e, who)
@@ -123,15 +123,17 @@ def _against_others(t: _Targets) -> None:
                     peer / mine >= 2.5,
                     f"{peer / mine:.2f}x ({mine:.2f} us)",
                 )
-    fp8, fp16 = t.shapes.get("decode_b64_fp8"), t.shapes.get("decode_b64")
-    for who in SLOT_AND_PAGED if fp8 and fp16 else ():
-        a, b = us(fp8, who), us(fp16, who)
-        if a is not None and b is not None:
-            t.add(
-                f"decode_b64_fp8: {who} within 10% of the fp16-pool time",
-                a <= 1.1 * b,
-                f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
-            )
+    fp16 = t.shapes.get("decode_b64")
+    for name in ("decode_b64_fp8", "decode_b64_int8"):
+        quantized = t.shapes.get(name)
+        for who in SLOT_AND_PAGED if quantized and fp16 else ():
+            a, b = us(quantized, who), us(fp16, who)
+            if a is not None and b is not None:
+                t.add(
+                    f"{name}: {who} within 10% of the fp16-pool time",
+                    a <= 1.1 * b,
+                    f"{a:.2f} vs {b:.2f} us ({100 * (a / b - 1):+.1f}%)",
+                )
     e = t.shapes.get("prefill_b8_l2048")
     base = us(e, "jax_baseline") if e else None
     for who in ("ours_jax", "ours_raw") if e else ():
