@@ -3,14 +3,16 @@
 What the run holds (:mod:`jax_dflash.cli.measure`), at its two worst moments:
 
 - while it runs: the initial pool (host), the device's pool (host memory too on a CPU
-  backend) and, when checking, a host copy of the run's pools (the replays write on);
+  backend) and, when checking, a host copy of the run's pools (the replays write on); with
+  ``--compare`` on a CPU, the baseline's float32 copies of a bfloat16 or FP8 pool;
 - while it checks: the initial pool, that copy, the reference's pools (the paged replay holds
   the previous group's pools besides the new ones) and the comparison's mask of one byte per
   element; and every step's deltas, collected on the host, plus the reference's merged copy
   of them.
 
 Besides: the JAX runtime as it stands when the guard runs (measured), XLA's compilations and a
-step's temporaries, the draft's weights (host, and device on a CPU) and the per-step inputs.
+step's temporaries, the draft's weights (host, and device on a CPU), the per-step inputs, and
+a tenth of all that as headroom.
 ``--compare`` runs a second implementation after the first; the deltas freed by the first are
 counted again, as the allocator does not hand all of that memory back to the system.
 """
@@ -32,7 +34,13 @@ COMPILE_BYTES = 256 << 20
 # The deltas' copies at the check: the collected ones and the reference's merged copy.
 CHECK_DELTA_COPIES = 2
 # --compare: what the first implementation's freed deltas leave behind, in deltas.
-COMPARE_DELTA_COPIES = 1.5
+COMPARE_DELTA_COPIES = 1.0
+# On top of the parts: the allocators' overheads, and what the parts leave out.
+HEADROOM = 0.1
+# --compare's baseline writes the pool with XLA scatters, which XLA's CPU backend runs in
+# float32 for these pool dtypes: float32 copies of the whole pool while its steps run.
+FLOAT32_SCATTER_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+BASELINE_FLOAT32_POOL_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +130,11 @@ def estimate(preset, settings, *, check: bool, compare: bool, host_device: bool,
     pool = elements * dtype_from_name(s.pool_dtype).itemsize
     delta_itemsize = dtype_from_name(s.delta_dtype).itemsize
     tokens = s.batch * p.block_size
-    running = 1 + host_device + check  # initial, the device's, the checked copy
+    running = (1 + host_device + check) * pool  # initial, the device's, the checked copy
+    if compare and host_device and s.pool_dtype in FLOAT32_SCATTER_DTYPES:
+        running += BASELINE_FLOAT32_POOL_COPIES * elements * 4
     checking = 3 + (s.contract == "paged") if check else 0  # + reference, + replay's previous
-    pools = max(running * pool, checking * pool + check * elements)
+    pools = max(running, checking * pool + check * elements)
     deltas = 0
     if check:
         one_step = 2 * p.num_layers * tokens * p.num_kv_heads * p.head_dim * delta_itemsize
@@ -134,13 +144,14 @@ def estimate(preset, settings, *, check: bool, compare: bool, host_device: bool,
     weights = (p.feature_size + 1 + kv_width) * p.hidden_size + p.num_layers * p.head_dim
     # A step's float32 temporaries: features, hidden states and all layers' k/v, and their copies.
     temporaries = 2 * tokens * (p.feature_size + p.hidden_size + kv_width) * 4 if host_device else 0
-    return [
+    parts = [
         Part("the JAX runtime and compilations", runtime + COMPILE_BYTES + temporaries),
         Part("pools", pools, _pool_flags(p, s)),
         Part("checked deltas", deltas, f"--steps {s.steps} --batch {s.batch}"),
         Part("weights", weights * delta_itemsize * (1 + host_device), f"--preset {p.name}"),
         Part("per-step inputs", _input_bytes(p, s, tokens), f"--steps {s.steps} --batch {s.batch}"),
     ]
+    return parts + [Part("headroom", int(HEADROOM * sum(part.bytes for part in parts)))]
 
 
 def _pool_flags(preset, settings) -> str:
