@@ -180,160 +180,194 @@ def plan_paged_run(
     """The whole paged run, decided on the host (see the module docstring). ``accept`` has
     ``sample(rng, shape, block_size)``; ``num_pages`` defaults to what the run can hold."""
     P = page_size
-    ring = window is not None
     M = table_pages_for(P, -(-max_length // P), window)
     num_prompts = max(1, batch // 2) if num_prompts is None else num_prompts
     longest_prompt = max_length // 2 if window is None else min(max_length // 2, window)
-    longest_prompt = max(longest_prompt, P)
-    lengths = rng.integers(P, longest_prompt + 1, num_prompts)
-    prompt_pages = int(sum(int(n) // P for n in lengths))
+    lengths = rng.integers(P, max(longest_prompt, P) + 1, num_prompts)
     if num_pages is None:
-        num_pages = pool_pages_for(batch, M, prompt_pages)
+        num_pages = pool_pages_for(batch, M, int(sum(int(n) // P for n in lengths)))
     pages = PageAllocator(num_pages)
     prompts = [
         Prompt(k, int(n), [pages.alloc() for _ in range(int(n) // P)])
         for k, n in enumerate(lengths)
     ]
-    T = batch * block_size
+    shape = _Shape(batch, block_size, P, M, num_pages)
+    prefill = _prefill(prompts, shape)
+    engine = _Engine(rng, pages, prompts, shape, ring=window is not None, max_length=max_length)
+    engine.run(accept.sample(rng, (steps, batch), block_size))
+    return PagedPlan(
+        batch,
+        block_size,
+        P,
+        M,
+        window is not None,
+        num_pages,
+        max_length,
+        prompts,
+        prefill,
+        engine.decode,
+        engine.accepted,
+        engine.written,
+        engine.final,
+        engine.started,
+        engine.finished,
+        pages.peak_in_use,
+        engine.shared_refs,
+        engine.ring_reuses,
+    )
 
-    def empty(n):
-        return Steps(
-            np.full((n, T), -1, np.int32),
-            np.full((n, T), -1, np.int32),
-            np.full((n, T), -1, np.int32),
-            np.full((n, batch, 2, M), -1, np.int32),
-        )
 
-    # Prefill: every prompt's full pages, T tokens a step, at most one prompt per table row.
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    batch: int
+    block_size: int
+    page_size: int
+    table_pages: int  # M
+    num_pages: int  # N
+
+    @property
+    def tokens(self) -> int:  # T
+        return self.batch * self.block_size
+
+    def empty_steps(self, n: int) -> Steps:
+        def rows(*shape):
+            return np.full((n, *shape), -1, np.int32)
+
+        T = self.tokens
+        return Steps(rows(T), rows(T), rows(T), rows(self.batch, 2, self.table_pages))
+
+
+def _prefill(prompts: list[Prompt], shape: _Shape) -> Steps:
+    """Every prompt's full pages, T tokens a step, at most one prompt per table row."""
+    P, M = shape.page_size, shape.table_pages
     queue = [(p, pos) for p in prompts for pos in range(len(p.pages) * P)]
     chunks = []
     i = 0
     while i < len(queue):
         rows: dict[int, int] = {}
         tokens = []
-        while i < len(queue) and len(tokens) < T:
+        while i < len(queue) and len(tokens) < shape.tokens:
             prompt, pos = queue[i]
-            if prompt.id not in rows and len(rows) == batch:
+            if prompt.id not in rows and len(rows) == shape.batch:
                 break
             rows.setdefault(prompt.id, len(rows))
             tokens.append((rows[prompt.id], prompt, pos))
             i += 1
         chunks.append((rows, tokens))
-    prefill = empty(len(chunks))
+    prefill = shape.empty_steps(len(chunks))
     for n, (rows, tokens) in enumerate(chunks):
         for prompt_id, row in rows.items():
             for j, page in enumerate(prompts[prompt_id].pages):
-                prefill.tables[n, row, :, j % M] = (page, page + num_pages)
+                prefill.tables[n, row, :, j % M] = (page, page + shape.num_pages)
         for t, (row, prompt, pos) in enumerate(tokens):
             prefill.positions[n, t], prefill.owners[n, t], prefill.streams[n, t] = (
                 pos,
                 row,
                 prompt.id,
             )
+    return prefill
 
-    decode = empty(steps)
-    accepted = np.zeros(steps, np.int64)
-    written = np.zeros(steps, np.int64)
-    drawn = accept.sample(rng, (steps, batch), block_size)
-    rows_in_flight: list[Sequence | None] = [None] * batch
-    serial = 0
-    started = finished = shared_refs = ring_reuses = 0
 
-    def start() -> Sequence:
-        nonlocal serial, started, shared_refs
-        prompt = prompts[int(rng.integers(0, len(prompts)))]
-        slots = [-1] * M
+class _Engine:
+    """The engine's decode steps: a sequence per table row, started from a random prompt,
+    growing by its accepted tokens, finishing at its length (and replaced at the next step)."""
+
+    def __init__(self, rng, pages: PageAllocator, prompts, shape: _Shape, *, ring, max_length):
+        self.rng, self.pages, self.prompts, self.shape = rng, pages, prompts, shape
+        self.ring, self.max_length = ring, max_length
+        self.rows: list[Sequence | None] = [None] * shape.batch
+        self.serial = self.started = self.finished = self.shared_refs = self.ring_reuses = 0
+        self.final: list[FinalSequence] = []
+
+    def start(self) -> Sequence:
+        prompt = self.prompts[int(self.rng.integers(0, len(self.prompts)))]
+        slots = [-1] * self.shape.table_pages
         for j, page in enumerate(prompt.pages):
-            slots[j % M] = pages.share(page)
-            shared_refs += 1
-        target = int(rng.integers(prompt.length + 1, max_length + 1))
-        seq = Sequence(
-            serial, prompt, num_prompts + serial, target, len(prompt.pages) * P, slots, set()
-        )
-        serial += 1
-        started += 1
+            slots[j % self.shape.table_pages] = self.pages.share(page)
+            self.shared_refs += 1
+        target = int(self.rng.integers(prompt.length + 1, self.max_length + 1))
+        length = len(prompt.pages) * self.shape.page_size
+        stream = len(self.prompts) + self.serial
+        seq = Sequence(self.serial, prompt, stream, target, length, slots, set())
+        self.serial += 1
+        self.started += 1
         return seq
 
-    def page_for(seq: Sequence, pos: int) -> int:
-        nonlocal ring_reuses
-        slot = (pos // P) % M if ring else pos // P
+    def page_for(self, seq: Sequence, pos: int) -> int:
+        P, M = self.shape.page_size, self.shape.table_pages
+        slot = (pos // P) % M if self.ring else pos // P
         current = seq.slots[slot]
         if pos % P == 0:  # the first row of a page: the slot's old page (if any) is done
             if current != -1 and slot in seq.own:
-                ring_reuses += 1  # its tokens all left the window: overwrite in place
+                self.ring_reuses += 1  # its tokens all left the window: overwrite in place
                 return slot
             if current != -1:
-                pages.release(current)  # a shared prompt page: never written again
-            seq.slots[slot] = pages.alloc()
+                self.pages.release(current)  # a shared prompt page: never written again
+            seq.slots[slot] = self.pages.alloc()
             seq.own.add(slot)
         elif current == -1:
             raise AssertionError(f"position {pos} starts in the middle of an unallocated page")
         return slot
 
-    for i in range(steps):
-        for b in range(batch):
-            if rows_in_flight[b] is None:
-                rows_in_flight[b] = start()
-            seq = rows_in_flight[b]
-            if seq.length < seq.prompt.length:  # the prompt's tail: this sequence's own page
-                n = min(block_size, seq.prompt.length - seq.length)
-            else:
-                n = min(int(drawn[i, b]), seq.target_length - seq.length)
-                accepted[i] += n
-            if n <= 0:
-                continue
-            first = seq.length
-            if first % P:
-                page_for(seq, first)  # checks that its page is there
-            for pos in range(first + -first % P, first + n, P):  # each page it starts
-                page_for(seq, pos)
-            k = b * block_size
-            pos = np.arange(first, first + n)
-            decode.positions[i, k : k + n] = pos
-            decode.owners[i, k : k + n] = b
-            decode.streams[i, k : k + n] = np.where(
-                pos < seq.prompt.length, seq.prompt.id, seq.stream
-            )
-            written[i] += n
-            seq.length += n
-        live = np.array([seq.slots for seq in rows_in_flight], np.int64)  # [B, M]
-        decode.tables[i, :, 0] = live
-        decode.tables[i, :, 1] = np.where(live >= 0, live + num_pages, -1)
-        if i == steps - 1:
-            last = list(enumerate(rows_in_flight))
-        for b, seq in enumerate(rows_in_flight):
+    def run(self, drawn: np.ndarray) -> None:
+        steps = drawn.shape[0]
+        self.decode = self.shape.empty_steps(steps)
+        self.accepted = np.zeros(steps, np.int64)
+        self.written = np.zeros(steps, np.int64)
+        for i in range(steps):
+            for b in range(self.shape.batch):
+                self._grow(i, b, int(drawn[i, b]))
+            live = np.array([seq.slots for seq in self.rows], np.int64)  # [B, M]
+            self.decode.tables[i, :, 0] = live
+            self.decode.tables[i, :, 1] = np.where(live >= 0, live + self.shape.num_pages, -1)
+            if i == steps - 1:
+                self.final = self._final()
+            self._finish()
+
+    def _grow(self, i: int, b: int, drawn: int) -> None:
+        """Row ``b``'s tokens at step ``i``: its prompt's tail first, then what it accepted."""
+        if self.rows[b] is None:
+            self.rows[b] = self.start()
+        seq = self.rows[b]
+        if seq.length < seq.prompt.length:  # the prompt's tail: this sequence's own page
+            n = min(self.shape.block_size, seq.prompt.length - seq.length)
+        else:
+            n = min(drawn, seq.target_length - seq.length)
+            self.accepted[i] += n
+        if n <= 0:
+            return
+        P, first = self.shape.page_size, seq.length
+        if first % P:
+            self.page_for(seq, first)  # checks that its page is there
+        for pos in range(first + -first % P, first + n, P):  # each page it starts
+            self.page_for(seq, pos)
+        k = b * self.shape.block_size
+        pos = np.arange(first, first + n)
+        self.decode.positions[i, k : k + n] = pos
+        self.decode.owners[i, k : k + n] = b
+        self.decode.streams[i, k : k + n] = np.where(
+            pos < seq.prompt.length, seq.prompt.id, seq.stream
+        )
+        self.written[i] += n
+        seq.length += n
+
+    def _finish(self) -> None:
+        for b, seq in enumerate(self.rows):
             if seq.length >= seq.target_length:  # done: its pages go back to the pool
                 for page in seq.slots:
                     if page != -1:
-                        pages.release(page)
-                rows_in_flight[b] = None
-                finished += 1
+                        self.pages.release(page)
+                self.rows[b] = None
+                self.finished += 1
 
-    # The sequences of the last step (those that just finished included: nothing reused
-    # their pages yet) with what their pages still hold.
-    final = []
-    for b, seq in last if steps else []:
-        visible = max(0, ((seq.length - 1) // P - M + 1) * P) if ring else 0
-        final.append(
-            FinalSequence(b, seq.prompt.id, seq.prompt.length, seq.stream, seq.length, visible)
-        )
-    return PagedPlan(
-        batch,
-        block_size,
-        P,
-        M,
-        ring,
-        num_pages,
-        max_length,
-        prompts,
-        prefill,
-        decode,
-        accepted,
-        written,
-        final,
-        started,
-        finished,
-        pages.peak_in_use,
-        shared_refs,
-        ring_reuses,
-    )
+    def _final(self) -> list[FinalSequence]:
+        """The sequences of the last step (those about to finish included: nothing reused
+        their pages yet) with what their pages still hold."""
+        P, M = self.shape.page_size, self.shape.table_pages
+        final = []
+        for b, seq in enumerate(self.rows):
+            visible = max(0, ((seq.length - 1) // P - M + 1) * P) if self.ring else 0
+            final.append(
+                FinalSequence(b, seq.prompt.id, seq.prompt.length, seq.stream, seq.length, visible)
+            )
+        return final
