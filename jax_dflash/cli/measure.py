@@ -155,7 +155,7 @@ def run_impl(
     best, best_without = timing.step_seconds, None
     if measure_update:
         best, best_without = _share_replays(steps, impl, pools, seconds, best)
-    del pools  # donated to the replays; the device pool is gone once they return
+    del pools  # the reference check needs no device pool: let it go before it runs
     verdict, mismatches, max_ulp, elements = "skipped", None, None, None
     if check:
         mismatches, max_ulp, elements = _reference_check(checks, collector, actual, impl)

@@ -180,6 +180,8 @@ def _add_output_flags(parser) -> None:
 
 
 def execute(args) -> int:
+    """Checks the flags, opens the --json file, picks the device and bounds the host memory,
+    all before the run; then runs, prints and writes the summary."""
     from jax_dflash.cli import json_output, memory, run_settings
     from jax_dflash.cli.presets import PRESETS
 
