@@ -297,7 +297,12 @@ def test_pipeline_step_matches_zlab_cache(trace, contract, monkeypatch):
             jnp.asarray(tables),
         )
         k_rows, v_rows = _table_rows(table[0] - np.array([[0], [num_pages]]))
-    step_fn = jax.jit(pipeline.make_step(spec, "kernel"), donate_argnums=0)
+    # The pipeline's own projections in full float32, as torch computes them: on a GPU, XLA's
+    # default matmul precision is TF32, which is what this comparison would otherwise see.
+    step_fn = jax.jit(
+        jax.default_matmul_precision("highest")(pipeline.make_step(spec, "kernel")),
+        donate_argnums=0,
+    )
     pools = jnp.asarray(_poisoned((g.layers, 2, num_pages, PAGE, g.heads, g.head_dim)))
     state = (pools, jnp.int32(0), jnp.zeros(1, jnp.int32))
     if contract == "paged":

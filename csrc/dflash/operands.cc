@@ -235,8 +235,9 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
         return name() + ": expected dtype float16, bfloat16 or float32, got " + dtype_name(given);
       case OperandRole::kVDelta: return expect(delta_dtype, " (k_delta's: k and v must agree)");
       case OperandRole::kPool:
-        if (!is_pool_dtype(given))
-          return name() + ": expected dtype " + pool_dtype_list() + ", got " + dtype_name(given);
+        if (!is_pool_dtype(given) || (attrs.tensorrt && !pool_format(given)->tensorrt))
+          return name() + ": expected dtype " + pool_dtype_list(attrs.tensorrt) + ", got " +
+                 dtype_name(given);
         if (takes_scales(given) && !scales_given)
           return name() + ": " + with_article(given) + " pool needs the k_scale and v_scale operands";
         if (!takes_scales(given) && scales_given)
