@@ -50,7 +50,22 @@ def _written(backend, args, kwargs):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_half_to_even_and_clamp(backend):
     # y / s with s = 1: halves go to the even neighbour; past +-127 (and +-inf) clamp.
-    values = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, 128.0, 1e30, -1e30, np.inf, -np.inf, 3.0]
+    values = [
+        0.5,
+        1.5,
+        2.5,
+        -0.5,
+        -1.5,
+        -2.5,
+        126.5,
+        127.5,
+        128.0,
+        1e30,
+        -1e30,
+        np.inf,
+        -np.inf,
+        3.0,
+    ]
     got = _written(backend, *_one_token_problem(values, 1.0))
     want = [0, 2, 2, 0, -2, -2, 126, 127, 127, 127, -127, 127, -127, 3]
     assert got.tolist() == want
@@ -76,6 +91,21 @@ def test_the_value_is_divided_by_the_scale_not_multiplied_by_its_reciprocal(back
     assert np.rint(y / s) == -60 and np.rint(y * (np.float32(1) / s)) == -59
     got = _written(backend, *_one_token_problem([float(y), 0.0], float(s)))
     assert got.tolist() == [-60, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_values_at_every_rounding_jump(backend, seed):
+    """Quotients within a few ulps of every k + 1/2 from -130 to 130 (where a kernel that
+    multiplied by the reciprocal instead would round the other way), and far from them, for
+    scales of every size: the stored bytes are the reference's, which divides."""
+    rng = np.random.default_rng(seed)
+    scale = np.float32(2.0 ** rng.uniform(-20, 20))
+    halves = np.arange(-130, 131, dtype=np.float64) + 0.5
+    offsets = np.array([-3e-6, -1e-7, 0.0, 1e-7, 3e-6, 0.2])
+    q = (halves[:, None] + offsets[None, :]).reshape(-1)
+    values = (q * np.float64(scale)).astype(np.float32)
+    _written(backend, *_one_token_problem(values.tolist(), float(scale)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
