@@ -399,19 +399,6 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
-// y / scale as a dividing pool rounds it (to an integer, clamped), from y times the reciprocal
-// where that cannot change the stored value: the product is within 2^-15 of the quotient while
-// |q| < 256 (two roundings of 2^-24 each), and rounding to an integer only jumps at k + 1/2, so a
-// product more than 2^-12 from every k + 1/2 rounds as the quotient does, and one of 256 or more
-// clamps as it does. Near a jump, or with a reciprocal that is not a normal float, the quotient
-// itself: a division per element would bound the int8 kernels by arithmetic.
-__device__ __forceinline__ float quotient_to_round(float y, float scale, float inv, bool inv_normal) {
-  float const q = mul_rn(y, inv);
-  float const a = fabsf(q);
-  bool const far_from_a_jump = a >= 256.0f || fabsf(fabsf(q - rintf(q)) - 0.5f) > 0x1p-12f;
-  return inv_normal && far_from_a_jump ? q : div_rn(y, scale);
-}
-
 // `inv_scale` is the scale's reciprocal, or the scale itself for a dividing pool (kDividingPool).
 template <typename Pool, int VEC>
 __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC],
@@ -437,16 +424,12 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
       uint16_t const two = Pool::encode2(mul_rn(y[i], inv_scale), mul_rn(y[i + 1], inv_scale));
       out.v[i] = uint8_t(two), out.v[i + 1] = uint8_t(two >> 8);
     }
-  } else if constexpr (kDividingPool<Pool>) {
-    float const scale = inv_scale, inv = div_rn(1.0f, scale);
-    uint32_t const exponent = (__float_as_uint(inv) >> 23) & 0xFFu;
-    bool const inv_normal = exponent != 0 && exponent != 0xFFu;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out.v[i] = Pool::encode(quotient_to_round(y[i], scale, inv, inv_normal));
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if constexpr (kIsFp8<Pool>)
+      if constexpr (kDividingPool<Pool>)
+        out.v[i] = Pool::encode(div_rn(y[i], inv_scale));
+      else if constexpr (kIsFp8<Pool>)
         out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
       else
         out.v[i] = Pool::encode(y[i]);
