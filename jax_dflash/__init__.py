@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-from importlib import metadata as _metadata
 
 # Imported on first use, so that `import jax_dflash` (and the command line's Ctrl-C handler,
 # installed before it) does not wait for jax to import.
@@ -24,7 +23,21 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("jax-dflash")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str):
+    # The version too is read on first use: the command line's Ctrl-C handler is installed after
+    # this package is imported, and reading the metadata is most of that import's time.
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jax_dflash' has no attribute {name!r}")
     module = _EXPORTS[name]
@@ -39,9 +52,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-try:
-    __version__ = _metadata.version("jax-dflash")
-except _metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"

@@ -44,8 +44,9 @@ def load_plugin(registry=None, plugin_namespace: str = "") -> None:
     (the loadLibrary / --dynamicPlugins path, default namespace). Otherwise its C function
     ``initDFlashPlugin`` registers a creator under that namespace in the process's registry.
     """
-    trt = _import_tensorrt()
-    registry = registry if registry is not None else trt.get_plugin_registry()
+    # A registry given (the lean runtime's, say) needs nothing of the tensorrt package.
+    if registry is None:
+        registry = _import_tensorrt().get_plugin_registry()
     path = trt_plugin_library_path()
     with _loaded_lock:
         if plugin_namespace == "":
