@@ -151,3 +151,26 @@ def test_the_descriptors_name_the_operands_everywhere():
     assert tuple(paged_parameters[:7]) == forms["paged"]["operands"]
     assert lowering.SLOT_TARGET == forms["slot"]["ffi_target"]
     assert lowering.PAGED_TARGET == forms["paged"]["ffi_target"]
+
+
+@pytest.mark.parametrize(
+    "pool_dims, message",
+    [
+        ((2, None, 128, 2, 64), r"rope_cos_sin: length S must be <= the slot capacity"),
+        ((2, 4, None, 2, 64), r"pages_per_slot: pages_per_slot \* P overflows int64"),
+    ],
+)
+def test_build_time_sizes_near_int64_max(pool_dims, message):
+    """TensorRT's build time: one dim unknown and S = INT64_MAX. The sizes the checker fills in
+    for the unknown dims are formed without signed overflow, and the verdict names the rule."""
+    s = 2**63 - 1
+    operands = [
+        ("float16", (2, 4, 2, 64)),
+        ("float16", (2, 4, 2, 64)),
+        ("float16", pool_dims),
+        ("float32", (1, s, 64)),
+        ("int32", (2,)),
+        ("int32", (2,)),
+    ]
+    with pytest.raises(ValueError, match=message):
+        _shapes._core.check_call("slot", operands, pages_per_slot=2, norm_eps=1e-6, tensorrt=True)
