@@ -44,6 +44,7 @@ import numpy as np
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+INT8 = np.dtype(np.int8)
 
 # Slot contract: P=16, 2 pages per slot (capacity 32), 13 slots of which B=11 are in use, so
 # writes into the unused slots 11, 12 would show as mismatches. Rope covers S=24 < capacity
@@ -121,6 +122,7 @@ def slot_cases(rng) -> list[Case]:
         (F16, True, False, None),
         (BF16, True, True, 3),
         (E4M3, True, True, 3),
+        (INT8, True, False, None),
     ):
         p = testing.make_problem(
             rng,
@@ -207,6 +209,7 @@ def paged_cases(rng) -> list[Case]:
         (BF16, E5M2, True, True, None, True),
         (F16, None, True, False, 3, False),
         (F16, E4M3, True, True, 3, True),
+        (BF16, INT8, False, True, None, True),
     ]
     for dtype, pool_dtype, k_norm, v_norm, layers, ring in configs:
         p = testing.make_paged_problem(
