@@ -193,15 +193,21 @@ def _python_verdict(line):
     _, fields, tensors = line.split("|")
     specs = [_Spec(t) for t in tensors.split(";")]
     options = dict(f.split("=") for f in fields.split(",") if f)
-    base = 6 if len(specs[0].shape) == 4 else 7
+    # The form: the field's where given (the core's descriptors), else k_delta's rank.
+    form = options.get("form", "slot" if len(specs[0].shape) == 4 else "paged")
+    if form not in _shapes.FORMS:
+        return False
+    base = len(_shapes.FORMS[form]["operands"])
     extras = specs[base:]
     kwargs = {}
     if options.get("k_norm") == "1":
         kwargs["k_norm_weight"] = extras.pop()
+    if len(extras) not in (0, 2):
+        return False  # not this form's operand count
     if extras:
         kwargs["k_scale"], kwargs["v_scale"] = extras
     try:
-        if base == 6:
+        if form == "slot":
             _shapes.check_update(*specs[:6], int(options["pages_per_slot"]), **kwargs)
         else:
             _shapes.check_update_paged(*specs[:7], **kwargs)
@@ -242,6 +248,22 @@ def test_check_shapes_verdicts(harness, tmp_path):
             "k_norm_weight",
         ),
         "paged_fieldless_ok": (_paged_line("paged_fieldless_ok"), True, None),
+        # The form field names the addressing form; k_delta's rank must then be that form's.
+        "paged_form_field_ok": (
+            _paged_line("paged_form_field_ok", fields="form=paged"),
+            True,
+            None,
+        ),
+        "slot_form_on_paged_inputs": (
+            _paged_line("slot_form_on_paged_inputs", fields="form=slot,pages_per_slot=2"),
+            False,
+            "k_delta: expected rank 4 [B, L, H, D] (field 'form' = 'slot')",
+        ),
+        "unknown_form": (
+            _paged_line("unknown_form", fields="form=vllm"),
+            False,
+            "field 'form': expected an addressing form, one of 'slot', 'paged', got 'vllm'",
+        ),
         "paged_fp8_ring_ok": (
             _paged_line(
                 "paged_fp8_ring_ok", fields="ring=1", pool="float8_e4m3fn", extra=fp8_scales

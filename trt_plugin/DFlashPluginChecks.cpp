@@ -73,8 +73,8 @@ std::string dimsToString(Dims const& dims) {
 
 namespace {
 
-constexpr std::array<char const*, 5> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD,
-                                                    kV_NORM_FIELD, kNORM_EPS_FIELD};
+constexpr std::array<char const*, 6> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD,     kK_NORM_FIELD,
+                                                    kV_NORM_FIELD,         kNORM_EPS_FIELD, kFORM_FIELD};
 // The node attributes that say which creator to use: TensorRT's ONNX parser may forward them as
 // fields, and they are not the plugin's.
 constexpr std::array<char const*, 2> kIgnoredFieldNames = {"plugin_version", "plugin_namespace"};
@@ -121,6 +121,25 @@ float readEps(PluginField const& field) {
   return value;
 }
 
+// The form's index in kAddressingForms, from its name (a CHAR field; a trailing NUL is allowed).
+int32_t readForm(PluginField const& field) {
+  if (field.data == nullptr) throw std::invalid_argument(fieldWhere(field) + "data is null");
+  if (field.type != PluginFieldType::kCHAR)
+    throw std::invalid_argument(fieldWhere(field) + "expected type kCHAR, got " + fieldTypeName(field.type));
+  if (field.length < 0 || field.length > 64)
+    throw std::invalid_argument(fieldWhere(field) + "expected a name of at most 64 characters, got length " +
+                                std::to_string(field.length));
+  std::string name(static_cast<char const*>(field.data), size_t(field.length));
+  name = name.substr(0, name.find('\0'));
+  std::string known;
+  for (size_t i = 0; i < std::size(kAddressingForms); ++i) {
+    if (name == kAddressingForms[i].name) return int32_t(i);
+    known += std::string(i ? ", '" : "'") + kAddressingForms[i].name + "'";
+  }
+  throw std::invalid_argument(fieldWhere(field) + "expected an addressing form, one of " + known + ", got '" +
+                              name + "'");
+}
+
 }  // namespace
 
 std::string checkPagesPerSlotValue(int64_t value) {
@@ -164,8 +183,10 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
       config.kNorm = readFlag(field);
     } else if (known == 3) {
       config.vNorm = readFlag(field);
-    } else {
+    } else if (known == 4) {
       config.normEps = readEps(field);
+    } else {
+      config.form = readForm(field);
     }
   }
   return config;
@@ -338,7 +359,15 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
   bool const rankKnown = facts.inputs != nullptr && facts.dimsKnown && nbInputs > 0;
   bool const poolKnown = facts.inputs != nullptr && facts.typesKnown && nbInputs > kPAST_KEY_VALUE;
   DataType const poolType = poolKnown ? facts.inputs[kPAST_KEY_VALUE].type : DataType::kHALF;
-  if (rankKnown) {
+  if (config.form >= 0) {  // the field names the form; k_delta's rank must be the form's
+    AddressingForm const& named = kAddressingForms[config.form];
+    f.attrs.contract = named.contract;
+    if (rankKnown && facts.inputs[kK_DELTA].dims.nbDims != named.delta_rank)
+      return std::string("k_delta: expected rank ") + std::to_string(named.delta_rank) + " " +
+             named.base[kKDeltaOperand].dims + " (field 'form' = '" + named.name + "'), got rank " +
+             std::to_string(facts.inputs[kK_DELTA].dims.nbDims) + " " +
+             dimsToString(facts.inputs[kK_DELTA].dims);
+  } else if (rankKnown) {
     Dims const& k = facts.inputs[kK_DELTA].dims;
     if (k.nbDims != expectedRank(Contract::kSlot) && k.nbDims != expectedRank(Contract::kPaged))
       return "k_delta: expected rank 4 [B, L, H, D] (the slot contract, Edge-LLM 0.10) or rank 3 [T, H, D] "
@@ -367,7 +396,7 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
                std::to_string(config.kNorm) + " here), got " + std::to_string(nbInputs) + " inputs";
     }
   }
-  if (rankKnown || poolKnown) {
+  if (rankKnown || poolKnown || config.form >= 0) {
     Contract const c = f.attrs.contract;
     int32_t const extras = nbInputs - inputCount(c, false, f.attrs.k_norm);
     f.fp8Pool = poolKnown ? poolType == DataType::kFP8 : extras == 2;

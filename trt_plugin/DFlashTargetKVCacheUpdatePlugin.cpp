@@ -327,6 +327,11 @@ PluginFieldCollection const* DFlashTargetKVCacheUpdatePlugin::getFieldsToSeriali
   mSerializedField[n++] = PluginField(kK_NORM_FIELD, &mConfig.kNorm, PluginFieldType::kINT32, 1);
   mSerializedField[n++] = PluginField(kV_NORM_FIELD, &mConfig.vNorm, PluginFieldType::kINT32, 1);
   mSerializedField[n++] = PluginField(kNORM_EPS_FIELD, &mConfig.normEps, PluginFieldType::kFLOAT32, 1);
+  if (mConfig.form >= 0) {  // only where given: a call without it is decided by its inputs
+    char const* const name = dflash::kAddressingForms[mConfig.form].name;
+    mSerializedField[n++] =
+        PluginField(kFORM_FIELD, name, PluginFieldType::kCHAR, static_cast<int32_t>(std::strlen(name)));
+  }
   mSerializedFields.nbFields = n;
   mSerializedFields.fields = mSerializedField;
   return &mSerializedFields;
@@ -340,7 +345,8 @@ DFlashTargetKVCacheUpdatePluginCreator::DFlashTargetKVCacheUpdatePluginCreator()
   mFieldNames[2] = PluginField(kK_NORM_FIELD, nullptr, PluginFieldType::kINT32, 1);
   mFieldNames[3] = PluginField(kV_NORM_FIELD, nullptr, PluginFieldType::kINT32, 1);
   mFieldNames[4] = PluginField(kNORM_EPS_FIELD, nullptr, PluginFieldType::kFLOAT32, 1);
-  mFieldCollection.nbFields = 5;
+  mFieldNames[5] = PluginField(kFORM_FIELD, nullptr, PluginFieldType::kCHAR, 0);
+  mFieldCollection.nbFields = 6;
   mFieldCollection.fields = mFieldNames;
 }
 

@@ -33,6 +33,9 @@ inline constexpr char const* kRING_FIELD = "ring";                      // INT32
 inline constexpr char const* kK_NORM_FIELD = "k_norm";                  // INT32 0/1
 inline constexpr char const* kV_NORM_FIELD = "v_norm";                  // INT32 0/1
 inline constexpr char const* kNORM_EPS_FIELD = "norm_eps";              // FLOAT32 > 0
+// CHAR, optional: the addressing form's name (dflash::kAddressingForms), which then decides the
+// call's form; without it the inputs do (k_delta's rank, then the count).
+inline constexpr char const* kFORM_FIELD = "form";
 inline constexpr float kDEFAULT_NORM_EPS = dflash::kDefaultNormEps;
 // Tokens per page of the pool (dim 2 of past_key_value), fixed by the TensorRT contract.
 inline constexpr int32_t kTOKENS_PER_PAGE = 128;
@@ -71,6 +74,7 @@ struct PluginConfig {
   int32_t kNorm{0};
   int32_t vNorm{0};
   float normEps{kDEFAULT_NORM_EPS};
+  int32_t form{-1};  // index into dflash::kAddressingForms; -1: not given (the inputs decide)
 };
 
 class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV3,
@@ -139,7 +143,7 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV
   PluginConfig mConfig;
   int32_t mNbInputs{0};  // the count onShapeChange was given (0: none yet)
   nvinfer1::IErrorRecorder* mErrorRecorder{nullptr};
-  nvinfer1::PluginField mSerializedField[5];
+  nvinfer1::PluginField mSerializedField[6];
   nvinfer1::PluginFieldCollection mSerializedFields{};
 };
 
@@ -160,7 +164,7 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePluginCreator : public nvinfer1::I
 
  private:
   std::string mNamespace;
-  nvinfer1::PluginField mFieldNames[5];
+  nvinfer1::PluginField mFieldNames[6];
   nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 

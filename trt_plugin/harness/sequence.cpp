@@ -79,15 +79,19 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
             !std::strcmp(creator->getPluginVersion(), "1") && !std::strcmp(creator->getPluginNamespace(), ""),
         "creator name/version/namespace" + t);
   PluginFieldCollection const* names = creator->getFieldNames();
-  bool namesOk = names != nullptr && names->nbFields == 5;
-  for (int32_t i = 0; namesOk && i < names->nbFields; ++i)
-    namesOk = names->fields[i].name != nullptr &&
-              names->fields[i].type == (!std::strcmp(names->fields[i].name, dtrt::kNORM_EPS_FIELD)
-                                            ? PluginFieldType::kFLOAT32
-                                            : PluginFieldType::kINT32);
-  check(
-      namesOk,
-      "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm (INT32) and norm_eps (FLOAT32)" + t);
+  bool namesOk = names != nullptr && names->nbFields == 6;
+  for (int32_t i = 0; namesOk && i < names->nbFields; ++i) {
+    char const* const name = names->fields[i].name;
+    PluginFieldType const wanted = name == nullptr                             ? PluginFieldType::kUNKNOWN
+                                   : !std::strcmp(name, dtrt::kNORM_EPS_FIELD) ? PluginFieldType::kFLOAT32
+                                   : !std::strcmp(name, dtrt::kFORM_FIELD)     ? PluginFieldType::kCHAR
+                                                                               : PluginFieldType::kINT32;
+    namesOk = name != nullptr && names->fields[i].type == wanted;
+  }
+  check(namesOk,
+        "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm (INT32), norm_eps (FLOAT32) and "
+        "form (CHAR)" +
+            t);
 
   Fields const nodeFc = nodeFields(opt);  // what the ONNX parser passes: the node's attributes
   PluginFieldCollection const fc = nodeFc.collection();

@@ -73,7 +73,8 @@ bool parseTensor(std::string const& text, Tensor* t, std::string* error) {
   return true;
 }
 
-// "key=value,..."; norm_eps is a FLOAT32 field, everything else an INT32 field of that name.
+// "key=value,..."; norm_eps is a FLOAT32 field, form a CHAR field (the form's name), everything
+// else an INT32 field of that name.
 bool parseFields(std::string const& text, Fields* fields, std::string* error) {
   if (trim(text).empty()) return true;
   for (std::string const& item : split(text, ',')) {
@@ -83,7 +84,11 @@ bool parseFields(std::string const& text, Fields* fields, std::string* error) {
     fields->storage.emplace_back(key.begin(), key.end());
     fields->storage.back().push_back('\0');
     char const* name = fields->storage.back().data();
-    if (key == dtrt::kNORM_EPS_FIELD) {
+    if (key == dtrt::kFORM_FIELD) {
+      fields->storage.emplace_back(value.begin(), value.end());
+      std::vector<char> const& chars = fields->storage.back();
+      fields->add(name, PluginFieldType::kCHAR, chars.data(), int32_t(chars.size()), chars.size());
+    } else if (key == dtrt::kNORM_EPS_FIELD) {
       char* end = nullptr;
       float const v = std::strtof(value.c_str(), &end);
       if (value.empty() || *end != '\0') return *error = "field '" + item + "': expected a float", false;
