@@ -1,5 +1,6 @@
 """The CPU extension: the XLA FFI handlers of both contracts and the CPU kernel for NumPy callers."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -55,3 +56,41 @@ def target_kv_cache_update_paged(
 ) -> None:
     """Updates ``pool`` in place: the paged contract of docs/SPEC.md; the arrays and keywords as
     in target_kv_cache_update."""
+
+def update(
+    form: str,
+    operands: Sequence[np.ndarray],
+    k_scale: np.ndarray | float | None = None,
+    v_scale: np.ndarray | float | None = None,
+    k_norm_weight: np.ndarray | None = None,
+    *,
+    pages_per_slot: int | None = None,
+    ring: bool | None = None,
+    v_norm: bool = False,
+    norm_eps: float = 1e-6,
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
+) -> None:
+    """Updates ``operands[2]`` (the pool) in place for the addressing form named ``form``
+    (``ADDRESSING_FORMS``), its base operands in order; each form takes its own keywords."""
+
+def check_call(
+    form: str,
+    operands: Sequence[tuple[str, Sequence[int | None]]],
+    *,
+    pages_per_slot: int = 0,
+    ring: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float,
+    tensorrt: bool = False,
+) -> dict[str, Any]:
+    """The contract's checker: the call's parameters, or TypeError/ValueError naming the operand."""
+
+def check_norm_eps(eps: float) -> None: ...
+
+ADDRESSING_FORMS: dict[str, dict[str, Any]]
+POOL_FORMATS: dict[str, dict[str, Any]]
+RESULT_NAME: str
+SCALE_NAMES: tuple[str, str]
+NORM_WEIGHT_NAME: str

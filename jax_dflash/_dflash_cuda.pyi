@@ -1,6 +1,7 @@
 """The CUDA extension: the XLA FFI handlers of both contracts and the raw launcher over DLPack
 arrays (jax, torch, cupy), the one the TensorRT plugin calls too."""
 
+from collections.abc import Sequence
 from typing import Any
 
 def registrations() -> dict[str, Any]:
@@ -52,3 +53,21 @@ def launch_paged(
 ) -> None:
     """Enqueues the paged-contract update on ``stream``; ``pool`` is updated in place, the
     arrays and keywords as in launch."""
+
+def launch_form(
+    form: str,
+    operands: Sequence[Any],
+    k_scale: Any = None,
+    v_scale: Any = None,
+    k_norm_weight: Any = None,
+    *,
+    pages_per_slot: int | None = None,
+    ring: bool | None = None,
+    v_norm: bool = False,
+    norm_eps: float = 1e-6,
+    delta_dtype: str | Any = "",
+    pool_dtype: str | Any = "",
+    stream: int = 0,
+) -> None:
+    """Enqueues the update of the addressing form named ``form`` on ``stream``, its base operands
+    in order; each form takes its own keywords."""

@@ -462,6 +462,45 @@ inline UpdateAttrs paged_attrs(nb::handle ring, nb::handle v_norm, nb::handle no
   return attrs;
 }
 
+// The attributes of a call of the form named `form_name` (contract.h): its own (pages_per_slot,
+// ring), each refused where the form has none, then the norms'.
+inline UpdateAttrs form_attrs(std::string const& form_name, nb::handle pages_per_slot, nb::handle ring,
+                              nb::handle v_norm, nb::handle norm_eps) {
+  AddressingForm const* form = addressing_form(form_name.c_str());
+  if (form == nullptr) {
+    std::string known;
+    for (AddressingForm const& f : kAddressingForms)
+      known += std::string(known.empty() ? "'" : ", '") + f.name + "'";
+    throw nb::value_error(("form: expected one of " + known + ", got '" + form_name + "'").c_str());
+  }
+  if (!form->has_pages_per_slot && !pages_per_slot.is_none())
+    throw nb::value_error((std::string("pages_per_slot: the ") + form->name + " form takes none, got " +
+                           given_value(pages_per_slot))
+                              .c_str());
+  if (!form->has_ring && !ring.is_none() && bool_argument(ring, "ring"))
+    throw nb::value_error((std::string("ring: the ") + form->name + " form takes none, got True").c_str());
+  nb::handle const ring_or_off = ring.is_none() ? nb::handle(Py_False) : ring;
+  UpdateAttrs attrs = form->has_pages_per_slot ? slot_attrs(pages_per_slot, v_norm, norm_eps)
+                                               : paged_attrs(ring_or_off, v_norm, norm_eps);
+  attrs.contract = form->contract;
+  return attrs;
+}
+
+// The base operands of a call of `form`, from a Python sequence: exactly the form's count.
+inline std::vector<nb::handle> form_operands(std::string const& form_name, nb::handle operands) {
+  AddressingForm const& form = *addressing_form(form_name.c_str());  // form_attrs checked the name
+  if (!nb::isinstance<nb::sequence>(operands) || nb::isinstance<nb::str>(operands))
+    throw nb::type_error(("operands: expected a sequence of arrays, got " + given_value(operands)).c_str());
+  nb::sequence const sequence = nb::borrow<nb::sequence>(operands);
+  if (nb::len(sequence) != size_t(form.base_count))
+    throw nb::value_error(("operands: expected " + std::to_string(form.base_count) + " arrays (" +
+                           base_operand_list(form) + "), got " + std::to_string(nb::len(sequence)))
+                              .c_str());
+  std::vector<nb::handle> base;
+  for (size_t i = 0; i < nb::len(sequence); ++i) base.push_back(sequence[i]);
+  return base;
+}
+
 // A per-tensor scale may be a Python float or int (float32, as in the JAX op) or a NumPy scalar
 // (an array of its own dtype); a bool is neither.
 inline nb::object scale_array(nb::handle scale, char const* name) {

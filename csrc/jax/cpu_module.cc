@@ -73,6 +73,22 @@ void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool,
       k_scale, v_scale, k_norm_weight, delta_dtype, pool_dtype, keep));
 }
 
+// Any addressing form by its name (contract.h), its base operands as one sequence: a new form
+// needs no entry of its own.
+void update_numpy(std::string const& form, nb::handle operands, nb::handle k_scale, nb::handle v_scale,
+                  nb::handle k_norm_weight, nb::handle pages_per_slot, nb::handle ring, nb::handle v_norm,
+                  nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype,
+                  nb::kwargs const& unknown) {
+  refuse_unknown_keywords(
+      unknown, "update",
+      "k_scale, v_scale, k_norm_weight, pages_per_slot, ring, v_norm, norm_eps, delta_dtype, "
+      "pool_dtype");
+  UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps);
+  KeptArrays keep;
+  run_numpy(params_from_arrays<nb::device::cpu>(attrs, form_operands(form, operands), k_scale, v_scale,
+                                                k_norm_weight, delta_dtype, pool_dtype, keep));
+}
+
 }  // namespace
 }  // namespace dflash::jax
 
@@ -86,6 +102,13 @@ NB_MODULE(_dflash_cpu, m) {
     return targets;
   });
   dflash::jax::bind_contract(m);
+  m.def("update", &dflash::jax::update_numpy, "form"_a, "operands"_a, "k_scale"_a = nb::none(),
+        "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
+        "pages_per_slot"_a = nb::none(), "ring"_a = nb::none(), "v_norm"_a = false, "norm_eps"_a = 1e-6f,
+        "delta_dtype"_a = "", "pool_dtype"_a = "", "kwargs"_a,
+        "Updates `pool` (operands[2]) in place with the CPU kernel, for the addressing form named `form`\n"
+        "('slot', 'paged', ...: docs/SPEC.md), its base operands in order as one sequence; the\n"
+        "keywords as in target_kv_cache_update(_paged), each form taking its own.");
   m.def("target_kv_cache_update", &dflash::jax::update_slot_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
         "rope_cos_sin"_a, "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
