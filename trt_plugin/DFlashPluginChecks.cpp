@@ -412,19 +412,18 @@ namespace {
 
 // The fields that belong to one contract only, once the inputs said which contract it is.
 std::string checkFieldsForContract(PluginConfig const& config, CallForm const& form) {
-  if (form.attrs.contract == Contract::kSlot) {
-    if (config.ring != 0)
-      return std::string("field '") + kRING_FIELD + "' = 1 is for the paged contract only; these " +
-             std::to_string(form.nbInputs) + " inputs are " + describeForm(form);
-    if (config.pagesPerSlot <= 0)
-      return std::string("pages_per_slot is missing: the slot contract needs the plugin field '") +
-             kPAGES_PER_SLOT_FIELD + "' (INT32 > 0) or setPagesPerSlot() before building, got " +
-             std::to_string(config.pagesPerSlot);
-  } else if (config.pagesPerSlot != 0) {
+  AddressingForm const& descriptor = addressing_form(form.attrs.contract);
+  if (!descriptor.has_ring && config.ring != 0)
+    return std::string("field '") + kRING_FIELD + "' = 1 is for the paged contract only; these " +
+           std::to_string(form.nbInputs) + " inputs are " + describeForm(form);
+  if (descriptor.has_pages_per_slot && config.pagesPerSlot <= 0)
+    return std::string("pages_per_slot is missing: the slot contract needs the plugin field '") +
+           kPAGES_PER_SLOT_FIELD + "' (INT32 > 0) or setPagesPerSlot() before building, got " +
+           std::to_string(config.pagesPerSlot);
+  if (!descriptor.has_pages_per_slot && config.pagesPerSlot != 0)
     return std::string("field '") + kPAGES_PER_SLOT_FIELD + "' is for the slot contract only (got " +
            std::to_string(config.pagesPerSlot) + "); these " + std::to_string(form.nbInputs) +
            " inputs are " + describeForm(form);
-  }
   return {};
 }
 
