@@ -45,7 +45,7 @@ class Prepared:
 def calibrate(run: Callable[[int], float], min_time: float) -> int:
     """Calls per measurement so that one lasts at least ``min_time``, found in the steady state.
 
-    One call is not a good estimate: the first calls of a jitted chain on GPU measured over 10x
+    One call is not a good estimate: the first calls of a jitted chain on GPU are many times
     slower than the steady state, and a single host-timed call also pays for filling the
     pipeline. So the count grows until a measurement lasts a quarter of ``min_time``."""
     run(2)  # warm-up (compiles, JITs, first-touch)
