@@ -7,6 +7,7 @@ import importlib
 # Imported on first use, so that `import jax_dflash` (and the command line's Ctrl-C handler,
 # installed before it) does not wait for jax to import.
 _EXPORTS = {
+    "gather_kv": "jax_dflash.paged",
     "gather_rope": "jax_dflash.paged",
     "identity_page_table": "jax_dflash.paged",
     "onnx": None,  # the module jax_dflash.onnx: jax_dflash.interop.onnx under its short name

@@ -111,3 +111,49 @@ def identity_page_table(batch: int, pages_per_slot: int, num_pages: int) -> jax.
         )
     pages = jnp.arange(batch * pages_per_slot, dtype=jnp.int32).reshape(batch, pages_per_slot)
     return jnp.stack([pages, pages + num_pages], axis=1)
+
+
+def gather_kv(
+    past_key_value, kv_page_table, *, k_scale=None, v_scale=None, dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """The read side: each sequence's K and V, ``[B, M * P, H, D]`` in ``dtype``, gathered from
+    the pool ``[2, N, P, H, D]`` through its page table ``[B, 2, M]`` (the paged contract's; for
+    the slot contract, ``identity_page_table``) and dequantized.
+
+    Row ``i * P + r`` of sequence ``b`` is row ``r`` of its ``i``-th page: K from
+    ``pool[0, table[b, 0, i]]``, V from ``pool[1, table[b, 1, i] - N]``. A page id outside its
+    plane's range reads as zeros (so a padded or ring table is safe to read); which rows hold
+    written tokens is the caller's to know (its lengths, or the ring's window). A pool format
+    with scales is read as ``float32(stored) * scale`` (``k_scale``/``v_scale`` as the op took
+    them: ``[]``/``[1]`` per tensor or ``[H]`` per KV head), then cast to ``dtype``."""
+    from jax_dflash._shapes import takes_scales
+
+    pool = jnp.asarray(past_key_value)
+    if pool.ndim != 5 or pool.shape[0] != 2:
+        raise ValueError(
+            f"past_key_value: expected [2, N, P, H, D] (one layer), got shape {tuple(pool.shape)}"
+        )
+    table = _int32_array("kv_page_table", kv_page_table, 3)
+    if table.shape[1] != 2:
+        raise ValueError(f"kv_page_table: expected [B, 2, M], got shape {tuple(table.shape)}")
+    _, num_pages, page_size, heads, head_dim = pool.shape
+    scaled = takes_scales(pool.dtype)
+    if scaled != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            f"k_scale, v_scale: a {pool.dtype} pool is read "
+            + ("with both" if scaled else "with neither")
+            + f", got k_scale {'None' if k_scale is None else 'given'} and v_scale "
+            + ("None" if v_scale is None else "given")
+        )
+
+    def plane(index, ids, scale):
+        valid = (ids >= 0) & (ids < num_pages)
+        pages = pool[index][jnp.where(valid, ids, 0)]  # [B, M, P, H, D]
+        values = pages.astype(jnp.float32)
+        if scale is not None:
+            scale = jnp.asarray(scale, jnp.float32).reshape(-1)  # [1] or [H]
+            values = values * scale[:, None]
+        values = jnp.where(valid[..., None, None, None], values, jnp.float32(0))
+        return values.reshape(ids.shape[0], -1, heads, head_dim).astype(dtype)
+
+    return plane(0, table[:, 0], k_scale), plane(1, table[:, 1] - num_pages, v_scale)
