@@ -13,10 +13,13 @@ _EXPORTS = {
     "onnx": None,  # the module jax_dflash.onnx: jax_dflash.interop.onnx under its short name
     "reference": None,  # the module jax_dflash.reference itself
     "rope_cos_sin": "jax_dflash.rope",
+    "slots_from_pages": "jax_dflash.paged",
     "target_kv_cache_update": "jax_dflash.ops",
     "target_kv_cache_update_p": "jax_dflash.ops",
     "target_kv_cache_update_paged": "jax_dflash.ops",
     "target_kv_cache_update_paged_p": "jax_dflash.ops",
+    "target_kv_cache_update_slots": "jax_dflash.ops",
+    "target_kv_cache_update_slots_p": "jax_dflash.ops",
     "token_positions": "jax_dflash.paged",
     "trt_plugin_library_path": "jax_dflash._ext",
 }

@@ -120,6 +120,15 @@ class PagedShape(_Common):
     table_per_layer: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class MappedShape(_Common):
+    """The sizes of one slot-mapping update (SPEC.md's names). ``positions_per_layer`` says
+    whether ``slot_mapping`` has a leading layers axis."""
+
+    tokens: int = 0  # T
+    slots_int64: bool = False
+
+
 # ---- static attributes: Python values of the right type (their rules are the core's) ----------
 
 
@@ -315,6 +324,31 @@ def check_update_paged(
     )
 
 
+def check_update_slots(
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    slot_mapping,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    tensorrt=False,
+) -> MappedShape:
+    """Checks the slot-mapping operands (anything with .shape and .dtype); returns their sizes.
+    The shapes are SPEC.md's, including the layer-batched form."""
+    base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
+    operands = _present(base, k_scale, v_scale, k_norm_weight)
+    p = check_call("slot_mapping", operands, k_norm=k_norm_weight is not None, tensorrt=tensorrt)
+    names = operand_names("slot_mapping", None, k_norm_weight is not None, count=len(operands))
+    return MappedShape(
+        **_common(p, operands, names),
+        tokens=p["num_tokens"],
+        slots_int64=np.dtype(slot_mapping.dtype) == np.int64,
+    )
+
+
 # ---- a bound primitive's operand list: the base operands, then the extras ----------------------
 
 
@@ -343,11 +377,13 @@ def split_operands(operands, form: str, k_norm: bool):
     return list(operands[:base]), {name: extras.get(name) for name in EXTRA_NAMES}
 
 
-def check_operands(operands, form: str, params: dict) -> UpdateShape | PagedShape:
+def check_operands(operands, form: str, params: dict) -> UpdateShape | PagedShape | MappedShape:
     """The checks of ``form`` ('slot' or 'paged') on a primitive's operands and params."""
     base, extras = split_operands(operands, form, params["k_norm"])
     if len(operands) < len(BASE_NAMES[form]):
         check_call(form, operands, k_norm=params["k_norm"])  # names what is missing
     if form == "slot":
         return check_update(*base, params["pages_per_slot"], **extras)
+    if form == "slot_mapping":
+        return check_update_slots(*base, **extras)
     return check_update_paged(*base, **extras)

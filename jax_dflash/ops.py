@@ -26,6 +26,7 @@ from jax_dflash._shapes import (
     check_pages_per_slot,
     check_update,
     check_update_paged,
+    check_update_slots,
     takes_scales,
 )
 from jax_dflash.contract import DEFAULT_NORM_EPS
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover
 
 target_kv_cache_update_p = Primitive("dflash_target_kv_cache_update")
 target_kv_cache_update_paged_p = Primitive("dflash_target_kv_cache_update_paged")
+target_kv_cache_update_slots_p = Primitive("dflash_target_kv_cache_update_slots")
 
 
 # ---- operand handling shared by both contracts -----------------------------------------------
@@ -61,6 +63,23 @@ def _index_operand(name, x):
             else " (it is not converted: indices are integers)"
         )
         raise TypeError(f"{name}: expected dtype int32, got {np.dtype(dtype)}{why}")
+    return x
+
+
+def _slot_operand(name, x):
+    """Flat slots may be int32 or int64; an int64 array is taken only where JAX keeps it int64
+    (jax_enable_x64 on): otherwise jit would narrow it, and a slot past 2^31 would land elsewhere."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+        raise TypeError(f"{name}: expected an int32 or int64 array, got {type(x).__name__}")
+    dtype = np.dtype(dtype)
+    if dtype == np.int64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"{name}: expected int32 (or int64 with jax_enable_x64 on), got int64 with "
+            "jax_enable_x64 off (it is not converted: that would silently narrow it)"
+        )
+    if dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {dtype}")
     return x
 
 
@@ -117,12 +136,13 @@ def _check_cached(contract, pages_per_slot, base, extras):
 def _check_signature(contract, pages_per_slot, base, extras):
     base = [_Aval(*sig) for sig in base]
     k_scale, v_scale, k_norm_weight = (None if sig is None else _Aval(*sig) for sig in extras)
+    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
     if contract == "slot":
-        check_update(
-            *base, pages_per_slot, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight
-        )
+        check_update(*base, pages_per_slot, **extras)
+    elif contract == "slot_mapping":
+        check_update_slots(*base, **extras)
     else:
-        check_update_paged(*base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+        check_update_paged(*base, **extras)
 
 
 def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
@@ -308,6 +328,55 @@ def target_kv_cache_update_paged(
     return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
 
 
+def target_kv_cache_update_slots(
+    k_delta: jax.Array,
+    v_delta: jax.Array,
+    past_key_value: jax.Array,
+    rope_cos_sin: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    k_norm_weight: jax.Array | None = None,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    v_norm: bool = False,
+) -> jax.Array:
+    """Writes token-major keys (with RoPE) and values through a flat slot per token (the slot
+    mapping of vLLM's ``reshape_and_cache_flash``, SGLang's ``out_cache_loc``).
+
+    Args:
+      k_delta, v_delta: ``[T, H, D]`` float16, bfloat16 or float32 (the same dtype).
+      past_key_value: ``[2, N, P, H, D]`` pool; ``pool[0]`` and ``pool[1]`` are vLLM's
+        ``[num_blocks, block_size, H, D]`` K and V caches.
+      rope_cos_sin: ``[T, R]`` float32, token-aligned (row ``t`` rotates token ``t``'s key).
+      slot_mapping: ``[T]`` int32 or int64 (int64 with ``jax_enable_x64`` on): token ``t``
+        lands at ``pool[:, s // P, s % P]`` with ``s = slot_mapping[t]``; ``s < 0`` or
+        ``s >= N * P`` writes nothing (neither plane). Slots are never narrowed.
+      k_scale, v_scale, k_norm_weight, norm_eps, v_norm: as in :func:`target_kv_cache_update`.
+
+    Returns:
+      ``present_key_value``: the pool with every addressed row written, the rest unchanged. Of
+      tokens with one slot, the last one's rows are stored on CPU; on a GPU each element is one of
+      theirs (SPEC.md, "The slot-mapping form"). The layer-batched form (a leading layers axis,
+      ``slot_mapping`` shared or ``[layers, T]``) is one launch; ``jax.vmap`` produces it. Runs on
+      CPU; its CUDA kernel is not written yet.
+    """
+    base = [
+        _array_operand("k_delta", k_delta),
+        _array_operand("v_delta", v_delta),
+        _array_operand("past_key_value", past_key_value),
+        _array_operand("rope_cos_sin", rope_cos_sin),
+        _slot_operand("slot_mapping", slot_mapping),
+    ]
+    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
+    if k_norm_weight is not None:
+        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    params = _norm_params(k_norm_weight, v_norm, norm_eps)
+    _check_cached("slot_mapping", None, base, (k_scale, v_scale, k_norm_weight))
+    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
+    return _bind(target_kv_cache_update_slots_p, [*base, *extras], params)
+
+
 # ---- abstract evaluation ---------------------------------------------------------------------
 
 
@@ -321,6 +390,13 @@ def _slot_abstract_eval(*operands, **params):
 @target_kv_cache_update_paged_p.def_abstract_eval
 def _paged_abstract_eval(*operands, **params):
     check_operands(operands, "paged", params)
+    pool = operands[POOL_OPERAND]
+    return jax.core.ShapedArray(pool.shape, pool.dtype)
+
+
+@target_kv_cache_update_slots_p.def_abstract_eval
+def _slots_abstract_eval(*operands, **params):
+    check_operands(operands, "slot_mapping", params)
     pool = operands[POOL_OPERAND]
     return jax.core.ShapedArray(pool.shape, pool.dtype)
 
@@ -361,6 +437,7 @@ def _impl_for(primitive):
 
 target_kv_cache_update_p.def_impl(_impl_for(target_kv_cache_update_p))
 target_kv_cache_update_paged_p.def_impl(_impl_for(target_kv_cache_update_paged_p))
+target_kv_cache_update_slots_p.def_impl(_impl_for(target_kv_cache_update_slots_p))
 
 
 # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
@@ -375,6 +452,12 @@ sharding.register_lowerings(
     lowering.lowering_for("paged"),
     platforms=("cpu", "cuda"),
     contract="paged",
+)
+sharding.register_lowerings(
+    target_kv_cache_update_slots_p,
+    lowering.lowering_for("slot_mapping"),
+    platforms=("cpu", "cuda"),
+    contract="slot_mapping",
 )
 
 
@@ -476,4 +559,7 @@ batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule_for(
 )
 batching.primitive_batchers[target_kv_cache_update_paged_p] = _batching_rule_for(
     target_kv_cache_update_paged_p, "paged"
+)
+batching.primitive_batchers[target_kv_cache_update_slots_p] = _batching_rule_for(
+    target_kv_cache_update_slots_p, "slot_mapping"
 )

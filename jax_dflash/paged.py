@@ -157,3 +157,40 @@ def gather_kv(
         return values.reshape(ids.shape[0], -1, heads, head_dim).astype(dtype)
 
     return plane(0, table[:, 0], k_scale), plane(1, table[:, 1] - num_pages, v_scale)
+
+
+def slots_from_pages(
+    delta_positions,
+    delta_token_to_sequence,
+    kv_page_table,
+    num_pages: int,
+    page_size: int,
+    *,
+    ring=False,
+) -> jax.Array:
+    """``[T]`` int32 flat slots (``page * P + row``; -1: nothing written) of the paged contract's
+    tokens: what ``target_kv_cache_update_slots`` needs to write what
+    ``target_kv_cache_update_paged`` writes, for tables whose V page is its K page (V id = K id +
+    N, as ``identity_page_table`` and vLLM's caches have). The paged rules decide which tokens
+    are written: owner in ``[0, B)``, position >= 0, page index in the table (or ``ring``), K id
+    in ``[0, N)`` and V id in ``[N, 2N)``."""
+    positions = _int32_array("delta_positions", delta_positions, 1)
+    owners = _int32_array("delta_token_to_sequence", delta_token_to_sequence, 1)
+    table = _int32_array("kv_page_table", kv_page_table, 3)
+    num_pages = _static_int("num_pages", num_pages, 1)
+    page_size = _static_int("page_size", page_size, 1)
+    if num_pages * page_size > _INT32_MAX:
+        raise ValueError(
+            f"num_pages, page_size: expected N * P < 2^31 rows a plane for int32 slots, got "
+            f"{num_pages} * {page_size}"
+        )
+    batch, _, table_pages = table.shape
+    index = positions // page_size
+    if ring and table_pages > 0:
+        index = index % table_pages
+    valid = (owners >= 0) & (owners < batch) & (positions >= 0) & (index < table_pages)
+    owner, entry = jnp.where(valid, owners, 0), jnp.where(valid, index, 0)
+    k_page, v_page = table[owner, 0, entry], table[owner, 1, entry]
+    valid &= (k_page >= 0) & (k_page < num_pages) & (v_page >= num_pages)
+    valid &= v_page - num_pages < num_pages
+    return jnp.where(valid, k_page * page_size + positions % page_size, -1).astype(jnp.int32)

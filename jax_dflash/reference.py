@@ -410,3 +410,48 @@ def target_kv_cache_update_paged(
         v_norm=v_norm,
         eps=eps,
     )
+
+
+def _mapped_layer(k, v, pool, rope, slots, **stored):
+    num_pages, page_size = pool.shape[1:3]
+    s = slots.astype(np.int64)
+    (ts,) = np.nonzero((s >= 0) & (s < num_pages * page_size))
+    # Of tokens with one slot, the last one's rows are stored (SPEC.md, "The slot-mapping form").
+    _, last = np.unique(s[ts][::-1], return_index=True)
+    ts = np.sort(ts[::-1][last])
+    k_rows, v_rows = _stored_rows(k[ts], v[ts], rope[ts], np.ones(len(ts), bool), **stored)
+    page, row = s[ts] // page_size, s[ts] % page_size
+    pool[0, page, row] = k_rows
+    pool[1, page, row] = v_rows
+
+
+def target_kv_cache_update_slots(
+    k_delta,
+    v_delta,
+    past_key_value,
+    rope_cos_sin,
+    slot_mapping,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    norm_eps=1e-6,
+    v_norm=False,
+) -> np.ndarray:
+    """Returns a new pool: ``past_key_value`` with the tokens written through their flat slots
+    (SPEC.md, "The slot-mapping form"). Accepts the unbatched and layer-batched forms of
+    :func:`jax_dflash.target_kv_cache_update_slots`; the input arrays are not modified."""
+    args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping)]
+    extras = _extras(k_scale, v_scale, k_norm_weight)
+    _shapes.check_update_slots(*args, **extras)
+    eps = _options(v_norm, norm_eps)
+    return _each_layer(
+        _mapped_layer,
+        args,
+        base_ranks=(3, 3, 5, 2, 1),
+        extras=extras,
+        static=(),
+        rotary_dim=args[3].shape[-1],
+        v_norm=v_norm,
+        eps=eps,
+    )

@@ -54,11 +54,20 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_dflash._shapes import (
+    FORMS,
+    MappedShape,
     PagedShape,
     UpdateShape,
     check_operands,
     operand_names,
 )
+
+# The public function of each form, for messages.
+_OP_NAMES = {
+    "slot": "target_kv_cache_update",
+    "paged": "target_kv_cache_update_paged",
+    "slot_mapping": "target_kv_cache_update_slots",
+}
 
 try:  # JAX's own custom-partitioned ops (cuDNN attention) register themselves here too.
     from jax._src import dispatch as _dispatch
@@ -191,6 +200,14 @@ def operand_specs(shape: UpdateShape | PagedShape, split: Split) -> tuple[Partit
     tail = _extra_specs(
         split, layered, scales, extras.scales_per_layer, extras.k_norm, extras.norm_weight_per_layer
     )
+    if isinstance(shape, MappedShape):
+        n = (_entry(split.layers),) if layered else ()
+        h = _entry(split.heads)
+        delta = PartitionSpec(*n, None, h, None)
+        pool = PartitionSpec(*n, None, None, None, h, None)
+        rope = PartitionSpec(*(n if shape.rope_per_layer else ()), None, None)
+        slots = PartitionSpec(*(n if shape.positions_per_layer else ()), None)
+        return (delta, delta, pool, rope, slots) + tail
     if isinstance(shape, PagedShape):
         return (
             _paged_specs(
@@ -258,7 +275,9 @@ def plan_split(shape: UpdateShape | PagedShape, mesh, pool_sharding) -> Split:
 def _plan_dims(shape, dims, shards: Callable | None) -> Split:
     """The split of pool ``dims`` (mesh axes per dim). ``shards`` maps axes to a shard count;
     None when the mesh sizes are not known (then only the dims are checked)."""
-    paged = isinstance(shape, PagedShape)
+    # Token-major forms (a page table or flat slots may send any token to any page): heads and
+    # layers only.
+    paged = not isinstance(shape, UpdateShape)
     layered = shape.num_layers is not None
     lead = 1 if layered else 0
     spec_txt = f"sharding {_spec_text(dims)}"
@@ -474,9 +493,9 @@ def register_lowerings(
 ) -> None:
     """Registers ``primitive``'s lowering for each platform: the per-shard FFI call
     (``local_lowering(platform)``) wrapped in JAX's custom partitioning. ``contract`` is 'slot'
-    or 'paged' (which checks and sharding rules apply)."""
-    if contract not in ("slot", "paged"):
-        raise ValueError(f"contract: expected 'slot' or 'paged', got {contract!r}")
+    names an addressing form of the core's table (which checks and sharding rules apply)."""
+    if contract not in FORMS:
+        raise ValueError(f"contract: expected one of {list(FORMS)}, got {contract!r}")
 
     def update(params, *operands):
         return primitive.bind(*operands, **dict(params))
@@ -497,7 +516,7 @@ def register_lowerings(
         # The partitioned lowering needs the device assignment (custom_partitioning does too).
         _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
-    op_name = "target_kv_cache_update" if contract == "slot" else "target_kv_cache_update_paged"
+    op_name = _OP_NAMES[contract]
     for platform in platforms:
         lower_local = local_lowering(platform)
 

@@ -81,6 +81,7 @@ enum class OperandRole : int32_t {
   kRope,        // float32
   kIndex,       // int32 positions and lengths, or positions and owners: one layout for the pair
   kPageTable,   // int32 page ids
+  kSlotIndex,   // int32 or int64 flat slots (never narrowed)
 };
 
 struct OperandSpec {
@@ -110,6 +111,7 @@ struct AddressingForm {
   // The form's attributes besides the norms' (k_norm, v_norm, norm_eps, which every form has).
   bool has_pages_per_slot;  // required, int64 > 0
   bool has_ring;            // bool
+  bool cuda;                // whether the CUDA kernel serves it (else CPU only, so far)
 };
 
 inline constexpr AddressingForm kAddressingForms[] = {
@@ -143,11 +145,28 @@ inline constexpr AddressingForm kAddressingForms[] = {
      3,
      2,
      false,
+     true,
      true},
+    {Contract::kSlotMapping,
+     "slot_mapping",
+     "vLLM, SGLang",
+     "dflash_target_kv_cache_update_slots",
+     5,
+     {{"k_delta", OperandRole::kKDelta, "[T, H, D]"},
+      {"v_delta", OperandRole::kVDelta, "[T, H, D]"},
+      {"past_key_value", OperandRole::kPool, "[2, N, P, H, D]"},
+      {"rope_cos_sin", OperandRole::kRope, "[T, R]"},
+      {"slot_mapping", OperandRole::kSlotIndex, "[T]"}},
+     3,
+     2,
+     false,
+     false,
+     false},
 };
 
+// The table is in the enum's order.
 constexpr AddressingForm const& addressing_form(Contract contract) {
-  return kAddressingForms[contract == Contract::kSlot ? 0 : 1];
+  return kAddressingForms[int32_t(contract)];
 }
 // The form named `name` ("slot", "paged"); null for another name.
 inline AddressingForm const* addressing_form(char const* name) {

@@ -87,7 +87,8 @@ inline bool is_delta_dtype(DType d) {
 
 // How tokens are addressed (SPEC.md): slot b owns a fixed range of pages (batch-major deltas),
 // or each token names its sequence and position and a page table maps pages (token-major).
-enum class Contract : int32_t { kSlot = 0, kPaged = 1 };
+// or each token names its slot in the flat [N * P] rows of a plane (vLLM's slot mapping).
+enum class Contract : int32_t { kSlot = 0, kPaged = 1, kSlotMapping = 2 };
 
 // The norms' epsilon when a caller gives none (HF RMSNorm's default in Qwen3 drafts).
 inline constexpr float kDefaultNormEps = 1e-6f;
@@ -114,6 +115,8 @@ struct KVUpdateParams {
   int32_t const* delta_positions = nullptr;        // paged
   int32_t const* token_to_sequence = nullptr;      // paged
   int32_t const* page_table = nullptr;             // paged
+  void const* slot_mapping = nullptr;              // slot mapping: int32 or int64 [T]
+  bool slot_mapping_int64 = false;
   float const* k_scale = nullptr;                  // FP8 pools
   float const* v_scale = nullptr;
   void const* k_norm_weight = nullptr;  // k_norm
@@ -289,6 +292,23 @@ DFLASH_HOST_DEVICE PoolRows paged_rows(PagedAddressing const& a, int32_t k_page,
   rows.v_row = int64_t(uint32_t(v_page)) * a.page_size + row;
   return rows;
 }
+// Slot-mapping form: token t's slot s in the flat rows [N * P] of a plane (s = page * P + row);
+// nothing is written for s < 0 or s >= N * P (64-bit: no slot is narrowed). The V row is the
+// same row of the V plane.
+DFLASH_HOST_DEVICE PoolRows mapped_rows(KVUpdateParams const& p, int64_t slot) {
+  PoolRows rows;
+  int64_t const plane_rows = p.num_pages * p.page_size;
+  if (slot < 0 || slot >= plane_rows) return rows;
+  rows.k_row = slot;
+  rows.v_row = plane_rows + slot;
+  return rows;
+}
+// The slot of token t of a layer (int32 or int64 data, widened).
+DFLASH_HOST_DEVICE int64_t mapped_slot(KVUpdateParams const& p, int64_t index) {
+  return p.slot_mapping_int64 ? static_cast<int64_t const*>(p.slot_mapping)[index]
+                              : int64_t(static_cast<int32_t const*>(p.slot_mapping)[index]);
+}
+
 // Offset (elements) of the first delta element of token t of sequence b (slot), or of token t
 // (paged: b ignored), in layer `layer`.
 DFLASH_HOST_DEVICE int64_t delta_token_offset(KVUpdateParams const& p, int64_t layer, int64_t b, int64_t t) {
@@ -306,7 +326,7 @@ DFLASH_HOST_DEVICE int64_t position_index(KVUpdateParams const& p, int64_t layer
 // shared by the batch); paged cos_sin[layer?, t] (token-aligned, `row` = t).
 DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t layer, int64_t b, int64_t row) {
   int64_t const rl = p.rope_per_layer ? layer : 0;
-  if (p.contract == Contract::kPaged) return (rl * p.num_tokens + row) * p.rotary_dim;
+  if (p.contract != Contract::kSlot) return (rl * p.num_tokens + row) * p.rotary_dim;
   int64_t const rb = p.rope_batch == 1 ? 0 : b;
   return ((rl * p.rope_batch + rb) * p.rope_seq_len + row) * p.rotary_dim;
 }

@@ -490,6 +490,16 @@ void update_paged(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
   }
 }
 
+// Tokens in order, so that of two tokens with one slot the later one's rows are stored.
+void update_mapped(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    PoolRows const rows = mapped_rows(p, mapped_slot(p, position_index(p, layer, t)));
+    if (rows.k_row < 0) continue;
+    float const* cos_sin = p.rotary_dim > 0 ? p.rope_cos_sin + rope_row_offset(p, layer, 0, t) : nullptr;
+    write_token(p, heads, layer, delta_token_offset(p, layer, 0, t), rows, cos_sin);
+  }
+}
+
 }  // namespace
 
 void target_kv_cache_update_cpu(KVUpdateParams const& p) {
@@ -497,10 +507,11 @@ void target_kv_cache_update_cpu(KVUpdateParams const& p) {
   IeeeSubnormals const keep_subnormals;
   HeadWriter heads(p);
   for (int64_t layer = 0; layer < p.num_layers; ++layer) {
-    if (p.contract == Contract::kSlot)
-      update_slot(p, heads, layer);
-    else
-      update_paged(p, heads, layer);
+    switch (p.contract) {
+      case Contract::kSlot: update_slot(p, heads, layer); break;
+      case Contract::kPaged: update_paged(p, heads, layer); break;
+      case Contract::kSlotMapping: update_mapped(p, heads, layer); break;
+    }
   }
 }
 

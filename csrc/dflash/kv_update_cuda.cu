@@ -41,8 +41,11 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
 
 cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t stream) {
   if (p.num_layers * tokens_per_layer(p) == 0 || p.num_kv_heads * p.head_dim == 0) return cudaSuccess;
-  return p.contract == Contract::kSlot ? for_pool<Contract::kSlot>(p, stream)
-                                       : for_pool<Contract::kPaged>(p, stream);
+  switch (p.contract) {
+    case Contract::kSlot: return for_pool<Contract::kSlot>(p, stream);
+    case Contract::kPaged: return for_pool<Contract::kPaged>(p, stream);
+    default: return cudaErrorNotSupported;  // a form whose descriptor says no CUDA kernel
+  }
 }
 
 }  // namespace dflash

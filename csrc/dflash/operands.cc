@@ -247,6 +247,9 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
       case OperandRole::kRope: return expect(DType::kFloat32, "");
       case OperandRole::kIndex:
       case OperandRole::kPageTable: return expect(DType::kInt32, "");
+      case OperandRole::kSlotIndex:
+        if (given == DType::kInt32 || given == DType::kInt64) return {};
+        return name() + ": expected dtype int32 or int64, got " + dtype_name(given);
     }
   }
   if (scales_given && index < form.base_count + 2) return expect(DType::kFloat32, "");
@@ -295,7 +298,7 @@ std::string check_params(KVUpdateParams const& p) {
       return "rope_cos_sin: length S must be <= the slot capacity pages_per_slot * P = " + str(capacity) +
              ", got S = " + str(p.rope_seq_len);
   } else {
-    if (p.table_pages > p.num_pages)
+    if (p.contract == Contract::kPaged && p.table_pages > p.num_pages)
       return "kv_page_table: pages per sequence M (last dim) must be <= numPages N = " + str(p.num_pages) +
              ", got M = " + str(p.table_pages);
     if (p.rope_seq_len != p.num_tokens)
@@ -322,7 +325,7 @@ std::string check_params(KVUpdateParams const& p) {
     return "k_delta: its size in bytes overflows int64";
   if (!fits({p.num_layers, p.rope_batch, p.rope_seq_len, p.rotary_dim}, 4))
     return "rope_cos_sin: its size in bytes overflows int64";
-  if (!slot && !fits({p.num_layers, p.batch, 2, p.table_pages}, 4))
+  if (p.contract == Contract::kPaged && !fits({p.num_layers, p.batch, 2, p.table_pages}, 4))
     return "kv_page_table: its size in bytes overflows int64";
   return {};
 }
@@ -464,11 +467,12 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   p.rotary_dim = rope.dims[rl + (slot ? 2 : 1)];
   int64_t const per_step = slot ? p.batch : p.num_tokens;  // entries of the int32 arrays
 
-  // The int32 arrays: starts + lengths (slot), positions + owners (paged): [n] or [layers, n],
-  // both in one layout.
+  // The index arrays: starts + lengths (slot), positions + owners (paged), the slots (slot
+  // mapping): [n] or [layers, n], all in one layout.
   int32_t const first = 4;
+  int32_t const index_operands = attrs.contract == Contract::kSlotMapping ? 1 : 2;
   bool per_layer = false;
-  for (int32_t i = first; i < first + 2; ++i) {
+  for (int32_t i = first; i < first + index_operands; ++i) {
     TensorDesc const& t = c.op(i);
     bool const flat = t.rank == 1 && same(t.dims[0], per_step);
     bool const stacked = layered && t.rank == 2 && same(t.dims[0], layers) && same(t.dims[1], per_step);
@@ -489,7 +493,7 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   p.positions_per_layer = per_layer;
 
   // kv_page_table: [layers?, B, 2, M].
-  if (!slot) {
+  if (attrs.contract == Contract::kPaged) {
     TensorDesc const& table = c.op(6);
     if (table.rank != 3 && !(layered && table.rank == 4))
       return c.fail_shape(6,
@@ -550,6 +554,9 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (slot) {
     p.delta_start_positions = static_cast<int32_t const*>(c.op(4).data);
     p.delta_lengths = static_cast<int32_t const*>(c.op(5).data);
+  } else if (attrs.contract == Contract::kSlotMapping) {
+    p.slot_mapping = c.op(4).data;
+    p.slot_mapping_int64 = c.op(4).dtype == DType::kInt64;
   } else {
     p.delta_positions = static_cast<int32_t const*>(c.op(4).data);
     p.token_to_sequence = static_cast<int32_t const*>(c.op(5).data);

@@ -126,7 +126,8 @@ nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t
 nb::dict forms_dict() {
   nb::dict forms;
   for (AddressingForm const& f : kAddressingForms) {
-    static constexpr char const* kRoles[] = {"k_delta", "v_delta", "pool", "rope", "index", "page_table"};
+    static constexpr char const* kRoles[] = {"k_delta", "v_delta",    "pool",      "rope",
+                                             "index",   "page_table", "slot_index"};
     nb::list names, dims, roles;
     for (int32_t i = 0; i < f.base_count; ++i) {
       names.append(f.base[i].name);
@@ -145,6 +146,7 @@ nb::dict forms_dict() {
     d["delta_rank"] = f.delta_rank;
     d["rope_rank"] = f.rope_rank;
     d["attributes"] = nb::tuple(attributes);
+    d["cuda"] = f.cuda;
     forms[f.name] = d;
   }
   return forms;

@@ -18,6 +18,10 @@ ffi::Error cuda_error(Contract contract, cudaError_t status) {
 
 ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Dictionary attrs) {
+  if (!addressing_form(contract).cuda)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(target_name(contract)) + ": the " +
+                                                          addressing_form(contract).name +
+                                                          " form has no CUDA kernel yet (CPU only)");
   KVUpdateParams p;
   std::optional<ffi::AnyBuffer> pool, result;
   if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
@@ -52,6 +56,10 @@ template <Contract C> struct CudaHandler {
 namespace {
 
 void enqueue(KVUpdateParams const& p, uintptr_t stream) {
+  if (!addressing_form(p.contract).cuda)
+    throw nb::type_error((std::string("form: the ") + addressing_form(p.contract).name +
+                          " form has no CUDA kernel yet (CPU only)")
+                             .c_str());
   cudaError_t const status = launch_target_kv_cache_update(p, reinterpret_cast<cudaStream_t>(stream));
   if (status != cudaSuccess)
     throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(status));
