@@ -166,3 +166,55 @@ def test_slots_from_pages_refuses_what_int32_cannot_hold():
     positions = jnp.zeros(2, jnp.int32)
     with pytest.raises(ValueError, match="N \\* P < 2\\^31"):
         jax_dflash.slots_from_pages(positions, positions, jnp.zeros((1, 2, 1), jnp.int32), 2**30, 4)
+
+
+# ---- the ONNX node (the plugin's field `form` names the form) -----------------------------------
+
+
+def _onnx_run(node, operands):
+    pytest.importorskip("onnx", reason="the ONNX node needs the 'onnx' extra")
+    from jax_dflash.interop import onnx as dflash_onnx
+    from jax_dflash.interop.onnx_reference import reference_evaluator
+
+    model = dflash_onnx.make_node_model(node, operands)
+    (out,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
+    return out
+
+
+@pytest.mark.parametrize("k_norm", [False, True])
+def test_the_onnx_node_runs_the_form_as_the_op(k_norm):
+    from jax_dflash.interop import onnx as dflash_onnx
+
+    k, v, pool128, rope, slots = _problem(np.random.default_rng(8))
+    pool128 = np.zeros((2, N, 128, H, D), np.float16)  # TensorRT's 128 tokens a page
+    slots = np.array([0, 129, -1, N * 128, 5, 5, 300, 2**31 - 1, 7, 640, 3, 11], np.int32)
+    operands = [k, v, pool128, rope, slots]
+    kwargs = {}
+    if k_norm:
+        operands.append(np.full(D, 0.75, np.float16))
+        kwargs["k_norm_weight"] = operands[-1]
+    node = dflash_onnx.make_slots_update_node(k_norm=k_norm)
+    assert {a.name: a for a in node.attribute}["form"].s == b"slot_mapping"
+    got = _onnx_run(node, operands)
+    want = reference.target_kv_cache_update_slots(k, v, pool128, rope, slots, **kwargs)
+    assert_bits_equal(got, want)
+
+
+def test_the_onnx_node_applies_tensorrts_profile():
+    from jax_dflash.interop import onnx as dflash_onnx
+
+    k, v, pool, rope, slots = _problem(np.random.default_rng(9))  # P = 4, not 128
+    node = dflash_onnx.make_slots_update_node()
+    with pytest.raises(ValueError, match="past_key_value: expected dim 2 == 128 tokens per page"):
+        _onnx_run(node, [k, v, pool, rope, slots])
+    import onnx
+
+    bad = onnx.helper.make_node(
+        dflash_onnx.PLUGIN_NAME,
+        list(dflash_onnx._shapes.BASE_NAMES["slot_mapping"]),
+        ["present_key_value"],
+        domain=dflash_onnx.PLUGIN_DOMAIN,
+        form="vllm",
+    )
+    with pytest.raises(ValueError, match="form: expected 'slot_mapping'"):
+        _onnx_run(bad, [k, v, np.zeros((2, N, 128, H, D), np.float16), rope, slots])

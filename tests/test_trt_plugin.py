@@ -209,6 +209,8 @@ def _python_verdict(line):
     try:
         if form == "slot":
             _shapes.check_update(*specs[:6], int(options["pages_per_slot"]), **kwargs)
+        elif form == "slot_mapping":
+            _shapes.check_update_slots(*specs[:5], **kwargs, tensorrt=True)
         else:
             _shapes.check_update_paged(*specs[:7], **kwargs)
     except (ValueError, TypeError):
@@ -259,10 +261,39 @@ def test_check_shapes_verdicts(harness, tmp_path):
             False,
             "k_delta: expected rank 4 [B, L, H, D] (field 'form' = 'slot')",
         ),
+        # The slot-mapping form has no inputs of its own to tell it by: the field names it.
+        "slot_mapping_form_ok": (
+            "slot_mapping_form_ok|form=slot_mapping|"
+            + ";".join(
+                [
+                    _tensor("float16", 8, 2, 64),
+                    _tensor("float16", 8, 2, 64),
+                    _tensor("float16", 2, 8, 128, 2, 64),
+                    _tensor("float32", 8, 64),
+                    _tensor("int64", 8),
+                ]
+            ),
+            True,
+            None,
+        ),
+        "slot_mapping_without_its_field": (
+            "slot_mapping_without_its_field||"
+            + ";".join(
+                [
+                    _tensor("float16", 8, 2, 64),
+                    _tensor("float16", 8, 2, 64),
+                    _tensor("float16", 2, 8, 128, 2, 64),
+                    _tensor("float32", 8, 64),
+                    _tensor("int32", 8),
+                ]
+            ),
+            False,
+            "kv_page_table",
+        ),
         "unknown_form": (
             _paged_line("unknown_form", fields="form=vllm"),
             False,
-            "field 'form': expected an addressing form, one of 'slot', 'paged', got 'vllm'",
+            "field 'form': expected an addressing form, one of 'slot', 'paged', 'slot_mapping', got 'vllm'",
         ),
         "paged_fp8_ring_ok": (
             _paged_line(

@@ -266,6 +266,55 @@ def make_paged_update_node(
     )
 
 
+def make_slots_update_node(
+    inputs: Sequence[str] | None = None,
+    output: str = OUTPUT_NAME,
+    *,
+    fp8_pool: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    name: str | None = None,
+    plugin_namespace: str = "",
+):
+    """The slot-mapping node (vLLM's flat slots): domain ``trt.plugins``, the attribute
+    ``form = "slot_mapping"`` (the plugin's field that names the form), ``plugin_version``,
+    ``plugin_namespace`` and the extensions in use. ``inputs`` are the names of k_delta,
+    v_delta, past_key_value, rope_cos_sin and slot_mapping, then k_scale, v_scale when
+    ``fp8_pool``, then k_norm_weight when ``k_norm`` (default: those names)."""
+    onnx = _onnx()
+    _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
+    base = _shapes.BASE_NAMES["slot_mapping"]
+    extras = (*(SCALE_INPUTS if check_flag(fp8_pool, "fp8_pool") else ()),)
+    extras += (NORM_WEIGHT_INPUT,) if k_norm else ()
+    attributes = dict(
+        plugin_version=PLUGIN_VERSION,
+        plugin_namespace=_namespace(plugin_namespace),
+        form="slot_mapping",
+    )
+    attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
+    return onnx.helper.make_node(
+        PLUGIN_NAME,
+        inputs=_input_list(inputs, (*base, *extras)),
+        outputs=[output],
+        name=name or PLUGIN_NAME,
+        domain=PLUGIN_DOMAIN,
+        **attributes,
+    )
+
+
+def check_form_operands(form: str, operands: Sequence, *, k_norm: bool = False):
+    """A form without attributes of its own (the slot mapping) against the plugin's rules: the
+    core's, with TensorRT's profile; returns the sizes."""
+    base = len(_shapes.BASE_NAMES[form])
+    operands = list(operands)
+    names = _shapes.operand_names(form, None, k_norm, count=len(operands))
+    if len(operands) < base or len(names) != len(operands):
+        _shapes.check_call(form, operands, k_norm=k_norm, tensorrt=True)  # names what is off
+    extras = dict(zip(names[base:], operands[base:]))
+    return _shapes.check_update_slots(*operands[:base], **extras, tensorrt=True)
+
+
 def domain_version(domain: str) -> int:
     """The opset version a model declares for the node's domain."""
     return EDGE_LLM_DOMAIN_VERSION if domain == EDGE_LLM_DOMAIN else PLUGIN_DOMAIN_VERSION

@@ -190,10 +190,46 @@ _ATTRIBUTE_TYPES = {
     "k_norm": AttributeProto.INT,
     "v_norm": AttributeProto.INT,
     "norm_eps": AttributeProto.FLOAT,
+    "form": AttributeProto.STRING,
 }
 _COMMON_ATTRIBUTES = ("plugin_version", "plugin_namespace", "k_norm", "v_norm", "norm_eps")
 _SLOT_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "pages_per_slot"))
 _PAGED_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "ring"))
+_SLOTS_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "form"))
+
+
+def run_slots_update_kernel(
+    k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping, **options
+) -> np.ndarray:
+    """The slot-mapping form on the CPU kernel (its raw entry by form name): returns an updated
+    copy of ``past_key_value``; the options as :func:`run_paged_update_kernel`'s but ``ring``."""
+    from jax_dflash._shapes import check_update_slots
+
+    names = ("k_scale", "v_scale", "k_norm_weight")
+    k, v, pool, rope, slots, k_scale, v_scale, weight = _contiguous(
+        k_delta,
+        v_delta,
+        past_key_value,
+        rope_cos_sin,
+        slot_mapping,
+        *(options.get(n) for n in names),
+    )
+    check_update_slots(
+        k, v, pool, rope, slots, k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight
+    )
+    present = pool.copy()
+    _ext.extension("cpu").update(
+        "slot_mapping",
+        [_bits(k), _bits(v), _bits(present), rope, slots],
+        k_scale,
+        v_scale,
+        None if weight is None else _bits(weight),
+        v_norm=bool(options.get("v_norm", False)),
+        norm_eps=float(options.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS)),
+        delta_dtype=k.dtype.name,
+        pool_dtype=pool.dtype.name,
+    )
+    return present
 
 
 def _attribute_text(attribute) -> str:
@@ -275,6 +311,11 @@ class _TargetKVCacheUpdate(OpRun):
         if not inputs:
             raise ValueError("k_delta: expected the node's inputs, got none")
         k_rank = np.ndim(inputs[0])
+        form = next(
+            (onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "form"), None
+        )
+        if form is not None and not self.edge_llm:
+            return self._update_form(inputs, form.decode() if isinstance(form, bytes) else form)
         if self.edge_llm:
             paged = True
         elif k_rank in (3, 4):
@@ -321,6 +362,30 @@ class _TargetKVCacheUpdate(OpRun):
         return run_update_kernel(
             *inputs[:base], pages_per_slot=attributes["pages_per_slot"], **options
         )
+
+    def _update_form(self, inputs: list, form: str) -> np.ndarray:
+        """A node whose ``form`` attribute names its addressing form (the plugin's field): only the
+        slot mapping has a node of its own; slot and paged nodes are told apart by their inputs."""
+        if form != "slot_mapping":
+            raise ValueError(
+                f"form: expected 'slot_mapping' (slot and paged nodes name no form), got {form!r}"
+            )
+        attributes = _read_attributes(self.onnx_node, _SLOTS_ATTRIBUTES, "slot-mapping")
+        k_norm = attributes.get("k_norm", False)
+        dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm)
+        base = len(dflash_onnx._shapes.BASE_NAMES[form])
+        extras = inputs[base:]
+        options = dict(
+            v_norm=attributes.get("v_norm", False),
+            norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
+        )
+        if len(extras) - k_norm == 2:
+            options["k_scale"], options["v_scale"] = (
+                s.reshape(()) if s.shape == (1,) else s for s in extras[:2]
+            )
+        if k_norm:
+            options["k_norm_weight"] = extras[-1]
+        return run_slots_update_kernel(*inputs[:base], **options)
 
 
 def _node_class(qualname: str, domain: str, edge_llm: bool) -> type:
