@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jax_dflash import reference
-from jax_dflash.cli import workload
+from jax_dflash.cli import replays, workload
 from jax_dflash.cli.accept import parse_accept
 from jax_dflash.cli.presets import KV_DTYPES, PRESETS
 
@@ -26,33 +26,24 @@ def gpu_devices():
         return []
 
 
-def _run(
-    contract,
-    kv_dtype=None,
-    *,
-    window=None,
-    fused_norm=True,
-    steps=6,
-    dtype=None,
-    device=None,
-    impl="kernel",
-    measure_update=False,
-    seed=5,
-):
-    w = workload.Workload(
-        TINY,
-        batch=4,
+def tiny_workload(contract="slot", *, batch=4, steps=6, seed=5, accept="geometric:0.8", **kw):
+    """A Workload of the tiny preset on the CPU unless ``device``; ``kw``: dtype, kv_dtype,
+    window, fused_norm, preset."""
+    return workload.Workload(
+        kw.pop("preset", TINY),
+        batch=batch,
         steps=steps,
         seed=seed,
-        accept=parse_accept("geometric:0.8", 8),
-        device=device or jax.devices("cpu")[0],
-        dtype=dtype,
-        kv_dtype=kv_dtype,
+        accept=parse_accept(accept, 8),
+        device=kw.pop("device", None) or jax.devices("cpu")[0],
         contract=contract,
-        window=window,
-        fused_norm=fused_norm,
+        **kw,
     )
-    return w, w.run(impl, progress=False, measure_update=measure_update)
+
+
+def _run(contract, kv_dtype=None, *, impl="kernel", **kw):
+    w = tiny_workload(contract, kv_dtype=kv_dtype, **kw)
+    return w, w.run(impl, progress=False)
 
 
 @pytest.mark.parametrize("contract", ["slot", "paged"])
@@ -87,13 +78,17 @@ def test_paged_run_starts_and_finishes_sequences_from_shared_prompts():
 
 
 @pytest.mark.parametrize("contract", ["slot", "paged"])
-def test_update_share_is_a_share(contract):
-    _, r = _run(contract, measure_update=True)
-    assert r.best_step_without_update_seconds <= r.best_step_seconds
-    assert 0.0 <= r.update_share <= 1.0
-    assert r.update_seconds_per_step == pytest.approx(
-        r.best_step_seconds - r.best_step_without_update_seconds
-    )
+def test_update_share_is_a_share_or_below_its_resolution(contract):
+    w, r = _run(contract)
+    assert r.times is None and r.steps_per_s is None  # the checked pass is not the headline
+    w.measure([r], progress=False)
+    u = r.update
+    assert u.method == "wall-clock" and u.note == "a CPU has no device trace"
+    assert u.resolution > 0
+    if u.below_resolution:
+        assert r.update_share is None and r.update_share_resolution > 0
+    else:
+        assert u.seconds > u.resolution and 0.0 < r.update_share <= 1.0
 
 
 def test_the_pools_must_match_the_reference_bit_for_bit(monkeypatch):
@@ -116,17 +111,10 @@ def test_baseline_pipeline_is_reported_and_reads_back():
 
 
 def test_estimate_of_the_baseline():
-    w = workload.Workload(
-        TINY,
-        batch=2,
-        steps=4,
-        seed=0,
-        accept=parse_accept("fixed:2", 8),
-        device=jax.devices("cpu")[0],
-        contract="paged",
-    )
+    w = tiny_workload("paged", batch=2, steps=4, seed=0, accept="fixed:2")
     seconds, per_step = w.estimate_seconds("baseline")
-    assert per_step > 0 and seconds >= per_step * w.steps
+    # The checked pass, and at least the fewest rounds of replays with and without the update.
+    assert per_step > 0 and seconds >= per_step * w.steps * (1 + 2 * replays.ROUNDS[0])
 
 
 @pytest.mark.skipif(not gpu_devices(), reason="no GPU in this JAX: runs on the H200")
@@ -149,16 +137,15 @@ def test_partial_rope_as_in_qwen35(contract):
     import dataclasses
 
     preset = dataclasses.replace(TINY, rotary_dim=16)
-    w = workload.Workload(
-        preset,
+    w = tiny_workload(
+        contract,
         batch=3,
         steps=5,
         seed=2,
-        accept=parse_accept("uniform", 8),
-        device=jax.devices("cpu")[0],
+        accept="uniform",
         kv_dtype="float8_e4m3fn",
-        contract=contract,
+        preset=preset,
     )
-    r = w.run("kernel", progress=False, measure_update=False)
+    r = w.run("kernel", progress=False)
     assert w.rope.shape == (1, preset.slot_capacity, 16)
     assert r.check == "bit-exact" and r.readback.passed, r.readback.failure

@@ -1,8 +1,10 @@
-"""One implementation's timed, checked run, and what it measures.
+"""One implementation's checked pass, and what the run reports of it.
 
-The run: the prefill (paged contract; untimed, as the engine's), warm-up steps, the timed decode
-steps (collecting the deltas for the check), the read-back check, then replays of the decode
-steps with and without the update for the update's share, and last the reference check.
+The checked pass: the prefill (paged contract; untimed, as the engine's), warm-up steps, the
+decode steps collecting the deltas for the check, the read-back check, and last the reference
+check. Its time is reported apart: collecting the deltas costs host time that an engine's step
+does not pay. The headline (steps/s, the update's time) comes from the replays of
+:mod:`jax_dflash.cli.replays`, run after every implementation's checked pass.
 """
 
 from __future__ import annotations
@@ -11,48 +13,43 @@ import dataclasses
 
 import numpy as np
 
-from jax_dflash.cli import readback
+from jax_dflash.cli import readback, replays
 from jax_dflash.cli.steps import DeviceSteps, ProgressBar, StepCollector
-from jax_dflash.cli.verify import Checks
+from jax_dflash.cli.verify import Checks, Differences, differences
 from jax_dflash.testing import compare_bits
 
-# Timed replays of the decode steps, with and without the update, for the update's share:
-# rounds alternate between the two until each has run this long (within the round limits);
-# the best round of each counts, which drops the noise of a busy machine.
-SHARE_SECONDS = 0.5
-SHARE_ROUNDS = (2, 200)
 LABELS = {"kernel": "dflash kernel", "baseline": "jnp baseline"}
 
 
 @dataclasses.dataclass
-class Timing:
+class CheckedPass:
     steps: int
-    seconds: float  # the timed loop, fetches for the check excluded
+    seconds: float  # until the device finished the decode steps, fetches for the check excluded
     compile_seconds: float
 
     @property
-    def step_seconds(self) -> float:
-        return self.seconds / self.steps
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds
 
 
 @dataclasses.dataclass
 class ImplResult:
-    """One implementation's run: timing, derived rates and the checks."""
+    """One implementation's run: the checked pass, the checks, and (once measured) the replays'
+    step times and the update's time."""
 
     impl: str
     label: str
-    timing: Timing
+    checked: CheckedPass
     accepted_tokens: int
     update_bytes: int
-    # Best per-step seconds of the step with and without the update (the same jitted step
-    # minus the op), over the timed run and the replays.
-    best_step_seconds: float | None
-    best_step_without_update_seconds: float | None
     check: str  # "bit-exact", "differs" or "skipped"
     mismatched_elements: int | None
     max_ulp: int | None
     checked_elements: int | None
     readback: readback.ReadbackResult | None = None
+    differences: Differences | None = None
+    times: replays.StepTimes | None = None
+    update: replays.UpdateTime | None = None
 
     @property
     def bit_exact_required(self) -> bool:
@@ -66,69 +63,81 @@ class ImplResult:
         return bits or (self.readback is not None and not self.readback.passed)
 
     @property
-    def steps_per_s(self) -> float:
-        return 1.0 / self.timing.step_seconds
+    def steps_per_s(self) -> float | None:
+        return None if self.times is None else self.times.steps_per_s
 
     @property
-    def accepted_tokens_per_s(self) -> float:
-        return self.accepted_tokens / self.timing.seconds
-
-    @property
-    def update_seconds_per_step(self) -> float | None:
-        """The step's time minus the same step's time without the update (>= 0: a difference
-        below the timing noise reads as 0)."""
-        if self.best_step_without_update_seconds is None:
+    def accepted_tokens_per_s(self) -> float | None:
+        if self.times is None:
             return None
-        return max(self.best_step_seconds - self.best_step_without_update_seconds, 0.0)
+        return self.accepted_tokens / (self.times.median * self.times.steps)
+
+    def _per_step(self, seconds: float | None) -> float | None:
+        """``seconds`` (per step) as a share of the median step."""
+        if seconds is None or self.times is None:
+            return None
+        return seconds / self.times.median
 
     @property
     def update_share(self) -> float | None:
-        """``1 - (step without the update) / (step)``: both times are non-negative, so the share
-        is at most 100% by construction (unlike timing the update alone, whose own launch and
-        dispatch costs could add up to more than the step it is part of)."""
-        u = self.update_seconds_per_step
-        return None if u is None else u / self.best_step_seconds
+        """The update's share of the median step; None when not measured or below resolution."""
+        return self._per_step(None if self.update is None else self.update.seconds)
+
+    @property
+    def update_share_resolution(self) -> float | None:
+        return self._per_step(None if self.update is None else self.update.resolution)
 
     @property
     def update_gb_per_s(self) -> float | None:
-        u = self.update_seconds_per_step
-        if not u:
+        if self.update is None or self.update.seconds is None:
             return None
-        return self.update_bytes / (u * self.timing.steps) / 1e9
+        return self.update_bytes / (self.update.seconds * self.checked.steps) / 1e9
 
     def as_dict(self) -> dict:
+        out = {"impl": self.impl, "label": self.label, "steps": self.checked.steps}
+        out.update(self._timing_dict())
+        out.update(
+            checked_pass={
+                "seconds": self.checked.seconds,
+                "steps_per_s": self.checked.steps_per_s,
+            },
+            compile_seconds=self.checked.compile_seconds,
+            update_bytes=self.update_bytes,
+            check=self.check,
+            bit_exact_required=self.bit_exact_required,
+            mismatched_elements=self.mismatched_elements,
+            max_ulp=self.max_ulp,
+            checked_elements=self.checked_elements,
+            differences=None if self.differences is None else self.differences.as_dict(),
+            readback=None if self.readback is None else self.readback.as_dict(),
+        )
+        return out
+
+    def _timing_dict(self) -> dict:
+        t, u = self.times, self.update
+        slowest, fastest = (None, None) if t is None else t.steps_per_s_range
         return {
-            "impl": self.impl,
-            "label": self.label,
-            "steps": self.timing.steps,
-            "seconds": self.timing.seconds,
-            "compile_seconds": self.timing.compile_seconds,
-            "step_ms": self.timing.step_seconds * 1e3,
             "steps_per_s": self.steps_per_s,
+            "steps_per_s_slowest": slowest,
+            "steps_per_s_fastest": fastest,
+            "step_ms": None if t is None else t.median * 1e3,
+            "replays": None if t is None else len(t.samples),
+            "step_ms_samples": None if t is None else [round(x * 1e3, 6) for x in t.samples],
             "accepted_tokens_per_s": self.accepted_tokens_per_s,
-            "best_step_ms": _scaled(self.best_step_seconds, 1e3),
-            "best_step_without_update_ms": _scaled(self.best_step_without_update_seconds, 1e3),
-            "update_ms_per_step": _scaled(self.update_seconds_per_step, 1e3),
+            "update_method": None if u is None else u.method,
+            "update_basis": None if u is None else u.basis,
+            "update_ms_per_step": _scaled(u and u.seconds, 1e3),
+            "update_resolution_ms": _scaled(u and u.resolution, 1e3),
+            "update_below_resolution": None if u is None else u.below_resolution,
             "update_share": self.update_share,
+            "update_share_resolution": self.update_share_resolution,
             "update_gb_per_s": self.update_gb_per_s,
-            "update_bytes": self.update_bytes,
-            "check": self.check,
-            "bit_exact_required": self.bit_exact_required,
-            "mismatched_elements": self.mismatched_elements,
-            "max_ulp": self.max_ulp,
-            "checked_elements": self.checked_elements,
-            "readback": None if self.readback is None else self.readback.as_dict(),
+            "update_note": None if u is None else u.note,
         }
 
 
 def _scaled(x, factor):
     return None if x is None else x * factor
-
-
-def replay_rounds(run_seconds: float) -> int:
-    """Rounds of the update-share replays for a decode run that took ``run_seconds``."""
-    low, high = SHARE_ROUNDS
-    return int(np.clip(np.ceil(SHARE_SECONDS / max(run_seconds, 1e-9)), low, high))
 
 
 def run_impl(
@@ -137,43 +146,33 @@ def run_impl(
     impl: str,
     *,
     check: bool = True,
-    measure_update: bool = True,
     progress: bool = True,
     check_readback: bool = True,
 ) -> ImplResult:
-    """The timed, checked run of one implementation; then (``measure_update``) replays of the
-    decode steps with and without the update, for the update's share."""
+    """The checked pass of one implementation (see the module docstring)."""
     plan, label = steps.plan, LABELS[impl]
     compiled, compile_seconds = steps.compiled(impl, True)
     collector = StepCollector() if check else None
-    pools, seconds = _timed_run(
-        steps, compiled, collector, ProgressBar(plan.steps, label, enabled=progress)
-    )
-    timing = Timing(plan.steps, seconds, compile_seconds)
-    actual = np.array(pools) if check else None  # a copy: the replays write into the device pool
+    bar = ProgressBar(plan.steps, f"{label}, checked pass", enabled=progress)
+    pools, seconds = _timed_run(steps, compiled, collector, bar)
+    actual = np.array(pools) if check else None  # a host copy: the read-back reads the device's
     rb = checks.readback(pools) if check_readback else None
-    best, best_without = timing.step_seconds, None
-    if measure_update:
-        best, best_without = _share_replays(steps, impl, pools, seconds, best)
     del pools  # the reference check needs no device pool: let it go before it runs
-    verdict, mismatches, max_ulp, elements = "skipped", None, None, None
-    if check:
-        mismatches, max_ulp, elements = _reference_check(checks, collector, actual, impl)
-        verdict = "bit-exact" if mismatches == 0 else "differs"
-    return ImplResult(
+    result = ImplResult(
         impl,
         label,
-        timing,
+        CheckedPass(plan.steps, seconds, compile_seconds),
         plan.accepted_tokens,
         plan.update_bytes,
-        best,
-        best_without,
-        verdict,
-        mismatches,
-        max_ulp,
-        elements,
+        "skipped",
+        None,
+        None,
+        None,
         rb,
     )
+    if check:
+        _reference_check(checks, collector, actual, result)
+    return result
 
 
 def _timed_run(steps: DeviceSteps, compiled, collector, bar: ProgressBar):
@@ -197,36 +196,29 @@ def _timed_run(steps: DeviceSteps, compiled, collector, bar: ProgressBar):
     return state[0], seconds
 
 
-def _share_replays(steps: DeviceSteps, impl: str, pools, seconds: float, best: float):
-    """Replays of the decode steps without and with the update, alternating: (best step
-    seconds with, without the update). Keeps no pool when it returns."""
-    plan = steps.plan
-    compiled, _ = steps.compiled(impl, True)
-    without, _ = steps.compiled(impl, False)
-    first, n = plan.prefill_steps, plan.steps
-    best_without = None
-    for _ in range(replay_rounds(seconds)):
-        state, s = steps.loop(without, steps.state(pools, first), first, n)
-        pools = state[0]
-        best_without = s / n if best_without is None else min(best_without, s / n)
-        state, s = steps.loop(compiled, steps.state(pools, first), first, n)
-        pools = state[0]
-        best = min(best, s / n)
-    return best, min(best_without, best)
-
-
-def _reference_check(checks: Checks, collector: StepCollector, actual, impl: str):
-    """(mismatched elements, max ulp, elements) of the run's pools against the reference."""
+def _reference_check(checks: Checks, collector: StepCollector, actual, result: ImplResult):
+    """The run's pools against the reference, into ``result``."""
     collector.flush()
-    expected = checks.reference_pools(collector.steps, impl)
+    expected = checks.reference_pools(collector.steps, result.impl)
     collector.steps.clear()  # the deltas are spent: free them before the comparison
     mismatches, max_ulp = compare_bits(actual, expected)
-    return mismatches, max_ulp, expected.size
+    result.check = "bit-exact" if mismatches == 0 else "differs"
+    result.mismatched_elements, result.max_ulp = mismatches, max_ulp
+    result.checked_elements = expected.size
+    if mismatches:
+        result.differences = differences(actual, expected)
+
+
+def measure(steps: DeviceSteps, results: list[ImplResult], *, progress: bool = True) -> None:
+    """The replays of every result's implementation, interleaved, into the results."""
+    measured = replays.measure(steps, [r.impl for r in results], progress=progress)
+    for r in results:
+        r.times, r.update = measured[r.impl]
 
 
 def estimate_seconds(steps: DeviceSteps, impl: str, *, timed_steps: int = 3):
-    """``(estimated seconds of run_impl(impl), seconds per step)`` from a few timed steps on a
-    scratch pool, compilation excluded."""
+    """``(estimated seconds of impl's checked pass and its share of the replays, seconds per
+    step)`` from a few timed steps on a scratch pool, compilation excluded."""
     plan = steps.plan
     compiled, compile_s = steps.compiled(impl, True)
     pools = steps.warm_up(compiled, steps.fresh_pools())
@@ -234,5 +226,7 @@ def estimate_seconds(steps: DeviceSteps, impl: str, *, timed_steps: int = 3):
     n = max(1, min(timed_steps, plan.steps))
     _, seconds = steps.loop(compiled, state, plan.prefill_steps, n)
     per_step = seconds / n
-    total_steps = plan.prefill_steps + plan.steps * (1 + 2 * replay_rounds(per_step * plan.steps))
+    variants = 1 if steps.device.platform != "cpu" else 2  # a CPU also replays it without
+    rounds = 1 + replays.replay_rounds(per_step * plan.steps)  # the warm-up round too
+    total_steps = plan.prefill_steps + plan.steps * (1 + variants * rounds)
     return compile_s + per_step * total_steps, per_step

@@ -77,6 +77,30 @@ def _format(value, spec, missing="n/a"):
     return missing if value is None else format(value, spec)
 
 
+def significant(x: float) -> str:
+    """Three significant digits: a small time or share keeps its digits (never "0.000")."""
+    return f"{x:.3g}"
+
+
+def _update_cells(r) -> tuple[str, str, str]:
+    """(update ms, update share, update GB/s) cells: a wall-clock time with its resolution, and
+    below the resolution as ``< resolution``."""
+    u = r.update
+    if u is None:
+        return "n/a", "n/a", "n/a"
+    if u.below_resolution:
+        return (
+            f"< {significant(u.resolution * 1e3)}",
+            f"< {significant(r.update_share_resolution * 100)}%",
+            "n/a",
+        )
+    ms, share = significant(u.seconds * 1e3), f"{significant(r.update_share * 100)}%"
+    if u.resolution is not None:
+        ms += f" ± {significant(u.resolution * 1e3)}"
+        share += f" ± {significant(r.update_share_resolution * 100)}%"
+    return ms, share, _format(r.update_gb_per_s, ".1f")
+
+
 def _check_text(r) -> str:
     if r.check == "skipped":
         return "skipped"
@@ -89,35 +113,38 @@ def _check_text(r) -> str:
     )
 
 
-def results_table(results, w) -> str:
-    header = (
-        "implementation",
-        "steps/s",
-        "accepted tok/s",
-        "step ms",
-        "update ms",
-        "update share",
-        "update GB/s",
-        "compile s",
-        "check",
+TABLE_HEADER = (
+    "implementation",
+    "steps/s",
+    "spread",
+    "accepted tok/s",
+    "step ms",
+    "update ms",
+    "update share",
+    "update GB/s",
+    "compile s",
+    "check",
+)
+
+
+def _row(r) -> tuple[str, ...]:
+    slowest, fastest = r.times.steps_per_s_range if r.times else (None, None)
+    spread = "n/a" if slowest is None else f"{slowest:.1f}-{fastest:.1f}"
+    return (
+        r.label,
+        _format(r.steps_per_s, ".1f"),
+        spread,
+        _format(r.accepted_tokens_per_s, ".0f"),
+        "n/a" if r.times is None else significant(r.times.median * 1e3),
+        *_update_cells(r),
+        f"{r.checked.compile_seconds:.2f}",
+        _check_text(r),
     )
-    rows = [header]
-    for r in results:
-        share = r.update_share
-        rows.append(
-            (
-                r.label,
-                f"{r.steps_per_s:.1f}",
-                f"{r.accepted_tokens_per_s:.0f}",
-                f"{r.timing.step_seconds * 1e3:.3f}",
-                _format(r.update_seconds_per_step and r.update_seconds_per_step * 1e3, ".3f"),
-                _format(share and share * 100, ".1f") + ("%" if share is not None else ""),
-                _format(r.update_gb_per_s, ".3f"),
-                f"{r.timing.compile_seconds:.2f}",
-                _check_text(r),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+
+
+def results_table(results, w) -> str:
+    rows = [TABLE_HEADER] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
     lines = []
     for n, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])]
@@ -126,12 +153,70 @@ def results_table(results, w) -> str:
         lines.append("  ".join(cells))
         if n == 0:
             lines.append("  ".join("-" * wd for wd in widths))
-    lines.append(
-        f"(update: the best step time minus the best time of the same jitted step "
-        f"without the update, over the run and replays of both; it moves "
-        f"{w.update_bytes / 1e6:.2f} MB per run)"
-    )
-    return "\n".join(lines)
+    return "\n".join(lines + table_notes(results, w))
+
+
+def table_notes(results, w) -> list[str]:
+    """What the table's numbers are: the headline's replays, the checked pass, the update."""
+    measured = [r for r in results if r.times is not None]
+    notes = []
+    if measured:
+        notes.append(
+            f"(steps/s: decode steps over the seconds until the device finished them, here, in "
+            f"--json and in the progress bars; the median of {len(measured[0].times.samples)} "
+            f"interleaved replays of each implementation, nothing collected; spread: the "
+            f"slowest and the fastest replay)"
+        )
+    passes = ", ".join(f"{r.label} {r.checked.steps_per_s:.1f} steps/s" for r in results)
+    notes.append(f"(checked pass, collecting every step's deltas for the check: {passes})")
+    notes += _update_notes(measured)
+    notes.append(f"(the update moves {w.update_bytes / 1e6:.2f} MB per run)")
+    return notes
+
+
+def _update_notes(results) -> list[str]:
+    """One line per way the update was timed, naming the implementations timed that way."""
+    ways: dict = {}
+    for r in results:
+        u = r.update
+        ways.setdefault((u.method, u.basis, u.note), []).append(r.label)
+    notes = []
+    for (method, basis, note), labels in ways.items():
+        who = ", ".join(labels)
+        if method == "device":
+            notes.append(
+                f"(update, {who}: device time per step of {basis}, from a profiler trace of the "
+                f"jitted step; share: of the median step)"
+            )
+            continue
+        why = f"; no device time: {note}" if note else ""
+        notes.append(
+            f"(update, {who}: the median over the rounds of the step's time minus the same "
+            f"jitted step's without the update, replayed in turn; ± its resolution, two standard "
+            f"errors of that median; a share below it prints as < resolution{why})"
+        )
+    return notes
+
+
+def difference_lines(results, w) -> list[str]:
+    """For a result that differs from the reference without having to match it (the jnp
+    pipeline), one line: which elements differ, by how much, and why that is expected."""
+    lines = []
+    for r in results:
+        d = r.differences
+        if d is None or r.bit_exact_required:
+            continue
+        lines.append(
+            f'{r.label}, "max {d.max_ulp} ulp": {d.keys} keys and {d.values} values differ from '
+            f"the reference, by at most {d.max_ulp} ulp (units in the last place) of "
+            f"{w.pool_dtype_name} (there the stored value is {d.magnitude_at_max_ulp:.3g}; the "
+            f"largest absolute difference is {d.max_abs:.3g}). Expected: the jnp pipeline "
+            f"rounds as XLA does, not as the contract fixes (its RMSNorm sums in XLA's order, "
+            f"and XLA may contract RoPE's multiply and add into one FMA), and where RoPE "
+            f"cancels a key to near zero one rounding step is many of its tiny ulps; only the "
+            f"kernel must be bit-exact"
+        )
+    return lines
 
 
 def run_summary(w, device, results) -> dict:

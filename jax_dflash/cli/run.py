@@ -46,11 +46,15 @@ DESCRIPTION = textwrap.dedent("""\
     the pool equals attention over keys and values recomputed from the features
     without a cache, within the pool dtype's rounding.
 
-    Summary: pool memory; steps/s; accepted tokens/s; the update's share of the step,
-    measured as the same jitted step with and without the update (share = 1 - step
-    without / step with, at most 100%); update GB/s = bytes the update must move /
-    the update's time. Timings exclude compilation, prefill, warm-up steps and the
-    check's fetches; on a busy CPU they are noisy.""")
+    Summary: pool memory; steps/s (decode steps over the seconds until the device
+    finished them) and accepted tokens/s: the median of interleaved, repeated replays
+    of each implementation's decode steps, nothing collected, with their spread (the
+    checked pass, which collects the deltas for the check, is reported apart); the
+    update's time in the step: device time from a profiler trace where there is a
+    device (the op's kernels), else the step's time minus the same jitted step's
+    without the update, with the resolution of that difference (a share below it
+    prints as "< x%"); update GB/s = bytes the update must move / the update's time.
+    Timings exclude compilation, prefill, warm-up steps and the check's fetches; on a busy CPU they are noisy.""")
 
 
 def add_parser(commands) -> None:
@@ -240,9 +244,10 @@ def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
             flush=True,
         )
         results.append(w.run("baseline", **checks))
+    w.measure(results, progress=args.progress)
     print(file=out)
     print(report.results_table(results, w), file=out)
-    for line in report.readback_lines(results):
+    for line in report.difference_lines(results, w) + report.readback_lines(results):
         print(line, file=out)
     for line in report.failure_lines(results):
         print(line, file=sys.stderr)

@@ -25,42 +25,53 @@ WARMUP_STEPS = 5
 
 
 class ProgressBar:
-    """A plain text bar on stderr: redrawn in place on a terminal, a few lines otherwise."""
+    """A plain text bar on stderr: redrawn in place on a terminal, a few lines otherwise.
+
+    Its rate is the caller's: units done over the seconds the caller measured for them, so a
+    pass's bar ends on the same steps/s the pass reports (steps the device has finished, over
+    the seconds until it finished them)."""
 
     def __init__(
-        self, total: int, label: str, *, enabled: bool = True, stream=None, width: int = 28
+        self,
+        total: int,
+        label: str,
+        *,
+        enabled: bool = True,
+        stream=None,
+        width: int = 28,
+        unit: str = "steps",
     ):
-        self.total, self.label, self.width = total, label, width
+        self.total, self.label, self.width, self.unit = total, label, width, unit
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
         self.last_draw = -1.0
         self.next_quarter = 1
 
-    def update(self, done: int) -> None:
+    def update(self, done: int, seconds: float) -> None:
+        """``done`` of ``total`` units finished in ``seconds``."""
         if not self.enabled:
             return
         now = time.perf_counter()
         if self.tty:
             if now - self.last_draw >= 0.1 or done == self.total:
                 self.last_draw = now
-                self.stream.write("\r" + self._line(done, now))
+                self.stream.write("\r" + self._line(done, seconds))
                 if done == self.total:
                     self.stream.write("\n")
                 self.stream.flush()
         elif done * 4 >= self.next_quarter * self.total:
             while done * 4 >= self.next_quarter * self.total:
                 self.next_quarter += 1
-            self.stream.write(self._line(done, now) + "\n")
+            self.stream.write(self._line(done, seconds) + "\n")
             self.stream.flush()
 
-    def _line(self, done: int, now: float) -> str:
+    def _line(self, done: int, seconds: float) -> str:
         filled = self.width * done // max(self.total, 1)
-        rate = done / max(now - self.start, 1e-9)
+        rate = done / max(seconds, 1e-9)
         return (
             f"{self.label:<28} [{'#' * filled}{'.' * (self.width - filled)}] "
-            f"{done}/{self.total} steps {rate:8.1f} steps/s"
+            f"{done}/{self.total} {self.unit} {rate:8.1f} {self.unit}/s"
         )
 
 
@@ -173,7 +184,9 @@ class DeviceSteps:
         return self._compiled[key]
 
     def loop(self, compiled, state, first: int, count: int, *, collector=None, bar=None):
-        """Runs steps ``first .. first + count``; returns (state, seconds without fetches)."""
+        """Runs steps ``first .. first + count``; returns (state, seconds until the device has
+        finished them, fetches for the check excluded). The bar counts finished steps only, on
+        the same clock, so its last line is this pass's steps/s."""
         consts = self.consts()
         state = jax.block_until_ready(state)
         in_flight: collections.deque = collections.deque()
@@ -187,9 +200,12 @@ class DeviceSteps:
             if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                 in_flight.popleft().block_until_ready()
             if bar is not None:
-                bar.update(n + 1)
+                bar.update(n + 1 - len(in_flight), time.perf_counter() - start - paused)
         state = jax.block_until_ready(state)
-        return state, time.perf_counter() - start - paused
+        seconds = time.perf_counter() - start - paused
+        if bar is not None:
+            bar.update(count, seconds)
+        return state, seconds
 
     def warm_up(self, compiled, pools):
         """Untimed steps past the plan (nothing accepted: they write nothing)."""

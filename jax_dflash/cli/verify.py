@@ -6,6 +6,7 @@ values recomputed from the features without a cache, within the pool dtype's rou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,9 +18,50 @@ from jax_dflash.cli import allocator, pipeline, readback
 from jax_dflash.cli.plan import RunPlan
 from jax_dflash.cli.steps import DeviceSteps
 from jax_dflash.contract import DEFAULT_NORM_EPS
+from jax_dflash.testing import ULP_SAMPLE
 
 # Sequences the read-back check samples.
 READBACK_SEQUENCES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Differences:
+    """Where pools ``[layers, 2, ...]`` differ from the reference: the differing keys and values,
+    the largest distance in ulps of the pool dtype, the reference's magnitude there, and the
+    largest absolute difference (over the first ``ULP_SAMPLE`` differing elements)."""
+
+    keys: int
+    values: int
+    max_ulp: int
+    magnitude_at_max_ulp: float
+    max_abs: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def differences(actual: np.ndarray, expected: np.ndarray) -> Differences:
+    bits = np.dtype(f"int{8 * expected.dtype.itemsize}")
+    a, e = actual.view(bits).reshape(-1), expected.view(bits).reshape(-1)
+    differ = np.flatnonzero(a != e)
+    plane = (differ // expected[0, 0].size) % 2  # 0: keys, 1: values
+    values = int(np.count_nonzero(plane))
+    differ = differ[:ULP_SAMPLE]
+    ai, ei = a[differ].astype(np.int64), e[differ].astype(np.int64)
+    sign = np.int64(1) << (8 * expected.dtype.itemsize - 1)
+    ulps = np.abs(
+        np.where(ai < 0, -(ai & (sign - 1)), ai) - np.where(ei < 0, -(ei & (sign - 1)), ei)
+    )
+    af = actual.reshape(-1)[differ].astype(np.float32)
+    ef = expected.reshape(-1)[differ].astype(np.float32)
+    worst = int(np.argmax(ulps)) if differ.size else 0
+    return Differences(
+        keys=int(plane.size) - values,
+        values=values,
+        max_ulp=int(ulps.max(initial=0)),
+        magnitude_at_max_ulp=float(np.abs(ef[worst])) if differ.size else 0.0,
+        max_abs=float(np.nanmax(np.abs(af - ef), initial=0.0)),
+    )
 
 
 def slot_deltas(steps: dict, schedule, block_size: int):

@@ -15,8 +15,9 @@ donated). The host decides everything up front, so the device never waits for it
   sliding window in ring pages (the op's ``ring=True``).
 
 A :class:`Workload` is the run's plan (:mod:`~jax_dflash.cli.plan`) with its steps on a device
-(:mod:`~jax_dflash.cli.steps`), their timing (:mod:`~jax_dflash.cli.measure`) and the checks
-(:mod:`~jax_dflash.cli.verify`).
+(:mod:`~jax_dflash.cli.steps`), each implementation's checked pass
+(:mod:`~jax_dflash.cli.measure`), the checks (:mod:`~jax_dflash.cli.verify`) and the headline
+timing (:mod:`~jax_dflash.cli.replays`).
 """
 
 from __future__ import annotations
@@ -47,20 +48,23 @@ class Workload(RunPlan):
         impl: str,
         *,
         check: bool = True,
-        measure_update: bool = True,
         progress: bool = True,
         check_readback: bool = True,
     ) -> measure.ImplResult:
-        """See :func:`jax_dflash.cli.measure.run_impl`."""
+        """The checked pass: see :func:`jax_dflash.cli.measure.run_impl`."""
         return measure.run_impl(
             self.device_steps,
             self.checks,
             impl,
             check=check,
-            measure_update=measure_update,
             progress=progress,
             check_readback=check_readback,
         )
+
+    def measure(self, results: list[measure.ImplResult], *, progress: bool = True) -> None:
+        """The headline timing of the results' implementations: see
+        :mod:`jax_dflash.cli.replays`."""
+        measure.measure(self.device_steps, results, progress=progress)
 
     def estimate_seconds(self, impl: str, *, timed_steps: int = 3) -> tuple[float, float]:
         return measure.estimate_seconds(self.device_steps, impl, timed_steps=timed_steps)
