@@ -37,7 +37,8 @@ def lowering_for(form: str):
         def rule(ctx, *operands, **params):
             if platform == "cuda" and not FORMS[form]["cuda"]:
                 raise NotImplementedError(
-                    f"the {form} form has no CUDA kernel yet: it runs on CPU (jax.devices('cpu'))"
+                    f"the {form} form has no CUDA kernel yet (its CUDA path is off): it runs on CPU "
+                    "(jax.devices('cpu'))"
                 )
             _ext.ensure_registered(platform)
             # Typed NumPy scalars: the handlers bind int64, bool (i1) and float32 attributes.

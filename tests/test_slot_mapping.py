@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_dflash
-from jax_dflash import _ext, reference
+from jax_dflash import _ext, _shapes, reference
 from jax_dflash.testing import POOL_DTYPES, assert_bits_equal, gpu_devices, make_paged_problem
 
 T, H, D, N, P, R = 12, 2, 16, 5, 4, 8
@@ -123,13 +123,52 @@ def test_bad_slot_mappings_are_refused_naming_it():
         op(k, v, pool, rope[:5], slots)
 
 
-@pytest.mark.skipif(not gpu_devices(), reason="no GPU backend in this JAX: runs on the H200")
-def test_on_a_gpu_the_form_says_it_has_no_kernel_yet():
-    k, v, pool, rope, slots = _problem(np.random.default_rng(7))
+GPU = pytest.mark.skipif(not gpu_devices(), reason="no GPU backend in this JAX: runs on the H200")
+CUDA_FORM = pytest.mark.skipif(
+    not _shapes.FORMS["slot_mapping"]["cuda"],
+    reason="the slot-mapping form's CUDA path is not turned on (contract.h: cuda = false)",
+)
+
+
+@GPU
+@CUDA_FORM
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES, ids=str)
+@pytest.mark.parametrize("norms", [False, True])
+def test_cuda_is_the_reference_over_hostile_slots(pool_dtype, norms):
+    k, v, pool, rope, slots = _problem(np.random.default_rng(10), pool_dtype)
+    slots = np.where(np.arange(T) == 5, -7, slots).astype(np.int32)  # one 7 only: no duplicate
+    kwargs = dict(_scales(pool_dtype))
+    if norms:
+        kwargs.update(k_norm_weight=np.full(D, 1.25, np.float16), v_norm=True)
     gpu = jax.devices("gpu")[0]
     args = [jax.device_put(a, gpu) for a in (k, v, pool, rope, slots)]
-    with pytest.raises(NotImplementedError, match="slot_mapping form has no CUDA kernel yet"):
-        jax.jit(jax_dflash.target_kv_cache_update_slots)(*args)
+    got = np.asarray(
+        jax.jit(lambda *a: jax_dflash.target_kv_cache_update_slots(*a, **kwargs))(*args)
+    )
+    assert_bits_equal(
+        got, reference.target_kv_cache_update_slots(k, v, pool, rope, slots, **kwargs)
+    )
+
+
+@GPU
+@CUDA_FORM
+def test_cuda_duplicates_store_one_of_them_per_element():
+    k, v, pool, rope, _ = _problem(np.random.default_rng(11))
+    slots = np.full(T, -1, np.int32)
+    slots[[1, 4, 8]] = 9
+    gpu = jax.devices("gpu")[0]
+    out = np.asarray(
+        jax_dflash.target_kv_cache_update_slots(
+            *[jax.device_put(a, gpu) for a in (k, v, pool, rope, slots)]
+        )
+    )
+    candidates = []
+    for token in (1, 4, 8):
+        alone = np.full(T, -1, np.int32)
+        alone[token] = 9
+        candidates.append(reference.target_kv_cache_update_slots(k, v, pool, rope, alone))
+    bits = out.view(np.uint16)
+    assert np.logical_or.reduce([bits == c.view(np.uint16) for c in candidates]).all()
 
 
 CHILD = textwrap.dedent(

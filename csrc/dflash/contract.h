@@ -129,7 +129,8 @@ inline constexpr AddressingForm kAddressingForms[] = {
      4,
      3,
      true,
-     false},
+     false,
+     true},
     {Contract::kPaged,
      "paged",
      "Edge-LLM 0.11",
@@ -161,8 +162,10 @@ inline constexpr AddressingForm kAddressingForms[] = {
      2,
      false,
      false,
-     false},
+     false},  // its kernel path is written and built, and is turned on once it passes on the H200
 };
+
+static_assert(kAddressingForms[0].cuda && kAddressingForms[1].cuda, "the slot and paged forms run on CUDA");
 
 // The table is in the enum's order.
 constexpr AddressingForm const& addressing_form(Contract contract) {

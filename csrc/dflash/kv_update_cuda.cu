@@ -44,7 +44,8 @@ cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t 
   switch (p.contract) {
     case Contract::kSlot: return for_pool<Contract::kSlot>(p, stream);
     case Contract::kPaged: return for_pool<Contract::kPaged>(p, stream);
-    default: return cudaErrorNotSupported;  // a form whose descriptor says no CUDA kernel
+    case Contract::kSlotMapping: return for_pool<Contract::kSlotMapping>(p, stream);
+    default: return cudaErrorNotSupported;
   }
 }
 

@@ -450,6 +450,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   using DPack = Pack<DBits, VEC>;
   constexpr bool kSame = std::is_same_v<Delta, Pool>;
   constexpr bool kSlot = C == Contract::kSlot;
+  constexpr bool kPaged = C == Contract::kPaged;
+  constexpr bool kMapped = C == Contract::kSlotMapping;  // flat slots: the slot contract's stores
   // The butterfly's shuffles need every lane of the warp (its launch pads the heads so that the
   // warps are whole): its lanes past the last token or head read the last one's data, take part
   // in the shuffles, and leave before storing. Every other kernel's such lanes leave at once.
@@ -467,13 +469,20 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
 
   // The addressing data first: every store waits for it, so its loads leave before anything else.
-  int64_t start = 0, length = 0, written = -1;
+  int64_t start = 0, length = 0, written = -1, slot = -1;
   int32_t owner = -1, pos = -1;
   if constexpr (kSlot) {
     start = __ldg(p.delta_start_positions + position_index(p, layer, b));
     length = __ldg(p.delta_lengths + position_index(p, layer, b));
   }
-  if constexpr (!kSlot) {
+  if constexpr (kMapped) {
+    if (t < tokens) {
+      int64_t const index = position_index(p, layer, t);
+      slot = p.slot_mapping_int64 ? int64_t(__ldg(static_cast<long long const*>(p.slot_mapping) + index))
+                                  : int64_t(__ldg(static_cast<int32_t const*>(p.slot_mapping) + index));
+    }
+  }
+  if constexpr (kPaged) {
     if (t < tokens) {
       owner = __ldg(p.token_to_sequence + position_index(p, layer, t));
       pos = __ldg(p.delta_positions + position_index(p, layer, t));
@@ -530,8 +539,8 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     w0 = load_weight_pack<Delta, VEC>(weight, vectors);
     if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, vectors);
   }
-  constexpr bool kValuesEarly = !kSlot && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Delta, Pool, NORM>);
-  // Paged rope rows are token-aligned: known before the page table is read.
+  constexpr bool kValuesEarly = kPaged && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Delta, Pool, NORM>);
+  // Paged and mapped rope rows are token-aligned: known before the page ids or the slot arrive.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
     float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, 0, t) + channel;
@@ -553,6 +562,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
       float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, written) + channel;
       load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
     }
+  } else if constexpr (kMapped) {
+    rows = mapped_rows(p, slot);
+    if (!kButterfly && rows.k_row < 0) return;
+    rotate = pair && rows.k_row >= 0;
   } else {
     // The layer's K and V table rows, addressed before the positions arrive, so that only the
     // entry's own steps lie between them and the page-table loads.
@@ -640,7 +653,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   };
   PBits *k_dst, *v_dst;
   Out k_out0, k_out1, v_out0, v_out1;
-  if constexpr (!kSlot) {
+  if constexpr (kPaged) {
     // This item's place in head h of the token's row of page 0 of the layer's pool, so that the
     // page ids, once they arrive, are checked and added as they are (computing paged_rows' 64-bit
     // page * P + row there instead was slower at decode sizes in the fused norms into 16/32-bit
@@ -809,20 +822,26 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
 }  // namespace dflash
 
 // The dispatcher (kv_update_cuda.cu) only declares these; the units below define them.
-#define DFLASH_DECLARE_POOL(POOL)                                                                \
-  namespace dflash::kernel {                                                                     \
-  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&,   \
-                                                                        cudaStream_t);           \
-  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&,  \
-                                                                         cudaStream_t);          \
-  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&,   \
-                                                                        cudaStream_t);           \
-  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&,  \
-                                                                         cudaStream_t);          \
-  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, \
-                                                                          cudaStream_t);         \
-  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&,  \
-                                                                         cudaStream_t);          \
+#define DFLASH_DECLARE_POOL(POOL)                                                                      \
+  namespace dflash::kernel {                                                                           \
+  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&,         \
+                                                                        cudaStream_t);                 \
+  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&,        \
+                                                                         cudaStream_t);                \
+  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&,         \
+                                                                        cudaStream_t);                 \
+  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&,        \
+                                                                         cudaStream_t);                \
+  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&,       \
+                                                                          cudaStream_t);               \
+  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&,        \
+                                                                         cudaStream_t);                \
+  extern template cudaError_t launch_widest<Contract::kSlotMapping, F16, POOL>(KVUpdateParams const&,  \
+                                                                               cudaStream_t);          \
+  extern template cudaError_t launch_widest<Contract::kSlotMapping, BF16, POOL>(KVUpdateParams const&, \
+                                                                                cudaStream_t);         \
+  extern template cudaError_t launch_widest<Contract::kSlotMapping, F32, POOL>(KVUpdateParams const&,  \
+                                                                               cudaStream_t);          \
   }
 
 // Explicit instantiations for one pool type (one translation unit per pool type keeps the build
@@ -835,4 +854,10 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
   template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
   template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
   template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  template cudaError_t launch_widest<Contract::kSlotMapping, F16, POOL>(KVUpdateParams const&,           \
+                                                                        cudaStream_t);                   \
+  template cudaError_t launch_widest<Contract::kSlotMapping, BF16, POOL>(KVUpdateParams const&,          \
+                                                                         cudaStream_t);                  \
+  template cudaError_t launch_widest<Contract::kSlotMapping, F32, POOL>(KVUpdateParams const&,           \
+                                                                        cudaStream_t);                   \
   }
