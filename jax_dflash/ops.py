@@ -101,6 +101,21 @@ def _scale_operand(name, x):
     return _array_operand(name, x)
 
 
+def _delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin) -> list:
+    """The operands every form starts with, as arrays (their dtypes and shapes are the core's)."""
+    names = ("k_delta", "v_delta", "past_key_value", "rope_cos_sin")
+    operands = (k_delta, v_delta, past_key_value, rope_cos_sin)
+    return [_array_operand(n, x) for n, x in zip(names, operands)]
+
+
+def _extra_operands(k_scale, v_scale, k_norm_weight) -> tuple:
+    """The optional operands as given: a Python number is a per-tensor scale."""
+    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
+    if k_norm_weight is not None:
+        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    return k_scale, v_scale, k_norm_weight
+
+
 def _extras(past_key_value, k_scale, v_scale, k_norm_weight) -> list:
     """The operands after the base ones, in the FFI order: the scales (FP8 pool), the weight."""
     out = []
@@ -226,16 +241,11 @@ def target_kv_cache_update(
         slot write nothing.
     """
     base = [
-        _array_operand("k_delta", k_delta),
-        _array_operand("v_delta", v_delta),
-        _array_operand("past_key_value", past_key_value),
-        _array_operand("rope_cos_sin", rope_cos_sin),
+        *_delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin),
         _index_operand("delta_start_positions", delta_start_positions),
         _index_operand("delta_lengths", delta_lengths),
     ]
-    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
-    if k_norm_weight is not None:
-        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     # Checked before binding (so nothing is converted first); primitive caches treat 2.0 and 2
     # as the same parameter, so the static values are normalised too.
     pages_per_slot = check_pages_per_slot(pages_per_slot)
@@ -309,17 +319,12 @@ def target_kv_cache_update_paged(
         given. Runtime data (positions, owners, page ids) is never trusted.
     """
     base = [
-        _array_operand("k_delta", k_delta),
-        _array_operand("v_delta", v_delta),
-        _array_operand("past_key_value", past_key_value),
-        _array_operand("rope_cos_sin", rope_cos_sin),
+        *_delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin),
         _index_operand("delta_positions", delta_positions),
         _index_operand("delta_token_to_sequence", delta_token_to_sequence),
         _index_operand("kv_page_table", kv_page_table),
     ]
-    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
-    if k_norm_weight is not None:
-        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     params = dict(
         ring=check_bool_attr("ring", ring), **_norm_params(k_norm_weight, v_norm, norm_eps)
     )
@@ -362,15 +367,10 @@ def target_kv_cache_update_slots(
       CPU; its CUDA kernel is not written yet.
     """
     base = [
-        _array_operand("k_delta", k_delta),
-        _array_operand("v_delta", v_delta),
-        _array_operand("past_key_value", past_key_value),
-        _array_operand("rope_cos_sin", rope_cos_sin),
+        *_delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin),
         _slot_operand("slot_mapping", slot_mapping),
     ]
-    k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
-    if k_norm_weight is not None:
-        k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
+    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
     _check_cached("slot_mapping", None, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
