@@ -377,7 +377,9 @@ def test_paged_fp8_and_window_runs_are_checked(capsys, argv):
     [kernel] = summary["results"]
     assert kernel["check"] == "bit-exact" and kernel["readback"]["passed"]
     assert summary["contract"] == argv[1]
-    assert summary["shape"]["pool_dtype"] == presets.KV_DTYPES[argv[argv.index("--kv-dtype") + 1]]
+    assert (
+        summary["shape"]["pool_dtype"] == presets.DTYPE_ALIASES[argv[argv.index("--kv-dtype") + 1]]
+    )
     assert summary["fused_norm"] is ("--no-fused-norm" not in argv)
     # The pool's memory in every pool dtype, the run's own first.
     sizes = summary["pool_bytes_by_dtype"]
@@ -559,11 +561,11 @@ def test_fused_norm_and_fp8_need_an_op_and_a_jax_that_have_them(capsys, monkeypa
 
 
 def test_presets_mark_their_assumptions():
-    for name in ("kimi-k2.5-dflash", "qwen3.5-27b", "dflash2-b8-w2048", "llama3.1-8b-b10"):
+    for name in ("kimi-k2.5-b8", "qwen3.5-27b-b16", "dflash2-b8-w2048", "llama3.1-8b-b10"):
         assert "ASSUMED" in PRESETS[name].source
-    q = PRESETS["qwen3.5-27b"]
+    q = PRESETS["qwen3.5-27b-b16"]
     assert (q.num_kv_heads, q.head_dim, q.rope_dim) == (4, 256, 64)
-    k = PRESETS["kimi-k2.5-dflash"]
+    k = PRESETS["kimi-k2.5-b8"]
     assert k.num_layers == 6 and k.hidden_size == 7168
     d = PRESETS["dflash2-b8-w2048"]
     assert d.block_size == 8 and d.window == 2048 and d.default_contract == "paged"

@@ -12,7 +12,7 @@ import pytest
 from jax_dflash import reference
 from jax_dflash.cli import replays, workload
 from jax_dflash.cli.accept import parse_accept
-from jax_dflash.cli.presets import KV_DTYPES, PRESETS
+from jax_dflash.cli.presets import DTYPE_ALIASES, POOL_DTYPE_NAMES, PRESETS
 
 pytest.importorskip("ml_dtypes", reason="bfloat16 and FP8 pools need ml_dtypes")
 
@@ -47,10 +47,10 @@ def _run(contract, kv_dtype=None, *, impl="kernel", **kw):
 
 
 @pytest.mark.parametrize("contract", ["slot", "paged"])
-@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("kv", POOL_DTYPE_NAMES)
 def test_every_pool_dtype_is_bit_exact_and_reads_back(contract, kv):
-    w, r = _run(contract, KV_DTYPES[kv])
-    assert w.pool_dtype_name == KV_DTYPES[kv]
+    w, r = _run(contract, kv)
+    assert w.pool_dtype_name == kv
     assert r.check == "bit-exact", f"{r.mismatched_elements} elements differ"
     assert r.checked_elements == int(np.prod(w.pool_shape))
     assert r.readback.passed, r.readback.failure
@@ -123,7 +123,7 @@ def test_estimate_of_the_baseline():
 def test_gpu_runs_are_bit_exact(contract, kv):
     _, r = _run(
         contract,
-        KV_DTYPES[kv],
+        DTYPE_ALIASES[kv],
         device=gpu_devices()[0],
         window=16 if contract == "paged" else None,
         steps=12,

@@ -5,6 +5,7 @@ argparse pieces. Imports nothing heavy: the console script imports it before Ctr
 from __future__ import annotations
 
 import argparse
+import difflib
 
 PROG = "jax-dflash"
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -32,6 +33,27 @@ def int_in(minimum: int, limit: int | None = None):
         return value
 
     parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def named(what: str, names, aliases: dict[str, str] | None = None):
+    """An argparse type: one of ``names``, or an alias (which gives the name it stands for); a
+    wrong name gets the closest one as "did you mean"."""
+    aliases = aliases or {}
+
+    def parse(text: str) -> str:
+        if text in names:
+            return text
+        if text in aliases:
+            return aliases[text]
+        close = difflib.get_close_matches(text, [*names, *aliases], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        expected = ", ".join(names) + (f"; or {', '.join(aliases)}" if aliases else "")
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r}{hint}; expected one of {expected}"
+        )
+
+    parse.__name__ = what
     return parse
 
 

@@ -148,7 +148,7 @@ def estimate(preset, settings, *, check: bool, compare: bool, host_device: bool,
         Part("the JAX runtime and compilations", runtime + COMPILE_BYTES + temporaries),
         Part("pools", pools, _pool_flags(p, s)),
         Part("checked deltas", deltas, f"--steps {s.steps} --batch {s.batch}"),
-        Part("weights", weights * delta_itemsize * (1 + host_device), f"--preset {p.name}"),
+        Part("weights", weights * delta_itemsize * (1 + host_device), p.flag),
         Part("per-step inputs", _input_bytes(p, s, tokens), f"--steps {s.steps} --batch {s.batch}"),
     ]
     return parts + [Part("headroom", int(HEADROOM * sum(part.bytes for part in parts)))]
@@ -160,7 +160,7 @@ def _pool_flags(preset, settings) -> str:
         return f"--window {settings.window}"
     if settings.contract == "paged":
         return f"--batch {settings.batch}"
-    return f"--preset {preset.name}"
+    return preset.flag
 
 
 def _input_bytes(preset, settings, tokens: int) -> int:

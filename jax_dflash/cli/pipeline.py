@@ -50,6 +50,7 @@ class Geometry:
     rotary_dim: int
     feature_size: int
     hidden_size: int
+    norm_eps: float = DEFAULT_NORM_EPS  # the draft's rms_norm_eps: its hidden norm and k-norm
 
 
 def random_weights(rng: np.random.Generator, g: Geometry, dtype) -> dict[str, np.ndarray]:
@@ -100,7 +101,7 @@ def project(w: DraftWeights, streams, positions, g: Geometry):
     dtype = w.fc.dtype
     x = features(w.seed, streams, positions, g.feature_size, dtype)
     h = jnp.matmul(x, w.fc, preferred_element_type=jnp.float32).astype(dtype)
-    h = rms_norm(h, w.hidden_norm)
+    h = rms_norm(h, w.hidden_norm, g.norm_eps)
     kv = jnp.matmul(h, w.kv_proj, preferred_element_type=jnp.float32).astype(dtype)
     kv = kv.reshape(-1, g.layers, 2, g.heads, g.head_dim)
     k = jnp.moveaxis(kv[:, :, 0], 1, 0)
@@ -108,8 +109,8 @@ def project(w: DraftWeights, streams, positions, g: Geometry):
     return k, v
 
 
-def k_normed(w: DraftWeights, k):
-    return rms_norm(k, w.k_norm[:, None, None, :])
+def k_normed(w: DraftWeights, k, eps=DEFAULT_NORM_EPS):
+    return rms_norm(k, w.k_norm[:, None, None, :], eps)
 
 
 # ---- FP8 scales ---------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def calibrate_scales(w: DraftWeights, g: Geometry, pool_dtype: str):
     n = CALIBRATION_TOKENS
     streams = jnp.full((n,), CALIBRATION_STREAM, jnp.int32)
     k, v = project(w, streams, jnp.arange(n, dtype=jnp.int32), g)
-    k = k_normed(w, k).astype(jnp.float32)
+    k = k_normed(w, k, g.norm_eps).astype(jnp.float32)
     half = g.rotary_dim // 2
     pair = jnp.sqrt(k[..., :half] ** 2 + k[..., half : g.rotary_dim] ** 2)
     k_amax = jnp.maximum(
@@ -192,7 +193,7 @@ def kernel_update(spec: StepSpec) -> Callable:
     def update(consts: Constants, pools, k, v, addr):
         extra = _scale_kwargs(spec, consts)
         if spec.fused_norm:
-            extra.update(k_norm_weight=consts.weights.k_norm, norm_eps=DEFAULT_NORM_EPS)
+            extra.update(k_norm_weight=consts.weights.k_norm, norm_eps=spec.geometry.norm_eps)
         if spec.contract == "slot":
             positions, lengths = addr
             shape = (spec.geometry.layers, spec.batch, spec.block_size, *k.shape[2:])
@@ -262,7 +263,7 @@ def baseline_update(spec: StepSpec) -> Callable:
             k_row = jnp.where(ok, kp * page_size + row, num_pages * page_size)
             v_row = jnp.where(ok, vp * page_size + row, num_pages * page_size)
         rows = rope[jnp.clip(pos, 0, seq_len - 1)] * ((pos >= 0) & (pos < seq_len))[:, None]
-        k = k_normed(consts.weights, k)  # jnp RMSNorm, as the model code does
+        k = k_normed(consts.weights, k, g.norm_eps)  # jnp RMSNorm, as the model code does
         y = rope_jnp(k.astype(jnp.float32), rows[None], g.rotary_dim)
         inv_k = inv_v = None
         if spec.fp8:
@@ -313,7 +314,7 @@ def make_step(spec: StepSpec, impl: str, *, with_update: bool = True) -> Callabl
             rest = ()
         k, v = project(consts.weights, streams, token_pos, g)
         if norm_first:
-            k = k_normed(consts.weights, k)
+            k = k_normed(consts.weights, k, g.norm_eps)
         # Materialise the deltas before the update: without the barrier XLA may fuse the
         # projection into a jnp update and skip the rounding to the delta dtype.
         k, v = jax.lax.optimization_barrier((k, v))

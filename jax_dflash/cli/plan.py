@@ -65,8 +65,15 @@ def random_pool(rng, shape, dtype: np.dtype) -> np.ndarray:
     return raw.view(dtype)
 
 
-def rope_table(capacity: int, rotary_dim: int, theta: float) -> np.ndarray:
-    """``[1, capacity, R]`` float32: ``R/2`` cosines then ``R/2`` sines per position."""
+def rope_table(capacity: int, rotary_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """``[1, capacity, R]`` float32: ``R/2`` cosines then ``R/2`` sines per position; a scaled
+    RoPE (``scaling``: an HF rope_scaling's (key, value) pairs) is jax_dflash.rope_cos_sin's."""
+    if scaling is not None:
+        import jax_dflash
+
+        return np.asarray(
+            jax_dflash.rope_cos_sin(capacity, rotary_dim, theta=theta, scaling=dict(scaling))
+        )
     inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)[None]
@@ -100,12 +107,18 @@ class RunPlan:
         self.fp8 = self.pool_dtype_name in FP8_NAMES
         p = preset
         self.geometry = pipeline.Geometry(
-            p.num_layers, p.num_kv_heads, p.head_dim, p.rope_dim, p.feature_size, p.hidden_size
+            p.num_layers,
+            p.num_kv_heads,
+            p.head_dim,
+            p.rope_dim,
+            p.feature_size,
+            p.hidden_size,
+            p.norm_eps,
         )
         rng = np.random.default_rng(seed)
         self.schedule, self.plan, self.pool_shape = self._addressing(rng)
         self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
-        self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta)
+        self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta, p.rope_scaling)
         self.host_weights = pipeline.random_weights(rng, self.geometry, self.delta_dtype)
         self.spec = pipeline.StepSpec(
             contract,

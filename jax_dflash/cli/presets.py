@@ -1,4 +1,6 @@
-"""Draft-cache shapes for ``jax-dflash run``: two CPU-sized ones and the public DFlash drafts.
+"""Draft-cache shapes for ``jax-dflash run``: two CPU-sized ones and the public DFlash drafts,
+each a draft ``config.json`` in ``configs/`` read by :mod:`jax_dflash.cli.draft_config` (the
+reader of ``--draft-config``), named ``<target>-b<block size>[-w<window>]``.
 
 A DFlash draft layer attends to the target's context features: each draft layer projects them
 with its own ``k_proj``/``v_proj`` (``num_key_value_heads * head_dim`` outputs each, k-normed)
@@ -41,6 +43,10 @@ is the authority; these are the public places it was read from, found with a cod
 - DFlash2-style: block 8 and a 2048-token sliding window on every draft layer (``--window``,
   the paged contract with ring pages). ASSUMED: Qwen3-8B's draft geometry otherwise.
 
+Where a draft's target layers are not known, its ``target_layer_ids`` stand for the assumed count
+(what the simulation reads: the width of the fc projection's input), not for known layers.
+The Llama draft's RoPE is assumed to be its target's (``rope_scaling`` llama3, factor 8).
+
 The page size of the GPU presets is 128 (the TensorRT contract's ``P``); the CPU presets use
 small pages, which the JAX op allows. Pool sizes (slots, pages per slot) are choices of this
 simulation, not properties of the drafts.
@@ -49,8 +55,14 @@ simulation, not properties of the drafts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
+import pathlib
 
 import numpy as np
+
+from jax_dflash.cli import draft_config
+from jax_dflash.cli.common import UsageError
+from jax_dflash.contract import DEFAULT_NORM_EPS
 
 try:
     from ml_dtypes import bfloat16 as _bfloat16
@@ -82,8 +94,33 @@ class Preset:
     rotary_dim: int | None = None  # R; None: all of D
     target_layers: int = 5  # target hidden states concatenated into one feature (DFlash's fc)
     window: int | None = None  # sliding window of every draft layer (tokens), paged + ring
-    default_contract: str = "slot"
     gpu_sized: bool = False
+    rope_scaling: tuple | None = None  # (key, value) pairs of an HF rope_scaling; None: default
+    norm_eps: float = DEFAULT_NORM_EPS  # rms_norm_eps: the hidden norm's and the k-norm's
+    config_path: str | None = None  # the --draft-config file it was read from
+
+    @property
+    def default_contract(self) -> str:
+        """Sliding windows live in ring pages of a page table; every other draft in slots."""
+        return "slot" if self.window is None else "paged"
+
+    def _named(self, preset: str, config: str) -> str:
+        """``preset`` for a shipped preset, ``config`` for a --draft-config file."""
+        return preset if self.config_path is None else config
+
+    @property
+    def origin(self) -> str:
+        return self._named(f"preset {self.name}", f"draft config {self.config_path}")
+
+    @property
+    def flag(self) -> str:
+        return self._named(f"--preset {self.name}", f"--draft-config {self.config_path}")
+
+    @property
+    def window_origin(self) -> str:
+        return self._named(
+            f"preset {self.name}'s window", f"--draft-config {self.config_path}: sliding_window"
+        )
 
     @property
     def rope_dim(self) -> int:
@@ -124,7 +161,16 @@ class Preset:
 
     def describe(self) -> str:
         """One line: the shape a reader needs to judge the workload."""
-        rope = "" if self.rotary_dim is None else f" (RoPE on {self.rotary_dim})"
+        scaling = "" if self.rope_scaling is None else dict(self.rope_scaling).get("rope_type", "")
+        rope = ", ".join(
+            part
+            for part in (
+                "" if self.rotary_dim is None else f"RoPE on {self.rotary_dim}",
+                f"RoPE {scaling}" if scaling else "",
+            )
+            if part
+        )
+        rope = f" ({rope})" if rope else ""
         window = "" if self.window is None else f", window {self.window} (paged, ring)"
         return (
             f"{self.num_layers} layers x {self.num_kv_heads} KV heads x D {self.head_dim}{rope}, "
@@ -134,6 +180,52 @@ class Preset:
             f"(pool {human_bytes(self.pool_bytes())}; defaults: batch {self.default_batch}, "
             f"{self.default_steps} steps)"
         )
+
+
+def from_config(config: dict, *, name: str, source: str, config_path: str | None = None):
+    """A :class:`Preset` from a draft ``config.json``'s object (see
+    :mod:`jax_dflash.cli.draft_config`); ConfigError naming the field that cannot be used."""
+    geometry = draft_config.geometry(config)
+    simulation = draft_config.simulation(
+        config, name=name, source=source, window=geometry["window"]
+    )
+    return Preset(**geometry, **simulation, config_path=config_path)
+
+
+def read_draft_config(path: str) -> Preset:
+    """``--draft-config PATH``: a draft's config.json as a preset named after its folder (or the
+    file); UsageError naming ``--draft-config``, the field, what was expected and what was given."""
+    file = pathlib.Path(path)
+    name = file.parent.resolve().name if file.name == "config.json" else file.stem
+    try:
+        preset = from_config(draft_config.load(file), name=name, source=path, config_path=path)
+        if preset.rope_scaling is not None:  # its keys, as jax_dflash.rope_cos_sin takes them
+            from jax_dflash.rope import inverse_frequencies
+
+            scaling = dict(preset.rope_scaling)
+            try:
+                inverse_frequencies(preset.rope_dim, theta=preset.rope_theta, scaling=scaling)
+            except (TypeError, ValueError) as e:
+                raise draft_config.ConfigError(f"rope_scaling / rope_parameters: {e}") from None
+    except draft_config.ConfigError as e:
+        raise UsageError(f"--draft-config {path}: {e}") from None
+    return preset
+
+
+def _shipped_presets() -> dict[str, Preset]:
+    """The configs in ``configs/``, CPU-sized first, each group by pool size."""
+    found = []
+    for entry in importlib.resources.files(__package__).joinpath("configs").iterdir():
+        if entry.name.endswith(".json"):
+            name = entry.name.removesuffix(".json")
+            try:
+                found.append(
+                    from_config(draft_config.parse(entry.read_text()), name=name, source=name)
+                )
+            except draft_config.ConfigError as e:
+                raise draft_config.ConfigError(f"configs/{entry.name}: {e}") from None
+    found.sort(key=lambda p: (p.gpu_sized, p.pool_bytes(), p.name))
+    return {p.name: p for p in found}
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -147,13 +239,14 @@ def dtype_from_name(name: str) -> np.dtype:
         return np.dtype(_e5m2)
     if name in ("float16", "float32"):
         return np.dtype(name)
-    raise ValueError(f"dtype: expected one of {', '.join(DTYPE_NAMES + FP8_NAMES)}, got {name!r}")
+    raise ValueError(f"dtype: expected one of {', '.join(POOL_DTYPE_NAMES)}, got {name!r}")
 
 
+# One naming scheme for formats, NumPy's and JAX's; the short names are aliases.
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # delta dtypes (and 16/32-bit pools)
 FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
-# --kv-dtype: the pool's dtype by its short name.
-KV_DTYPES = {
+POOL_DTYPE_NAMES = DTYPE_NAMES + FP8_NAMES
+DTYPE_ALIASES = {
     "fp16": "float16",
     "bf16": "bfloat16",
     "fp32": "float32",
@@ -170,187 +263,15 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-_human_bytes = human_bytes
-
-_QWEN3_4B_SOURCE = "z-lab/Qwen3-4B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
-_QWEN3_8B_SOURCE = "z-lab/Qwen3-8B-DFlash-b16 config.json (see jax_dflash/cli/presets.py)"
-_LLAMA_SOURCE = (
-    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat model card (block 10); layers and "
-    "KV geometry ASSUMED from Llama-3.1-8B (see jax_dflash/cli/presets.py)"
-)
-_KIMI_SOURCE = (
-    "z-lab/Kimi-K2.5-DFlash: hidden 7168 from the Kimi K2 target; layers, KV "
-    "geometry and block ASSUMED (see jax_dflash/cli/presets.py)"
-)
-_QWEN35_SOURCE = (
-    "Qwen3.5-27B target geometry (4 KV heads, D 256, RoPE on 64); draft layers "
-    "and block ASSUMED (see jax_dflash/cli/presets.py)"
-)
-_DFLASH2_SOURCE = (
-    "DFlash2-style sliding-window draft (block 8, 2048-token windows); Qwen3-8B "
-    "draft geometry ASSUMED (see jax_dflash/cli/presets.py)"
-)
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            name="tiny",
-            summary="test-sized: a few milliseconds per step on one CPU core",
-            num_layers=2,
-            num_kv_heads=2,
-            head_dim=32,
-            hidden_size=64,
-            block_size=8,
-            page_size=8,
-            pages_per_slot=8,
-            num_slots=4,
-            rope_theta=1e6,
-            dtype="bfloat16",
-            default_batch=4,
-            default_steps=8,
-            source="made up for tests",
-            target_layers=2,
-        ),
-        Preset(
-            name="small",
-            summary="a DFlash-shaped draft (5 layers, block 16) scaled down for CPUs",
-            num_layers=5,
-            num_kv_heads=4,
-            head_dim=64,
-            hidden_size=256,
-            block_size=16,
-            page_size=16,
-            pages_per_slot=64,
-            num_slots=16,
-            rope_theta=1e6,
-            dtype="bfloat16",
-            default_batch=8,
-            default_steps=160,
-            source="the Qwen3 DFlash drafts' layer count and block size, narrowed",
-            target_layers=2,
-        ),
-        # GPU presets: 64 slots of 2048 tokens (16 pages of 128) per layer.
-        Preset(
-            name="qwen3-4b-b16",
-            summary="z-lab/Qwen3-4B-DFlash-b16 (GPU-sized)",
-            num_layers=5,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=2560,
-            block_size=16,
-            page_size=128,
-            pages_per_slot=16,
-            num_slots=64,
-            rope_theta=1e6,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=200,
-            source=_QWEN3_4B_SOURCE,
-            gpu_sized=True,
-        ),
-        Preset(
-            name="qwen3-8b-b16",
-            summary="z-lab/Qwen3-8B-DFlash-b16 (GPU-sized)",
-            num_layers=5,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=4096,
-            block_size=16,
-            page_size=128,
-            pages_per_slot=16,
-            num_slots=64,
-            rope_theta=1e6,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=200,
-            source=_QWEN3_8B_SOURCE,
-            gpu_sized=True,
-        ),
-        Preset(
-            name="llama3.1-8b-b10",
-            summary="z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (GPU-sized; partly assumed)",
-            num_layers=5,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=4096,
-            block_size=10,
-            page_size=128,
-            pages_per_slot=16,
-            num_slots=64,
-            rope_theta=5e5,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=200,
-            source=_LLAMA_SOURCE,
-            gpu_sized=True,
-        ),
-        Preset(
-            name="kimi-k2.5-dflash",
-            summary="z-lab/Kimi-K2.5-DFlash (GPU-sized; geometry partly assumed)",
-            num_layers=6,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=7168,
-            block_size=8,
-            page_size=128,
-            pages_per_slot=16,
-            num_slots=64,
-            rope_theta=5e4,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=200,
-            source=_KIMI_SOURCE,
-            gpu_sized=True,
-        ),
-        Preset(
-            name="qwen3.5-27b",
-            summary="a Qwen3.5-27B DFlash draft (GPU-sized; layers and block assumed)",
-            num_layers=5,
-            num_kv_heads=4,
-            head_dim=256,
-            hidden_size=5120,
-            block_size=16,
-            page_size=128,
-            pages_per_slot=16,
-            num_slots=64,
-            rope_theta=1e7,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=200,
-            source=_QWEN35_SOURCE,
-            rotary_dim=64,
-            gpu_sized=True,
-        ),
-        Preset(
-            name="dflash2-b8-w2048",
-            summary="DFlash2-style: block 8, 2048-token sliding windows (GPU-sized; paged)",
-            num_layers=5,
-            num_kv_heads=8,
-            head_dim=128,
-            hidden_size=4096,
-            block_size=8,
-            page_size=128,
-            pages_per_slot=64,
-            num_slots=32,
-            rope_theta=1e6,
-            dtype="bfloat16",
-            default_batch=32,
-            default_steps=400,
-            source=_DFLASH2_SOURCE,
-            window=2048,
-            default_contract="paged",
-            gpu_sized=True,
-        ),
-    )
-}
-
+PRESETS: dict[str, Preset] = _shipped_presets()
+# Names the presets had before they followed the scheme.
+PRESET_ALIASES = {"kimi-k2.5-dflash": "kimi-k2.5-b8", "qwen3.5-27b": "qwen3.5-27b-b16"}
 DEFAULT_PRESET = "small"
 
 
 def presets_help() -> str:
     """The preset list for ``--help``: name, shape, where it comes from."""
-    lines = ["presets:"]
+    lines = ["presets (their config.json files are in jax_dflash/cli/configs/):"]
     for p in PRESETS.values():
         default = " [default]" if p.name == DEFAULT_PRESET else ""
         lines.append(f"  {p.name}{default}: {p.summary}")

@@ -10,23 +10,22 @@ from jax_dflash.cli.common import PROG
 
 def pool_memory(w) -> dict[str, int]:
     """The pool's bytes in every pool dtype (the run's first)."""
-    from jax_dflash.cli.presets import KV_DTYPES, dtype_from_name
+    from jax_dflash.cli.presets import POOL_DTYPE_NAMES, dtype_from_name
 
     sizes = {w.pool_dtype_name: w.pool_bytes()}
-    for name in KV_DTYPES.values():
+    for name in POOL_DTYPE_NAMES:
         sizes.setdefault(name, w.pool_bytes(dtype_from_name(name)))
     return sizes
 
 
 def run_header(w, device) -> str:
-    from jax_dflash.cli.presets import KV_DTYPES, human_bytes
+    from jax_dflash.cli.presets import human_bytes
 
     p = w.preset
-    short = {v: k for k, v in KV_DTYPES.items()}
     memory = pool_memory(w)
-    others = ", ".join(f"{short[n]} {human_bytes(b)}" for n, b in list(memory.items())[1:])
+    others = ", ".join(f"{n} {human_bytes(b)}" for n, b in list(memory.items())[1:])
     lines = [
-        f"{PROG} run: preset {p.name} ({p.summary})",
+        f"{PROG} run: {p.origin}" + ("" if p.config_path else f" ({p.summary})"),
         f"  device {device.platform}:{device.id} ({device.device_kind}); deltas "
         f"{w.delta_dtype_name}, pool {w.pool_dtype_name}"
         + (" (per-head scales calibrated once)" if w.fp8 else "")
@@ -227,6 +226,7 @@ def run_summary(w, device, results) -> dict:
         "command": "run",
         "preset": p.name,
         "preset_source": p.source,
+        "draft_config": p.config_path,
         "backend": device.platform,
         "device": f"{device.platform}:{device.id} ({device.device_kind})",
         "jax_version": jax.__version__,
@@ -298,6 +298,9 @@ _PRESET_SHAPE = {
     "hidden_size": "hidden_size",
     "feature_size": "feature_size",
     "block_size": "block_size",
+    "target_layers": "target_layers",
+    "rope_theta": "rope_theta",
+    "norm_eps": "norm_eps",
     "page_size": "page_size",
     "pages_per_slot": "pages_per_slot",
     "slots": "num_slots",
@@ -315,7 +318,9 @@ _PAGED_COUNTS = (
 
 def _shape(w) -> dict:
     shape = {key: getattr(w.preset, name) for key, name in _PRESET_SHAPE.items()}
+    scaling = w.preset.rope_scaling
     shape.update(
+        rope_scaling=None if scaling is None else dict(scaling),
         pool_shape=list(w.pool_shape),
         pool_bytes=w.pool_bytes(),
         dtype=w.dtype_name,

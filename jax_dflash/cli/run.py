@@ -16,6 +16,7 @@ from jax_dflash.cli.common import (
     EXIT_OK,
     PROG,
     HelpFormatter,
+    named,
     positive_int,
     seed,
 )
@@ -74,17 +75,29 @@ def add_parser(commands) -> None:
 
 
 def _add_shape_flags(parser) -> None:
-    from jax_dflash.cli.presets import DEFAULT_PRESET, PRESETS
+    from jax_dflash.cli.presets import DEFAULT_PRESET, PRESET_ALIASES, PRESETS
 
-    parser.add_argument(
+    draft = parser.add_mutually_exclusive_group()
+    draft.add_argument(
         "--preset",
-        choices=list(PRESETS),
+        type=named("preset", tuple(PRESETS), PRESET_ALIASES),
         default=DEFAULT_PRESET,
-        help=f"draft shape (default: {DEFAULT_PRESET}; list below)",
+        metavar="NAME",
+        help=f"draft shape: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}; list below)",
+    )
+    draft.add_argument(
+        "--draft-config",
+        metavar="PATH",
+        help="your draft's config.json (z-lab's / Hugging Face's form: hidden_size, "
+        "num_key_value_heads, head_dim, num_hidden_layers, rope_theta or rope_parameters, "
+        "layer_types, sliding_window, block_size, target_layer_ids) instead of a preset; the "
+        "pool as the GPU presets' (pages of 128 tokens) unless its 'jax_dflash' object says "
+        "otherwise (the presets' files in jax_dflash/cli/configs/ show it)",
     )
     parser.add_argument(
         "--contract",
-        choices=CONTRACTS,
+        type=named("contract", CONTRACTS),
+        metavar="{slot,paged}",
         help="slot (Edge-LLM 0.10) or paged (0.11) addressing (default: the "
         "preset's, slot for all but the sliding-window one)",
     )
@@ -97,7 +110,8 @@ def _add_shape_flags(parser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=BACKENDS,
+        type=named("backend", BACKENDS),
+        metavar="{default,cpu,gpu}",
         default="default",
         help="JAX backend to run on (default: JAX's default backend)",
     )
@@ -105,7 +119,7 @@ def _add_shape_flags(parser) -> None:
 
 def _add_workload_flags(parser) -> None:
     from jax_dflash.cli.accept import ACCEPT_HELP
-    from jax_dflash.cli.presets import DTYPE_NAMES, KV_DTYPES
+    from jax_dflash.cli.presets import DTYPE_ALIASES, DTYPE_NAMES, POOL_DTYPE_NAMES
 
     parser.add_argument(
         "--steps",
@@ -134,14 +148,18 @@ def _add_workload_flags(parser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        choices=DTYPE_NAMES,
-        help="delta (compute) dtype, and the pool's unless --kv-dtype (default: the preset's)",
+        type=named("dtype", DTYPE_NAMES, _aliases_of(DTYPE_ALIASES, DTYPE_NAMES)),
+        metavar="NAME",
+        help="delta (compute) dtype, and the pool's unless --kv-dtype: float16, bfloat16, "
+        "float32 (or fp16, bf16, fp32; default: the preset's)",
     )
     parser.add_argument(
         "--kv-dtype",
-        choices=list(KV_DTYPES),
-        help="pool dtype: fp16, bf16, fp32, or FP8 e4m3 / e5m2 with per-head "
-        "k/v scales calibrated once (default: the delta dtype)",
+        type=named("kv-dtype", POOL_DTYPE_NAMES, DTYPE_ALIASES),
+        metavar="NAME",
+        help="pool dtype: float16, bfloat16, float32, or FP8 float8_e4m3fn / float8_e5m2 with "
+        "per-head k/v scales calibrated once (or fp16, bf16, fp32, e4m3, e5m2; default: the "
+        "delta dtype)",
     )
     parser.add_argument(
         "--fused-norm",
@@ -183,13 +201,19 @@ def _add_output_flags(parser) -> None:
     )
 
 
+def _aliases_of(aliases: dict[str, str], names) -> dict[str, str]:
+    return {alias: name for alias, name in aliases.items() if name in names}
+
+
 def execute(args) -> int:
     """Checks the flags, opens the --json file, picks the device and bounds the host memory,
     all before the run; then runs, prints and writes the summary."""
     from jax_dflash.cli import json_output, memory, run_settings
-    from jax_dflash.cli.presets import PRESETS
+    from jax_dflash.cli.presets import PRESETS, read_draft_config
 
-    preset = PRESETS[args.preset]
+    preset = (
+        PRESETS[args.preset] if args.draft_config is None else read_draft_config(args.draft_config)
+    )
     settings = run_settings.validate(args, preset)
     destination = json_output.open_summary(args.json)
     try:

@@ -36,7 +36,7 @@ def _window(args, preset, contract: str) -> int | None:
     window = args.window if args.window is not None else preset.window
     if window is None:
         return None
-    source = "--window" if args.window is not None else f"preset {preset.name}'s window"
+    source = "--window" if args.window is not None else preset.window_origin
     if contract != "paged":
         raise UsageError(
             f"{source} {window} needs --contract paged (sliding windows live "
@@ -44,12 +44,12 @@ def _window(args, preset, contract: str) -> int | None:
         )
     if window % preset.page_size:
         raise UsageError(
-            f"--window {window}: expected a positive multiple of the page size {preset.page_size}"
+            f"{source} {window}: expected a positive multiple of the page size {preset.page_size}"
         )
     if window > preset.slot_capacity:
         raise UsageError(
-            f"--window {window}: expected at most {preset.slot_capacity} tokens, the longest "
-            f"sequence of preset {preset.name} (a longer window never slides)"
+            f"{source} {window}: expected at most {preset.slot_capacity} tokens, the longest "
+            f"sequence of {preset.origin} (a longer window never slides)"
         )
     return window
 
@@ -57,7 +57,6 @@ def _window(args, preset, contract: str) -> int | None:
 def validate(args, preset) -> RunSettings:
     """Every flag of ``run`` checked before anything runs (no JAX needed)."""
     from jax_dflash.cli.accept import parse_accept
-    from jax_dflash.cli.presets import KV_DTYPES
 
     contract = args.contract or preset.default_contract
     window = _window(args, preset, contract)
@@ -65,8 +64,8 @@ def validate(args, preset) -> RunSettings:
     steps = args.steps if args.steps is not None else preset.default_steps
     if batch > preset.num_slots:
         raise UsageError(
-            f"--batch {batch} is larger than the pool's {preset.num_slots} slots of preset "
-            f"{preset.name} (expected --batch <= {preset.num_slots})"
+            f"--batch {batch} is larger than the pool's {preset.num_slots} slots of "
+            f"{preset.origin} (expected --batch <= {preset.num_slots})"
         )
     try:
         accept = parse_accept(args.accept, preset.block_size)
@@ -82,7 +81,7 @@ def validate(args, preset) -> RunSettings:
             f"batch <= {MAX_PAGED_SEQUENCE_STEPS}"
         )
     delta = args.dtype or preset.dtype
-    pool = KV_DTYPES[args.kv_dtype] if args.kv_dtype else delta
+    pool = args.kv_dtype or delta
     return RunSettings(contract, window, batch, steps, accept, delta, pool)
 
 
@@ -149,7 +148,7 @@ def check_runtime(args, settings: RunSettings, preset, device) -> bool:
         kv_width = 2 * preset.num_layers * preset.num_kv_heads * preset.head_dim
         flops = 2 * tokens * preset.hidden_size * (preset.feature_size + kv_width)
         raise UsageError(
-            f"preset {preset.name} is GPU-sized (pool {human_bytes(preset.pool_bytes(pool))}, "
+            f"{preset.origin} is GPU-sized (pool {human_bytes(preset.pool_bytes(pool))}, "
             f"{flops / 1e9:.0f} GFLOP per step): on a CPU it would take minutes; pass --force "
             f"to run it anyway"
         )

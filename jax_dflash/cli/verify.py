@@ -17,7 +17,6 @@ from jax_dflash import reference
 from jax_dflash.cli import allocator, pipeline, readback
 from jax_dflash.cli.plan import RunPlan
 from jax_dflash.cli.steps import DeviceSteps
-from jax_dflash.contract import DEFAULT_NORM_EPS
 from jax_dflash.testing import ULP_SAMPLE
 
 # Sequences the read-back check samples.
@@ -136,7 +135,7 @@ def _recompute(weights, rope, streams, positions, *, geometry, tokens_per_step):
     k, v = jax.lax.map(chunk, split)  # [chunks, layers, T, H, D]
     k = jnp.moveaxis(k, 0, 1).reshape(geometry.layers, -1, *k.shape[3:])
     v = jnp.moveaxis(v, 0, 1).reshape(geometry.layers, -1, *v.shape[3:])
-    x = pipeline.k_normed(weights, k).astype(jnp.float32)
+    x = pipeline.k_normed(weights, k, geometry.norm_eps).astype(jnp.float32)
     rows = rope[0][jnp.clip(positions, 0, rope.shape[1] - 1)]
     y = pipeline.rope_jnp(x, rows[None], geometry.rotary_dim)
     return x, y, v.astype(jnp.float32)
@@ -155,7 +154,7 @@ class Checks:
             extras["k_scale"], extras["v_scale"] = self.steps.scales_host()
         if not pipeline.norms_in_step(self.plan.spec, impl):
             extras["k_norm_weight"] = self.plan.host_weights["k_norm"]
-            extras["norm_eps"] = DEFAULT_NORM_EPS
+            extras["norm_eps"] = self.plan.geometry.norm_eps
         return extras
 
     def reference_pools(self, deltas: dict, impl: str = "kernel") -> np.ndarray:
