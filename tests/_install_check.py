@@ -6,6 +6,9 @@ source folder ``jax_dflash/`` (which holds no compiled extension) would shadow a
 drops the checkout's root from ``sys.path`` whenever jax_dflash is importable without it: a
 regular install is then found, and an editable one (whose import hook points at the checkout)
 is unaffected. With no install at all the path is left as it was.
+
+A checkout that was never built (no compiled CPU extension anywhere) stops pytest before it
+collects anything, saying how to build or install first: every test would fail on it otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "jax_dflash"
@@ -52,8 +57,24 @@ def describe(location: str | None) -> str:
     return f"jax_dflash installed at {location}"
 
 
+NEVER_BUILT = (
+    "{where} has no compiled CPU extension (jax_dflash._dflash_cpu): this checkout was never "
+    "built or installed. Build it first: `make test` creates .venv, builds and runs the suite "
+    '(`make build` only builds); or, in an environment of your own, pip install -e ".[test]" '
+    "from the checkout, then run pytest with that environment's python"
+)
+
 LOCATION = prefer_installed_package()
 
 
 def pytest_report_header(config):
     return describe(LOCATION)
+
+
+def pytest_configure(config):
+    """Stops before collection when jax_dflash imports without its compiled extension."""
+    if LOCATION is not None and importlib.util.find_spec("jax_dflash._dflash_cpu") is None:
+        pytest.exit(
+            NEVER_BUILT.format(where=describe(LOCATION)),
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )

@@ -5,7 +5,10 @@ from __future__ import annotations
 import jax
 import pytest
 
-from _install_check import pytest_report_header  # noqa: F401  (first: tests the installed jax_dflash)
+from _install_check import (  # noqa: F401  (first: tests the installed jax_dflash, if built)
+    pytest_configure,
+    pytest_report_header,
+)
 from jax_dflash.testing import (  # noqa: F401  (re-exported for the test modules)
     DELTA_DTYPES,
     FP8_DTYPES,

@@ -360,3 +360,130 @@ def test_build_info_says_what_was_built():
     assert info["cuda_extension"]["built"] == importable("jax_dflash._dflash_cuda"), info
     if not os.environ.get("DFLASH_TRT_PLUGIN_LIBRARY"):
         assert info["trt_plugin"]["built"] == plugin_present(), info
+
+
+def test_pytest_in_a_checkout_never_built_says_to_build_first(tmp_path):
+    """A copy of the checkout's sources, no extension built, and site-packages without its
+    ``.pth`` files (so no editable install of jax_dflash): pytest stops before collecting, with
+    the Quick start's way to build."""
+    import shutil
+    import sysconfig
+
+    shutil.copytree(
+        REPO / "jax_dflash",
+        tmp_path / "jax_dflash",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
+    (tmp_path / "tests").mkdir()
+    for name in ("_install_check.py", "conftest.py"):
+        shutil.copy(REPO / "tests" / name, tmp_path / "tests" / name)
+    (tmp_path / "tests" / "test_op.py").write_text("def test_op():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert "has no compiled CPU extension" in done.stdout + done.stderr
+    assert (
+        "`make test`" in done.stdout + done.stderr
+        and 'pip install -e ".[test]"' in done.stdout + done.stderr
+    )
+    assert "passed" not in done.stdout
+
+
+# ---- what the README's first screen says --------------------------------------------------------
+
+
+def _summary_of_benchmarks() -> str:
+    text = (REPO / "BENCHMARKS.md").read_text()
+    return text[: text.index("\n## ")]
+
+
+def test_readme_speed_numbers_come_from_the_benchmarks_summary():
+    readme = (REPO / "README.md").read_text()
+    speed = readme[readme.index("**Speed**") : readme.index("**Runs on**")]
+    summary = _summary_of_benchmarks()
+    numbers = re.findall(r"(?<![\w.=])\d+\.\d+x?(?![\w.])", speed)
+    assert len(numbers) >= 12, numbers
+    missing = [n for n in numbers if n not in summary]
+    assert not missing, f"README.md's speed numbers not in BENCHMARKS.md's summary: {missing}"
+
+
+def _resolve(dotted: str):
+    """The object a dotted ``jax_dflash...`` name stands for (modules imported as needed)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] != "jax_dflash":
+                pytest.skip(f"{dotted}: needs {e.name}, not installed here")
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{dotted}: no module of it imports")
+
+
+def test_every_jax_dflash_name_the_readme_gives_exists():
+    text = (REPO / "README.md").read_text()
+    names = sorted(set(re.findall(r"`(jax_dflash(?:\.\w+)+)", text)))
+    assert "jax_dflash.target_kv_cache_update_slots" in names, names
+    for name in names:
+        assert _resolve(name) is not None, name
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _needs_git():
+    try:
+        inside = _git("rev-parse", "--is-inside-work-tree").stdout.strip() == "true"
+    except (OSError, subprocess.TimeoutExpired):
+        inside = False
+    if not inside:
+        pytest.skip("not a git checkout (or no git): .gitignore is not in force")
+
+
+# Paths the documented commands write into the checkout: wheels, the lean TensorRT runtime, the
+# benchmark's --out folder, exported graphs and engines, run's --json summary.
+WRITTEN = (
+    "dist/jax_dflash-0.1.0-cp311-cp311-linux_x86_64.whl",
+    "trt-lean/tensorrt_lean/__init__.py",
+    "trt-lean-wheels/tensorrt_lean.whl",
+    "results/kv_update_cpu.json",
+    "update.onnx",
+    "draft_paged.onnx",
+    "update.plan",
+    "summary.json",
+)
+
+
+def test_gitignore_covers_what_documented_commands_write():
+    _needs_git()
+    ignored = _git("check-ignore", "--no-index", *WRITTEN).stdout.split()
+    assert sorted(ignored) == sorted(WRITTEN), sorted(set(WRITTEN) - set(ignored))
+    tracked_but_ignored = _git("ls-files", "-ci", "--exclude-standard").stdout.split()
+    assert not tracked_but_ignored, tracked_but_ignored
+
+
+def test_py_typed_and_the_presets_configs_ship():
+    """scikit-build-core's wheel takes the package folder's files that git does not ignore."""
+    import importlib.resources
+
+    package = importlib.resources.files("jax_dflash")
+    shipped = ["py.typed"] + [
+        f"cli/configs/{e.name}" for e in package.joinpath("cli", "configs").iterdir()
+    ]
+    assert len(shipped) > 2 and all(package.joinpath(*f.split("/")).is_file() for f in shipped)
+    _needs_git()
+    sources = [f"jax_dflash/{f}" for f in shipped]
+    assert not _git("check-ignore", "--no-index", *sources).stdout.split()

@@ -20,7 +20,10 @@ def plot(results: dict, path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        return f"no plot: matplotlib is not importable ({e})"
+        return (
+            f"no plot: matplotlib is not importable ({e}); the [plot] extra installs it: "
+            f'pip install -e ".[plot]" from the checkout'
+        )
     fig, ax = plt.subplots(figsize=(9, 6))
     markers = dict(zip(CONTENDERS, "o^sv<>*Dph"))
     for name in results["contenders"]:
