@@ -128,13 +128,14 @@ def test_plugin_in_a_real_tensorrt_registry():
     print(f"TensorRT runtime facts: {facts}")
 
     assert facts["creator_type"] == "IPluginCreatorV3One", facts
-    int32, float32 = 5, 1  # PluginFieldType.INT32, FLOAT32
+    int32, float32, char = 5, 1, 6  # PluginFieldType.INT32, FLOAT32, CHAR
     assert facts["field_names"] == [
         ["pages_per_slot", int32],
         ["ring", int32],
         ["k_norm", int32],
         ["v_norm", int32],
         ["norm_eps", float32],
+        ["form", char],
     ], facts
     assert facts["creator_namespace"] == ""
     # (plugin.clone() from Python is only recorded: the bindings return None for C++ plugins.)
