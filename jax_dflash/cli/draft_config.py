@@ -29,6 +29,7 @@ import math
 import numbers
 import pathlib
 
+from jax_dflash.cli.formats import DTYPE_NAMES
 from jax_dflash.contract import DEFAULT_NORM_EPS
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -186,8 +187,6 @@ def _window(config: dict, layers: int) -> int | None:
 
 
 def _dtype(config: dict) -> str:
-    from jax_dflash.cli.presets import DTYPE_NAMES
-
     name = "torch_dtype" if "torch_dtype" in config else "dtype"
     value = config.get(name, "bfloat16")
     if value not in DTYPE_NAMES:
