@@ -237,7 +237,7 @@ def human_bytes(n: int) -> str:
 
 
 PRESETS: dict[str, Preset] = _shipped_presets()
-# Names the presets had before they followed the scheme.
+# Other names accepted for presets: the model names without the block size.
 PRESET_ALIASES = {"kimi-k2.5-dflash": "kimi-k2.5-b8", "qwen3.5-27b": "qwen3.5-27b-b16"}
 DEFAULT_PRESET = "small"
 
