@@ -50,8 +50,8 @@ def _jax2onnx():
     except ImportError as e:
         raise ImportError(
             "jax_dflash.interop.export needs jax2onnx and onnx-ir: from this repository, "
-            'pip install -e ".[export]" (or pip install onnx onnx-ir and pip install --no-deps '
-            f"'jax2onnx>=0.17.1,<0.18'); got: {e}"
+            'pip install -e ".[export]" and pip install --no-deps "jax2onnx>=0.17.1,<0.18" (the '
+            f"extra leaves jax2onnx out: it declares packages the export never imports); got: {e}"
         ) from e
     return jax2onnx, onnx_ir, plugin_system
 
