@@ -14,7 +14,8 @@ DEFAULT_ACCEPT = "geometric:0.8"
 # Run bounds: a step costs milliseconds, so a million steps is already a long run; the memory
 # the run needs is estimated and bounded separately (jax_dflash.cli.memory).
 MAX_STEPS = 1_000_000
-# The paged plan is simulated on the host, about 15 us per sequence and step.
+# The paged plan is simulated on the host: the bound on its sequence-steps, and the cost of one
+# that the run's time estimate assumes.
 MAX_PAGED_SEQUENCE_STEPS = 2_000_000
 PAGED_PLAN_SECONDS_PER_SEQUENCE_STEP = 15e-6
 
