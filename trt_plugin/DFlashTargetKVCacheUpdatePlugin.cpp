@@ -284,6 +284,9 @@ int32_t DFlashTargetKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDe
                                          /*needData=*/true, &p);
         !e.empty())
       return fail("enqueue", e);
+    if (!dflash::addressing_form(p.contract).cuda)
+      return fail("enqueue", std::string("form: the ") + dflash::addressing_form(p.contract).name +
+                                 " form has no CUDA kernel yet (CPU only)");
     int64_t const poolBytes = tensorBytes(inputDesc[kPAST_KEY_VALUE].dims, inputDesc[kPAST_KEY_VALUE].type);
     if (poolBytes < 0) return fail("enqueue", "past_key_value: the size in bytes overflows int64");
     if (outputs[0] == nullptr && poolBytes > 0)
