@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hostile runtime data through the GPU kernel, for ``compute-sanitizer --tool memcheck``.
 
-Both contracts, through JAX (jit, with and without a donated pool; the unbatched and the
+Every addressing form, through JAX (jit, with and without a donated pool; the unbatched and the
 layer-batched forms) and through the raw launchers (``launch`` / ``launch_paged`` over torch or
 cupy device arrays):
 
@@ -10,6 +10,8 @@ cupy device arrays):
 - paged contract: page-table ids that are negative, of the other plane or past N, and a table
   wider than the pages the tokens use (M > pages used); owners -1 and >= B; negative
   positions and positions past the table (also under ring addressing);
+- slot-mapping form: flat slots negative, past the pool's N * P rows, at int32's limits, and
+  repeated (the later token's rows are stored);
 - each with 16/32-bit pools and FP8 pools (per-head scales, some saturating), and with the
   fused k-norm and v-norm.
 
@@ -78,12 +80,14 @@ HOSTILE_LENGTHS = np.array(
 # Paged contract: N=12 pages of P=16, B=4 sequences with M=5 table entries (20 > 12 pages:
 # ids repeat across sequences only on rows no valid token addresses, see paged_table_case).
 PAGED_PAGES, PAGED_BATCH, PAGED_TABLE = 12, 4, 5
+# Slot-mapping form: 40 tokens over N=24 pages of P=16 (384 rows).
+MAPPED_PAGES = 24
 
 
 @dataclasses.dataclass
 class Case:
     label: str
-    contract: str  # "slot" or "paged"
+    contract: str  # the addressing form: "slot", "paged" or "slot_mapping"
     args: tuple  # NumPy operands, in the op's order
     kwargs: dict  # pages_per_slot or ring, and the extras
 
@@ -219,7 +223,7 @@ def paged_cases(rng) -> list[Case]:
             heads=HEADS,
             head_dim=HEAD_DIM,
             rotary_dim=ROTARY_DIM,
-            num_pages=24,
+            num_pages=MAPPED_PAGES,
             page_size=PAGE,
             table_pages=PAGED_TABLE,
             dtype=dtype,
@@ -247,15 +251,73 @@ def paged_cases(rng) -> list[Case]:
     return cases
 
 
+def slot_mapping_cases(rng) -> list[Case]:
+    from jax_dflash import testing
+
+    cases = []
+    for dtype, pool_dtype, k_norm, v_norm, layers in (
+        (F16, None, False, False, None),
+        (BF16, None, True, True, None),
+        (F32, None, False, False, 3),
+        (F16, E4M3, True, False, None),
+        (BF16, INT8, False, True, 3),
+    ):
+        p = testing.make_paged_problem(
+            rng,
+            tokens=40,
+            batch=PAGED_BATCH,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            rotary_dim=ROTARY_DIM,
+            num_pages=MAPPED_PAGES,
+            page_size=PAGE,
+            table_pages=PAGED_TABLE,
+            dtype=dtype,
+            pool_dtype=pool_dtype,
+            layers=layers,
+            k_norm=k_norm,
+            v_norm=v_norm,
+        )
+        rows = MAPPED_PAGES * PAGE
+        hostile = [-1, -PAGE, rows, rows + 1, INT32_MAX, INT32_MIN, 0, rows - 1, 7, 7]
+        slots = rng.integers(0, rows, 40).astype(np.int32)
+        slots[: len(hostile)] = hostile
+        slots = rng.permutation(slots)
+        if layers:  # a different hostile mix per layer
+            slots = np.stack([np.roll(slots, 3 * i) for i in range(layers)])
+        pool_name = (pool_dtype or dtype).name
+        norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
+        form = f"{layers} layers" if layers else "one layer"
+        cases.append(
+            Case(
+                f"slot_mapping {dtype.name} -> {pool_name} pool, {norms}, {form}",
+                "slot_mapping",
+                (*p.args()[:4], slots),
+                p.extra_kwargs(),
+            )
+        )
+    return cases
+
+
+# The JAX op and the NumPy reference of each form.
+OPS = {
+    "slot": ("target_kv_cache_update", "target_kv_cache_update"),
+    "paged": ("target_kv_cache_update_paged", "target_kv_cache_update_paged"),
+    "slot_mapping": ("target_kv_cache_update_slots", "target_kv_cache_update_slots"),
+}
+
+
 def expected_of(case: Case) -> np.ndarray:
     from jax_dflash import reference
 
-    fn = (
-        reference.target_kv_cache_update
-        if case.contract == "slot"
-        else reference.target_kv_cache_update_paged
-    )
-    return fn(*case.args, **case.kwargs)
+    return getattr(reference, OPS[case.contract][1])(*case.args, **case.kwargs)
+
+
+def cuda_serves(contract: str) -> bool:
+    """Whether the form's descriptor says its CUDA kernel is on (else it is refused on GPU)."""
+    from jax_dflash import _ext
+
+    return _ext.extension("cpu").ADDRESSING_FORMS[contract]["cuda"]
 
 
 def bits(a):
@@ -290,11 +352,10 @@ def run_jax(case: Case, expected, platform="gpu") -> list[bool]:
     import jax_dflash
 
     device = jax.devices(platform)[0]
-    fn = (
-        jax_dflash.target_kv_cache_update
-        if case.contract == "slot"
-        else jax_dflash.target_kv_cache_update_paged
-    )
+    if platform == "gpu" and not cuda_serves(case.contract):
+        print(f"  skipped  {case.label}: JAX: the {case.contract} form has no CUDA kernel yet")
+        return [None, None]
+    fn = getattr(jax_dflash, OPS[case.contract][0])
     arrays = {k: v for k, v in case.kwargs.items() if isinstance(v, np.ndarray)}
     static = {k: v for k, v in case.kwargs.items() if k not in arrays}
     op = functools.partial(fn, **static)
@@ -347,6 +408,9 @@ def run_raw(case: Case, expected) -> bool | None:
     from jax_dflash import _ext
 
     label = f"{case.label}: raw launcher"
+    if not cuda_serves(case.contract):
+        print(f"  skipped  {label}: the {case.contract} form has no CUDA kernel yet")
+        return None
     kind, mod = _device_module()
     if kind is None:
         print(f"  skipped  {label}: neither torch (with CUDA) nor cupy is importable")
@@ -411,12 +475,7 @@ def run_raw_cpu(case: Case, expected) -> bool:
             if isinstance(v, np.ndarray) and v.dtype == BF16:
                 v = v.view(np.uint16)
             extras[k] = v
-        entry = (
-            cpu.target_kv_cache_update
-            if case.contract == "slot"
-            else cpu.target_kv_cache_update_paged
-        )
-        entry(*views, **extras, **names)
+        cpu.update(case.contract, views, **extras, **names)
     except Exception as e:  # noqa: BLE001
         print(f"  ERROR    {label}: {_one_line(e)}")
         return False
@@ -447,12 +506,13 @@ def main(argv: list[str] | None = None) -> int:
         f"hostile runtime data on {devices[0].device_kind}. Slot: starts "
         f"{HOSTILE_STARTS.tolist()}, lengths {HOSTILE_LENGTHS.tolist()}, slot capacity "
         f"{CAPACITY}, rope length {ROPE_LEN}. Paged: written-out hostile tables and tokens, "
-        f"and the hostile builder's (jax_dflash.testing.make_paged_problem)"
+        f"and the hostile builder's (jax_dflash.testing.make_paged_problem). Slot mapping: "
+        f"hostile flat slots over {MAPPED_PAGES * PAGE} rows"
     )
     rng = np.random.default_rng(2026)
     summary = {"matched": 0, "mismatched": 0, "skipped": 0}
     per_contract = {}
-    for case in slot_cases(rng) + paged_cases(rng):
+    for case in slot_cases(rng) + paged_cases(rng) + slot_mapping_cases(rng):
         expected = expected_of(case)
         assert not np.array_equal(bits(expected), bits(case.args[2])), (
             f"{case.label}: the case writes nothing"

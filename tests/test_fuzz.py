@@ -1,14 +1,17 @@
-"""A bounded, seeded fuzz target for both contracts (runs in CI).
+"""A bounded, seeded fuzz target for every addressing form (runs in CI).
 
 Each seed draws a random problem: shapes, delta/pool dtype pair, FP8 scales (hostile ones
 included: 0, negative, inf, NaN), fused norms, ring, layer-batched forms, hostile positions,
-lengths, owners and page ids (int32 extremes, negative, the other plane, past N), and poisons the
+lengths, owners, page ids and flat slots (int32 extremes, negative, the other plane, past N,
+duplicates), and poisons the
 pool, the deltas, the rope rows and the weights with NaNs carrying payloads, infinities and
 subnormals. The update runs through the JAX op and through the raw CPU entry; both must equal
 the NumPy reference over the whole pool, bit for bit.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,12 +22,13 @@ from jax_dflash.testing import (
     DELTA_DTYPES,
     FP8_DTYPES,
     POOL_DTYPES,
+    PagedProblem,
     assert_bits_equal,
     make_paged_problem,
     make_problem,
 )
 
-SEEDS = range(256)  # per contract; both contracts: about 20 s on 2 idle cores, under 1 min shared
+SEEDS = range(256)  # per form; all three: about 30 s on 2 idle cores
 I32_MIN, I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 # Bit patterns that arithmetic and copies must get right: NaNs with payloads and either sign,
@@ -201,6 +205,43 @@ def paged_problem(seed):
     return _poisoned(rng, problem)
 
 
+@dataclasses.dataclass
+class SlotsProblem:
+    """A slot-mapping update: a paged problem's deltas, pool, rope and extras, addressed by flat
+    slots instead of positions, owners and a table."""
+
+    paged: PagedProblem
+    slot_mapping: np.ndarray
+
+    def __getattr__(self, name):  # the operands and extras the forms share
+        if name in ("paged", "ring") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.paged, name)
+
+    def args(self):
+        return (*self.paged.args()[:4], self.slot_mapping)
+
+    def kwargs(self) -> dict:
+        return self.paged.extra_kwargs()
+
+
+def slot_mapping_problem(seed):
+    rng = np.random.default_rng([9, seed])
+    paged = paged_problem(seed)
+    pool = paged.past_key_value
+    rows = pool.shape[-4] * pool.shape[-3]
+    tokens = paged.k_delta.shape[-3]
+    per_layer = pool.ndim == 6 and bool(rng.random() < 0.5)
+    shape = (pool.shape[0], tokens) if per_layer else (tokens,)
+    # Valid slots drawn with repeats (of tokens with one slot the later one's rows are stored),
+    # then hostile ones: negative, past the pool's N * P rows, int32's limits.
+    slots = rng.integers(0, rows, shape).astype(np.int32)
+    hit = rng.random(shape) < 0.2
+    bad = [I32_MIN, I32_MAX, -1, rows, rows + 1, -rows]
+    slots[hit] = rng.choice(bad, int(hit.sum()))
+    return SlotsProblem(paged, slots)
+
+
 def _poisoned(rng, problem):
     problem.past_key_value = _poison(rng, problem.past_key_value, 0.1)
     problem.k_delta = _poison(rng, problem.k_delta, 0.05)
@@ -237,33 +278,35 @@ def run_raw(contract, problem):
         delta_dtype=delta_dtype,
         pool_dtype=pool_dtype,
     )
-    args = [k, v, pool_view, *problem.args()[3:], *scales, weight]
-    if contract == "slot":
-        _dflash_cpu.target_kv_cache_update(*args, pages_per_slot=problem.pages_per_slot, **kwargs)
-    else:
-        _dflash_cpu.target_kv_cache_update_paged(*args, ring=problem.ring, **kwargs)
+    operands = [k, v, pool_view, *problem.args()[3:]]
+    addressing = {
+        "slot": {"pages_per_slot": getattr(problem, "pages_per_slot", None)},
+        "paged": {"ring": getattr(problem, "ring", None)},
+        "slot_mapping": {},
+    }[contract]
+    _dflash_cpu.update(contract, operands, *scales, weight, **addressing, **kwargs)
     return pool
 
 
+OPS = {
+    "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
+    "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
+    "slot_mapping": (
+        jax_dflash.target_kv_cache_update_slots,
+        reference.target_kv_cache_update_slots,
+    ),
+}
+
+
 def run_op(contract, problem):
-    op = (
-        jax_dflash.target_kv_cache_update
-        if contract == "slot"
-        else jax_dflash.target_kv_cache_update_paged
-    )
-    return np.asarray(op(*problem.args(), **problem.kwargs()))
+    return np.asarray(OPS[contract][0](*problem.args(), **problem.kwargs()))
 
 
 def expected(contract, problem):
-    fn = (
-        reference.target_kv_cache_update
-        if contract == "slot"
-        else reference.target_kv_cache_update_paged
-    )
-    return fn(*problem.args(), **problem.kwargs())
+    return OPS[contract][1](*problem.args(), **problem.kwargs())
 
 
-BUILDERS = {"slot": slot_problem, "paged": paged_problem}
+BUILDERS = {"slot": slot_problem, "paged": paged_problem, "slot_mapping": slot_mapping_problem}
 
 
 def _describe(problem):
@@ -276,7 +319,7 @@ def _describe(problem):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("contract", ["slot", "paged"])
+@pytest.mark.parametrize("contract", list(BUILDERS))
 def test_fuzz_op_and_raw_entry_equal_the_reference(contract, seed):
     problem = BUILDERS[contract](seed)
     want = expected(contract, problem)
