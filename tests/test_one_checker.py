@@ -80,10 +80,9 @@ def test_a_rule_changed_in_the_core_changes_every_python_entry_point(spy, monkey
         "reference": lambda: reference.target_kv_cache_update(*args, pages_per_slot=3),
         "onnx": lambda: dflash_onnx.check_plugin_operands(False, args, pages_per_slot=3),
     }
-    for name, call in entry_points.items():
+    for call in entry_points.values():
         with pytest.raises(ValueError, match="refused by the core"):
             call()
-        assert name  # each one raised the core's message
 
 
 def _compares_dims(tree: ast.AST) -> list[str]:
