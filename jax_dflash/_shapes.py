@@ -27,7 +27,6 @@ DELTA_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.fl
 POOL_DTYPES = tuple(np.dtype(getattr(ml_dtypes, n, n)) for n in POOL_FORMATS)
 # Pool formats whose values are stored with k_scale and v_scale.
 SCALED_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] != "none")
-FP8_DTYPES = SCALED_DTYPES
 INDEX_DTYPE = np.dtype(np.int32)
 
 ARG_NAMES = tuple(FORMS["slot"]["operands"])
@@ -221,9 +220,15 @@ def _extras(p: dict, shapes: dict) -> Extras:
     )
 
 
-def _common(p: dict, operands, names) -> dict:
+def _check_form(form, base, k_scale, v_scale, k_norm_weight, tensorrt, **attributes):
+    """The core's check of a call of ``form`` from the Python API's arguments; returns the
+    core's parameters and the shape fields every form has."""
+    operands = _present(base, k_scale, v_scale, k_norm_weight)
+    k_norm = k_norm_weight is not None
+    p = check_call(form, operands, k_norm=k_norm, tensorrt=tensorrt, **attributes)
+    names = operand_names(form, None, k_norm, count=len(operands))
     shapes = {n: tuple(x.shape) for n, x in zip(names, operands)}
-    return dict(
+    return p, dict(
         num_layers=p["num_layers"] if p["layered"] else None,
         num_kv_heads=p["num_kv_heads"],
         head_dim=p["head_dim"],
@@ -268,17 +273,17 @@ def check_update(
     The shapes are SPEC.md's, including the layer-batched form; ``tensorrt`` adds TensorRT's
     profile of the contract (SPEC.md, "The TensorRT plugin contract")."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths]
-    operands = _present(base, k_scale, v_scale, k_norm_weight)
-    p = check_call(
+    p, common = _check_form(
         "slot",
-        operands,
+        base,
+        k_scale,
+        v_scale,
+        k_norm_weight,
+        tensorrt,
         pages_per_slot=check_pages_per_slot(pages_per_slot),
-        k_norm=k_norm_weight is not None,
-        tensorrt=tensorrt,
     )
-    names = operand_names("slot", None, k_norm_weight is not None, count=len(operands))
     return UpdateShape(
-        **_common(p, operands, names),
+        **common,
         batch=p["batch"],
         delta_len=p["delta_len"],
         pages_per_slot=p["pages_per_slot"],
@@ -312,11 +317,9 @@ def check_update_paged(
         delta_token_to_sequence,
         kv_page_table,
     ]
-    operands = _present(base, k_scale, v_scale, k_norm_weight)
-    p = check_call("paged", operands, k_norm=k_norm_weight is not None, tensorrt=tensorrt)
-    names = operand_names("paged", None, k_norm_weight is not None, count=len(operands))
+    p, common = _check_form("paged", base, k_scale, v_scale, k_norm_weight, tensorrt)
     return PagedShape(
-        **_common(p, operands, names),
+        **common,
         tokens=p["num_tokens"],
         batch=p["batch"],
         table_pages=p["table_pages"],
@@ -339,11 +342,9 @@ def check_update_slots(
     """Checks the slot-mapping operands (anything with .shape and .dtype); returns their sizes.
     The shapes are SPEC.md's, including the layer-batched form."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
-    operands = _present(base, k_scale, v_scale, k_norm_weight)
-    p = check_call("slot_mapping", operands, k_norm=k_norm_weight is not None, tensorrt=tensorrt)
-    names = operand_names("slot_mapping", None, k_norm_weight is not None, count=len(operands))
+    p, common = _check_form("slot_mapping", base, k_scale, v_scale, k_norm_weight, tensorrt)
     return MappedShape(
-        **_common(p, operands, names),
+        **common,
         tokens=p["num_tokens"],
         slots_int64=np.dtype(slot_mapping.dtype) == np.int64,
     )

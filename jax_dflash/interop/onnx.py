@@ -162,24 +162,22 @@ def make_update_node(
     ``plugin_namespace``, ``pages_per_slot``, and ``k_norm``/``v_norm`` (1) and ``norm_eps``
     when a norm is on.
     """
-    onnx = _onnx()
+    _onnx()  # a clear ImportError without the extra
     _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
     inputs = _input_list(
         inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"), k_norm=k_norm)
     )
-    attributes = dict(
-        plugin_version=PLUGIN_VERSION,
-        plugin_namespace=_namespace(plugin_namespace),
+    namespace = _namespace(plugin_namespace)
+    return _plugin_node(
+        inputs,
+        output,
+        name,
+        namespace,
+        False,
+        k_norm,
+        v_norm,
+        eps,
         pages_per_slot=check_int32_attribute(pages_per_slot, "pages_per_slot", minimum=1),
-    )
-    attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
-    return onnx.helper.make_node(
-        PLUGIN_NAME,
-        inputs=inputs,
-        outputs=[output],
-        name=name or PLUGIN_NAME,
-        domain=PLUGIN_DOMAIN,
-        **attributes,
     )
 
 
@@ -192,17 +190,24 @@ def _namespace(plugin_namespace) -> str:
     return plugin_namespace
 
 
-def _extension_attributes(ring: bool, k_norm: bool, v_norm: bool, eps: float | None) -> dict:
-    attributes = {}
-    if ring:
-        attributes["ring"] = 1
-    if k_norm:
-        attributes["k_norm"] = 1
-    if v_norm:
-        attributes["v_norm"] = 1
+def _plugin_node(inputs, output, name, namespace, ring, k_norm, v_norm, eps, **form_attributes):
+    """Our plugin's node (domain ``trt.plugins``): ``plugin_version``, ``plugin_namespace``, the
+    form's own attributes, and the extensions in use (``ring``/``k_norm``/``v_norm`` = 1,
+    ``norm_eps`` when a norm is on)."""
+    attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=namespace, **form_attributes)
+    for flag, on in (("ring", ring), ("k_norm", k_norm), ("v_norm", v_norm)):
+        if on:
+            attributes[flag] = 1
     if eps is not None:
         attributes["norm_eps"] = eps
-    return attributes
+    return _onnx().helper.make_node(
+        PLUGIN_NAME,
+        inputs=inputs,
+        outputs=[output],
+        name=name or PLUGIN_NAME,
+        domain=PLUGIN_DOMAIN,
+        **attributes,
+    )
 
 
 def uses_edge_llm_node(
@@ -254,16 +259,7 @@ def make_paged_update_node(
             name=name or PLUGIN_NAME,
             domain=EDGE_LLM_DOMAIN,
         )
-    attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=plugin_namespace)
-    attributes.update(_extension_attributes(ring, k_norm, v_norm, eps))
-    return onnx.helper.make_node(
-        PLUGIN_NAME,
-        inputs=inputs,
-        outputs=[output],
-        name=name or PLUGIN_NAME,
-        domain=PLUGIN_DOMAIN,
-        **attributes,
-    )
+    return _plugin_node(inputs, output, name, plugin_namespace, ring, k_norm, v_norm, eps)
 
 
 def make_slots_update_node(
@@ -282,24 +278,22 @@ def make_slots_update_node(
     ``plugin_namespace`` and the extensions in use. ``inputs`` are the names of k_delta,
     v_delta, past_key_value, rope_cos_sin and slot_mapping, then k_scale, v_scale when
     ``fp8_pool``, then k_norm_weight when ``k_norm`` (default: those names)."""
-    onnx = _onnx()
+    _onnx()  # a clear ImportError without the extra
     _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
     base = _shapes.BASE_NAMES["slot_mapping"]
     extras = (*(SCALE_INPUTS if check_flag(fp8_pool, "fp8_pool") else ()),)
     extras += (NORM_WEIGHT_INPUT,) if k_norm else ()
-    attributes = dict(
-        plugin_version=PLUGIN_VERSION,
-        plugin_namespace=_namespace(plugin_namespace),
+    namespace = _namespace(plugin_namespace)
+    return _plugin_node(
+        _input_list(inputs, (*base, *extras)),
+        output,
+        name,
+        namespace,
+        False,
+        k_norm,
+        v_norm,
+        eps,
         form="slot_mapping",
-    )
-    attributes.update(_extension_attributes(False, k_norm, v_norm, eps))
-    return onnx.helper.make_node(
-        PLUGIN_NAME,
-        inputs=_input_list(inputs, (*base, *extras)),
-        outputs=[output],
-        name=name or PLUGIN_NAME,
-        domain=PLUGIN_DOMAIN,
-        **attributes,
     )
 
 
