@@ -280,6 +280,23 @@ class NodeTypeError(TypeError):
     """A dtype or attribute-type error of a ``DFlashTargetKVCacheUpdate`` node."""
 
 
+def _kernel_options(extras: list, attributes: dict) -> dict:
+    """The kernel's keywords from a checked node's extra inputs (``k_scale, v_scale`` when
+    present, then ``k_norm_weight`` with ``k_norm``; a ``[1]`` scale is the scalar) and its
+    attributes."""
+    k_norm = attributes.get("k_norm", False)
+    k_scale = v_scale = None
+    if len(extras) - k_norm == 2:
+        k_scale, v_scale = (s.reshape(()) if s.shape == (1,) else s for s in extras[:2])
+    return dict(
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_norm_weight=extras[-1] if k_norm else None,
+        v_norm=attributes.get("v_norm", False),
+        norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
+    )
+
+
 class _TargetKVCacheUpdate(OpRun):
     """The plugin node on the CPU kernel; subclasses name the domain (see ``_node_class``)."""
 
@@ -342,19 +359,7 @@ class _TargetKVCacheUpdate(OpRun):
         )
 
         base = len(dflash_onnx.PAGED_INPUTS if paged else dflash_onnx.SLOT_INPUTS)
-        extras = inputs[base:]
-        k_scale = v_scale = weight = None
-        if len(extras) - k_norm == 2:
-            k_scale, v_scale = (s.reshape(()) if s.shape == (1,) else s for s in extras[:2])
-        if k_norm:
-            weight = extras[-1]
-        options = dict(
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_norm_weight=weight,
-            v_norm=attributes.get("v_norm", False),
-            norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
-        )
+        options = _kernel_options(inputs[base:], attributes)
         if paged:
             return run_paged_update_kernel(
                 *inputs[:base], ring=attributes.get("ring", False), **options
@@ -374,18 +379,7 @@ class _TargetKVCacheUpdate(OpRun):
         k_norm = attributes.get("k_norm", False)
         dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm)
         base = len(dflash_onnx._shapes.BASE_NAMES[form])
-        extras = inputs[base:]
-        options = dict(
-            v_norm=attributes.get("v_norm", False),
-            norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
-        )
-        if len(extras) - k_norm == 2:
-            options["k_scale"], options["v_scale"] = (
-                s.reshape(()) if s.shape == (1,) else s for s in extras[:2]
-            )
-        if k_norm:
-            options["k_norm_weight"] = extras[-1]
-        return run_slots_update_kernel(*inputs[:base], **options)
+        return run_slots_update_kernel(*inputs[:base], **_kernel_options(inputs[base:], attributes))
 
 
 def _node_class(qualname: str, domain: str, edge_llm: bool) -> type:
