@@ -821,43 +821,20 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
 }  // namespace kernel
 }  // namespace dflash
 
-// The dispatcher (kv_update_cuda.cu) only declares these; the units below define them.
-#define DFLASH_DECLARE_POOL(POOL)                                                                      \
-  namespace dflash::kernel {                                                                           \
-  extern template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&,         \
-                                                                        cudaStream_t);                 \
-  extern template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&,        \
-                                                                         cudaStream_t);                \
-  extern template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&,         \
-                                                                        cudaStream_t);                 \
-  extern template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&,        \
-                                                                         cudaStream_t);                \
-  extern template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&,       \
-                                                                          cudaStream_t);               \
-  extern template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&,        \
-                                                                         cudaStream_t);                \
-  extern template cudaError_t launch_widest<Contract::kSlotMapping, F16, POOL>(KVUpdateParams const&,  \
-                                                                               cudaStream_t);          \
-  extern template cudaError_t launch_widest<Contract::kSlotMapping, BF16, POOL>(KVUpdateParams const&, \
-                                                                                cudaStream_t);         \
-  extern template cudaError_t launch_widest<Contract::kSlotMapping, F32, POOL>(KVUpdateParams const&,  \
-                                                                               cudaStream_t);          \
+// Every (form, delta) instantiation of launch_widest for one pool type, each preceded by SPEC
+// (`extern` to declare it, nothing to define it): a new addressing form is one line here.
+#define DFLASH_FORM_INSTANCES(SPEC, C, POOL)                                                   \
+  SPEC template cudaError_t launch_widest<C, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
+  SPEC template cudaError_t launch_widest<C, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
+  SPEC template cudaError_t launch_widest<C, F32, POOL>(KVUpdateParams const&, cudaStream_t);
+#define DFLASH_POOL_INSTANCES(SPEC, POOL)                   \
+  namespace dflash::kernel {                                \
+  DFLASH_FORM_INSTANCES(SPEC, Contract::kSlot, POOL)        \
+  DFLASH_FORM_INSTANCES(SPEC, Contract::kPaged, POOL)       \
+  DFLASH_FORM_INSTANCES(SPEC, Contract::kSlotMapping, POOL) \
   }
 
-// Explicit instantiations for one pool type (one translation unit per pool type keeps the build
-// parallel).
-#define DFLASH_INSTANTIATE_POOL(POOL)                                                                    \
-  namespace dflash::kernel {                                                                             \
-  template cudaError_t launch_widest<Contract::kSlot, F16, POOL>(KVUpdateParams const&, cudaStream_t);   \
-  template cudaError_t launch_widest<Contract::kSlot, BF16, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  template cudaError_t launch_widest<Contract::kSlot, F32, POOL>(KVUpdateParams const&, cudaStream_t);   \
-  template cudaError_t launch_widest<Contract::kPaged, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  template cudaError_t launch_widest<Contract::kPaged, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  template cudaError_t launch_widest<Contract::kPaged, F32, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  template cudaError_t launch_widest<Contract::kSlotMapping, F16, POOL>(KVUpdateParams const&,           \
-                                                                        cudaStream_t);                   \
-  template cudaError_t launch_widest<Contract::kSlotMapping, BF16, POOL>(KVUpdateParams const&,          \
-                                                                         cudaStream_t);                  \
-  template cudaError_t launch_widest<Contract::kSlotMapping, F32, POOL>(KVUpdateParams const&,           \
-                                                                        cudaStream_t);                   \
-  }
+// The dispatcher (kv_update_cuda.cu) only declares these; the units below define them (one
+// translation unit per pool type keeps the build parallel).
+#define DFLASH_DECLARE_POOL(POOL) DFLASH_POOL_INSTANCES(extern, POOL)
+#define DFLASH_INSTANTIATE_POOL(POOL) DFLASH_POOL_INSTANCES(, POOL)
