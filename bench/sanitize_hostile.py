@@ -80,8 +80,9 @@ HOSTILE_LENGTHS = np.array(
 # Paged contract: N=12 pages of P=16, B=4 sequences with M=5 table entries (20 > 12 pages:
 # ids repeat across sequences only on rows no valid token addresses, see paged_table_case).
 PAGED_PAGES, PAGED_BATCH, PAGED_TABLE = 12, 4, 5
-# Slot-mapping form: 40 tokens over N=24 pages of P=16 (384 rows).
-MAPPED_PAGES = 24
+# The hostile builder's problems (paged and slot-mapping forms): 40 tokens over N=24 pages of
+# P=16 (384 rows).
+BUILDER_TOKENS, BUILDER_PAGES = 40, 24
 
 
 @dataclasses.dataclass
@@ -147,16 +148,8 @@ def slot_cases(rng) -> list[Case]:
             v_norm=v_norm,
             positions_per_layer=bool(layers),
         )
-        norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
-        form = f"{layers} layers" if layers else "one layer"
-        cases.append(
-            Case(
-                f"slot {p.k_delta.dtype.name} -> {pool_dtype.name} pool, {norms}, {form}",
-                "slot",
-                p.args(),
-                p.kwargs(),
-            )
-        )
+        label = _label(p.k_delta.dtype, pool_dtype, k_norm, v_norm, layers)
+        cases.append(Case(f"slot {label}", "slot", p.args(), p.kwargs()))
     return cases
 
 
@@ -200,9 +193,39 @@ def paged_table_case(rng, dtype) -> Case:
     )
 
 
-def paged_cases(rng) -> list[Case]:
+def _built_problem(rng, dtype, pool_dtype, k_norm, v_norm, layers, *, ring=False, hostile=False):
+    """The hostile builder's paged problem (jax_dflash.testing.make_paged_problem)."""
     from jax_dflash import testing
 
+    return testing.make_paged_problem(
+        rng,
+        tokens=BUILDER_TOKENS,
+        batch=PAGED_BATCH,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        rotary_dim=ROTARY_DIM,
+        num_pages=BUILDER_PAGES,
+        page_size=PAGE,
+        table_pages=PAGED_TABLE,
+        dtype=dtype,
+        pool_dtype=pool_dtype,
+        layers=layers,
+        hostile=hostile,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        ring=ring,
+        positions_per_layer=hostile and bool(layers),
+        table_per_layer=hostile and bool(layers),
+    )
+
+
+def _label(dtype, pool_dtype, k_norm, v_norm, layers) -> str:
+    norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
+    form = f"{layers} layers" if layers else "one layer"
+    return f"{dtype.name} -> {(pool_dtype or dtype).name} pool, {norms}, {form}"
+
+
+def paged_cases(rng) -> list[Case]:
     cases = [paged_table_case(rng, dtype) for dtype in (F16, BF16, F32)]
     configs = [
         # (delta dtype, pool dtype, k_norm, v_norm, layers, ring)
@@ -216,44 +239,15 @@ def paged_cases(rng) -> list[Case]:
         (BF16, INT8, False, True, None, True),
     ]
     for dtype, pool_dtype, k_norm, v_norm, layers, ring in configs:
-        p = testing.make_paged_problem(
-            rng,
-            tokens=40,
-            batch=PAGED_BATCH,
-            heads=HEADS,
-            head_dim=HEAD_DIM,
-            rotary_dim=ROTARY_DIM,
-            num_pages=MAPPED_PAGES,
-            page_size=PAGE,
-            table_pages=PAGED_TABLE,
-            dtype=dtype,
-            pool_dtype=pool_dtype,
-            layers=layers,
-            hostile=True,
-            k_norm=k_norm,
-            v_norm=v_norm,
-            ring=ring,
-            positions_per_layer=bool(layers),
-            table_per_layer=bool(layers),
-        )
-        pool_name = (pool_dtype or dtype).name
-        norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
-        form = f"{layers} layers" if layers else "one layer"
+        p = _built_problem(rng, dtype, pool_dtype, k_norm, v_norm, layers, ring=ring, hostile=True)
+        label = _label(dtype, pool_dtype, k_norm, v_norm, layers)
         cases.append(
-            Case(
-                f"paged {dtype.name} -> {pool_name} pool, {norms}, {form}"
-                f"{', ring' if ring else ''}",
-                "paged",
-                p.args(),
-                p.kwargs(),
-            )
+            Case(f"paged {label}{', ring' if ring else ''}", "paged", p.args(), p.kwargs())
         )
     return cases
 
 
 def slot_mapping_cases(rng) -> list[Case]:
-    from jax_dflash import testing
-
     cases = []
     for dtype, pool_dtype, k_norm, v_norm, layers in (
         (F16, None, False, False, None),
@@ -262,39 +256,17 @@ def slot_mapping_cases(rng) -> list[Case]:
         (F16, E4M3, True, False, None),
         (BF16, INT8, False, True, 3),
     ):
-        p = testing.make_paged_problem(
-            rng,
-            tokens=40,
-            batch=PAGED_BATCH,
-            heads=HEADS,
-            head_dim=HEAD_DIM,
-            rotary_dim=ROTARY_DIM,
-            num_pages=MAPPED_PAGES,
-            page_size=PAGE,
-            table_pages=PAGED_TABLE,
-            dtype=dtype,
-            pool_dtype=pool_dtype,
-            layers=layers,
-            k_norm=k_norm,
-            v_norm=v_norm,
-        )
-        rows = MAPPED_PAGES * PAGE
+        p = _built_problem(rng, dtype, pool_dtype, k_norm, v_norm, layers)
+        rows = BUILDER_PAGES * PAGE
         hostile = [-1, -PAGE, rows, rows + 1, INT32_MAX, INT32_MIN, 0, rows - 1, 7, 7]
-        slots = rng.integers(0, rows, 40).astype(np.int32)
+        slots = rng.integers(0, rows, BUILDER_TOKENS).astype(np.int32)
         slots[: len(hostile)] = hostile
         slots = rng.permutation(slots)
         if layers:  # a different hostile mix per layer
             slots = np.stack([np.roll(slots, 3 * i) for i in range(layers)])
-        pool_name = (pool_dtype or dtype).name
-        norms = "+".join(n for n, on in (("k-norm", k_norm), ("v-norm", v_norm)) if on) or "no norm"
-        form = f"{layers} layers" if layers else "one layer"
+        label = _label(dtype, pool_dtype, k_norm, v_norm, layers)
         cases.append(
-            Case(
-                f"slot_mapping {dtype.name} -> {pool_name} pool, {norms}, {form}",
-                "slot_mapping",
-                (*p.args()[:4], slots),
-                p.extra_kwargs(),
-            )
+            Case(f"slot_mapping {label}", "slot_mapping", (*p.args()[:4], slots), p.extra_kwargs())
         )
     return cases
 
@@ -507,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{HOSTILE_STARTS.tolist()}, lengths {HOSTILE_LENGTHS.tolist()}, slot capacity "
         f"{CAPACITY}, rope length {ROPE_LEN}. Paged: written-out hostile tables and tokens, "
         f"and the hostile builder's (jax_dflash.testing.make_paged_problem). Slot mapping: "
-        f"hostile flat slots over {MAPPED_PAGES * PAGE} rows"
+        f"hostile flat slots over {BUILDER_PAGES * PAGE} rows"
     )
     rng = np.random.default_rng(2026)
     summary = {"matched": 0, "mismatched": 0, "skipped": 0}
