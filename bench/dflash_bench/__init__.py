@@ -11,6 +11,9 @@ One run on one device times the time per update of every contender at every shap
   :func:`jax_dflash.target_kv_cache_update_paged` and ``_dflash_cuda.launch_paged`` (CPU: the
   NumPy entry), ``T = B * L`` tokens, ``M`` pages per sequence, every sequence's pages a random
   permutation of the pool.
+- ``slots_jax`` / ``slots_raw``: the slot-mapping form (vLLM's flat slots):
+  :func:`jax_dflash.target_kv_cache_update_slots` and ``_dflash_cuda.launch_form`` (CPU: the
+  NumPy ``update``), the paged form's rows as ``slot = K page * P + position % P``.
 - ``knorm_jax``: the paged op with the fused k-norm (``k_norm_weight``).
 - ``unfused_jax``: a jnp RMSNorm of the keys under the same jit, then the paged op;
   ``rmsnorm_jax``: that RMSNorm alone, host-timed. Only at the shapes marked ``unfused``. On the

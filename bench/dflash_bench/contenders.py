@@ -33,6 +33,8 @@ CONTENDERS = {
         Contender("ours_raw", "raw", ours=True),
         Contender("paged_jax", "jax", "paged", ours=True),
         Contender("paged_raw", "raw", "paged", ours=True),
+        Contender("slots_jax", "jax", "slot_mapping", ours=True),
+        Contender("slots_raw", "raw", "slot_mapping", ours=True),
         Contender("knorm_jax", "jax", "paged", fused_norm=True, ours=True),
         Contender(
             "unfused_jax", "jax", "paged", jnp_norm=True, exact=False, unfused_shapes_only=True

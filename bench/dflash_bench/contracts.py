@@ -9,6 +9,7 @@ of ``Contract`` registered in ``CONTRACTS`` (and its contenders in ``contenders.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +39,14 @@ class Contract:
     @property
     def cuda_launcher(self) -> str:
         return f"launch{self.suffix}"
+
+    def cuda_entry(self, cuda) -> Callable:
+        """The raw CUDA launcher, called with the operands by name."""
+        return getattr(cuda, self.cuda_launcher)
+
+    def cpu_call(self, cpu) -> Callable:
+        """The NumPy entry, called as ``(k_delta, v_delta, pool, **operands)``."""
+        return getattr(cpu, self.cpu_entry)
 
     def per_set(self, problem: Problem, j: int) -> dict:
         """The operands that rotate with input set j."""
@@ -112,7 +121,60 @@ class Paged(Contract):
         }
 
 
-CONTRACTS = {c.name: c for c in (Slot(), Paged())}
+class SlotMapping(Contract):
+    """vLLM's flat slots: ``slot = K page * P + position % P`` of the paged form's table, so
+    token for token the same rows as the other forms (V in plane 1 of the same page). Its raw
+    entries are the extensions' by-name ones (``launch_form`` / ``update``)."""
+
+    name, suffix, token_major = "slot_mapping", "_slots", True
+    operands = ("k_delta", "v_delta", "pool", "rope_cos_sin", "slot_mapping")
+
+    @staticmethod
+    def slots(positions: np.ndarray, owners: np.ndarray, k_pages: np.ndarray, p: int) -> np.ndarray:
+        return (k_pages[owners, positions // p].astype(np.int64) * p + positions % p).astype(
+            np.int32
+        )
+
+    def per_set(self, problem: Problem, j: int) -> dict:
+        positions, p = problem.position_sets[j], problem.shape.page_size
+        return {
+            "rope_cos_sin": problem.paged_rope_sets[j],
+            "slot_mapping": self.slots(positions, problem.owners, problem.table[:, 0], p),
+        }
+
+    def shared(self, problem: Problem) -> dict:
+        return {}
+
+    def page_order(self, problem: Problem) -> PageOrder:
+        k_pages = problem.table[:, 0].reshape(-1)
+        return k_pages, k_pages
+
+    def sample_operands(self, problem: Problem, n: int) -> dict:
+        tokens, m = n * problem.shape.delta_len, problem.shape.pages_per_slot
+        pages = np.arange(n * m, dtype=np.int32).reshape(n, m)  # the sample pages
+        positions = problem.position_sets[0][:tokens]
+        owners = problem.owners[:tokens]
+        return {
+            "rope_cos_sin": problem.paged_rope_sets[0][:tokens],
+            "slot_mapping": self.slots(positions, owners, pages, problem.shape.page_size),
+        }
+
+    def cuda_entry(self, cuda) -> Callable:
+        def launch(**kw):
+            base = [kw.pop(name) for name in self.operands]
+            cuda.launch_form(self.name, base, **kw)
+
+        return launch
+
+    def cpu_call(self, cpu) -> Callable:
+        def update(k_delta, v_delta, pool, **kw):
+            base = [k_delta, v_delta, pool, kw.pop("rope_cos_sin"), kw.pop("slot_mapping")]
+            cpu.update(self.name, base, **kw)
+
+        return update
+
+
+CONTRACTS = {c.name: c for c in (Slot(), Paged(), SlotMapping())}
 
 
 def delta_shape(contract: Contract, shape: BenchShape) -> tuple[int, ...]:

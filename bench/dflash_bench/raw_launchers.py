@@ -31,7 +31,7 @@ def _cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
     except ImportError as e:
         raise Skip(str(e)) from e
     c, s = CONTRACTS[contract], problem.shape
-    entry, statics = getattr(cuda, c.cuda_launcher), c.statics(s)
+    entry, statics = c.cuda_entry(cuda), c.statics(s)
     per_set, shared = inputs.operands(contract)
     spec = s.pool_spec
     # A format torch has no dtype for crosses as raw bits, with pool_dtype naming it.
@@ -85,7 +85,7 @@ def prepare_raw_cpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
 
     cpu = _ext.extension("cpu")
     c, s = CONTRACTS[spec.contract], problem.shape
-    entry, statics, layout = getattr(cpu, c.cpu_entry), c.statics(s), delta_shape(c, s)
+    entry, statics, layout = c.cpu_call(cpu), c.statics(s), delta_shape(c, s)
     pool = host_pool(problem, spec.contract)
     raw_pool = host_view(pool)
     sets = [

@@ -90,6 +90,8 @@ def _per_shape(t: _Targets, e: dict) -> None:
     t.ratio(e, "paged_jax", "paged_raw", 1.05, "paged JAX path within 5% of the paged raw launcher")
     t.ratio(e, "paged_jax", "ours_jax", 1.10, "paged op within 10% of the slot op (JAX)")
     t.ratio(e, "paged_raw", "ours_raw", 1.10, "paged launcher within 10% of the slot launcher")
+    t.ratio(e, "slots_jax", "paged_jax", 1.10, "slot-mapping op within 10% of the paged op (JAX)")
+    t.ratio(e, "slots_raw", "paged_raw", 1.10, "slot-mapping launcher within 10% of the paged one")
     t.ratio(e, "knorm_jax", "paged_jax", 1.10, "fused k-norm at most +10% over the op without it")
     fused, pair, norm = (us(e, n) for n in ("knorm_jax", "unfused_jax", "rmsnorm_jax"))
     if None not in (fused, pair, norm):

@@ -162,10 +162,11 @@ inline constexpr AddressingForm kAddressingForms[] = {
      2,
      false,
      false,
-     false},  // its kernel path is written and built, and is turned on once it passes on the H200
+     true},
 };
 
-static_assert(kAddressingForms[0].cuda && kAddressingForms[1].cuda, "the slot and paged forms run on CUDA");
+static_assert(kAddressingForms[0].cuda && kAddressingForms[1].cuda && kAddressingForms[2].cuda,
+              "every addressing form runs on CUDA");
 
 // The table is in the enum's order.
 constexpr AddressingForm const& addressing_form(Contract contract) {
