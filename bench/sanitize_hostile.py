@@ -11,7 +11,8 @@ cupy device arrays):
   wider than the pages the tokens use (M > pages used); owners -1 and >= B; negative
   positions and positions past the table (also under ring addressing);
 - slot-mapping form: flat slots negative, past the pool's N * P rows, at int32's limits, and
-  repeated (the later token's rows are stored);
+  repeated by tokens that carry the same rows (so that whichever the GPU stores, the bits are
+  the reference's);
 - each with 16/32-bit pools and FP8 pools (per-head scales, some saturating), and with the
   fused k-norm and v-norm.
 
@@ -258,12 +259,25 @@ def slot_mapping_cases(rng) -> list[Case]:
     ):
         p = _built_problem(rng, dtype, pool_dtype, k_norm, v_norm, layers)
         rows = BUILDER_PAGES * PAGE
-        hostile = [-1, -PAGE, rows, rows + 1, INT32_MAX, INT32_MIN, 0, rows - 1, 7, 7]
-        slots = rng.integers(0, rows, BUILDER_TOKENS).astype(np.int32)
-        slots[: len(hostile)] = hostile
-        slots = rng.permutation(slots)
-        if layers:  # a different hostile mix per layer
-            slots = np.stack([np.roll(slots, 3 * i) for i in range(layers)])
+        # Distinct valid slots, then the hostile ones over the first tokens; tokens 0 and 1 share
+        # slot 7 and carry the same rows (deltas of every layer, rope), so that the result does
+        # not depend on which of them the GPU stores.
+        hostile = [7, 7, -1, -PAGE, rows, rows + 1, INT32_MAX, INT32_MIN, 0, rows - 1]
+        valid = rng.permutation(np.setdiff1d(np.arange(rows), hostile))
+        slots = np.concatenate([hostile, valid, np.full(BUILDER_TOKENS, -1)])[:BUILDER_TOKENS]
+        slots = slots.astype(np.int32)
+        for name in ("k_delta", "v_delta", "rope_cos_sin"):
+            a = getattr(p, name)
+            token_axis = a.ndim - (2 if name == "rope_cos_sin" else 3)
+            index = [slice(None)] * a.ndim
+            index[token_axis] = 0
+            src = a[tuple(index)].copy()
+            index[token_axis] = 1
+            a[tuple(index)] = src
+        if layers:  # a different hostile mix per layer (the shared slot 7 in every one)
+            slots = np.stack(
+                [np.concatenate([slots[:2], np.roll(slots[2:], 3 * i)]) for i in range(layers)]
+            )
         label = _label(dtype, pool_dtype, k_norm, v_norm, layers)
         cases.append(
             Case(f"slot_mapping {label}", "slot_mapping", (*p.args()[:4], slots), p.extra_kwargs())
@@ -400,28 +414,23 @@ def run_raw(case: Case, expected) -> bool | None:
                 return mod.from_numpy(a).cuda()
             return mod.asarray(a.view(np.uint16) if a.dtype == BF16 else a)
 
-        names = ("k_delta", "v_delta", "pool", "rope_cos_sin")
-        names += (
-            ("delta_start_positions", "delta_lengths")
-            if case.contract == "slot"
-            else ("delta_positions", "delta_token_to_sequence", "kv_page_table")
-        )
-        dev = {name: upload(a) for name, a in zip(names, case.args)}
+        dev = [upload(a) for a in case.args]
         extras = {k: upload(v) if isinstance(v, np.ndarray) else v for k, v in case.kwargs.items()}
         stream = (
             mod.cuda.current_stream().cuda_stream
             if kind == "torch"
             else mod.cuda.get_current_stream().ptr
         )
-        launch = cuda.launch if case.contract == "slot" else cuda.launch_paged
-        launch(**dev, **extras, **_raw_dtype_names(case, kind), stream=stream)
+        cuda.launch_form(
+            case.contract, dev, **extras, **_raw_dtype_names(case, kind), stream=stream
+        )
         if kind == "torch":
             mod.cuda.synchronize()
-            pool = dev["pool"]
+            pool = dev[2]
             host = (pool.view(mod.int16) if pool.dtype == mod.bfloat16 else pool).cpu().numpy()
         else:
             mod.cuda.runtime.deviceSynchronize()
-            host = mod.asnumpy(dev["pool"])
+            host = mod.asnumpy(dev[2])
     except Exception as e:  # noqa: BLE001
         print(f"  ERROR    {label} ({kind}): {_one_line(e)}")
         return False

@@ -247,9 +247,16 @@ def test_every_contract_names_entries_and_operands_that_exist():
         names = {*c.per_set(problem, 1), *c.shared(problem), *c.statics(shape)}
         for fn in (getattr(jax_dflash, c.jax_op), getattr(reference, c.reference)):
             assert names <= set(inspect.signature(fn).parameters), (c.name, fn)
-        assert callable(getattr(_ext.extension("cpu"), c.cpu_entry))
-        launcher = stub[stub.index(f"def {c.cuda_launcher}(") :].split(") -> None")[0]
-        assert all(f"    {name}:" in launcher for name in names), (c.name, names)
+        if c.by_form:  # the by-name entries: the form's descriptor lists the operands
+            form = _ext.extension("cpu").ADDRESSING_FORMS[c.name]
+            assert set(c.operands) - {"pool"} <= set(form["operands"]), (c.name, form)
+            assert names <= set(c.operands), (c.name, names)
+            assert "def launch_form(" in stub
+            assert callable(_ext.extension("cpu").update)
+        else:
+            assert callable(getattr(_ext.extension("cpu"), c.cpu_entry))
+            launcher = stub[stub.index(f"def {c.cuda_launcher}(") :].split(") -> None")[0]
+            assert all(f"    {name}:" in launcher for name in names), (c.name, names)
     kinds = {kind for kind, _ in PREPARERS}
     for spec in CONTENDERS.values():
         assert spec.contract in CONTRACTS and spec.kind in kinds, spec

@@ -104,7 +104,18 @@ def test_python_dash_m_entry_point():
 
 def test_tiny_run_json_summary_and_check(capsys):
     status, out, err = run_cli(
-        capsys, "run", "--preset", "tiny", "--steps", "3", "--seed", "7", "--json", "--no-progress"
+        capsys,
+        "run",
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--seed",
+        "7",
+        "--json",
+        "--no-progress",
+        "--backend",
+        "cpu",  # the wall-clock method below is the CPU's
     )
     assert status == 0, err
     summary = json.loads(out)  # stdout holds only the JSON; the table went to stderr
@@ -486,7 +497,7 @@ def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, re
         raise AssertionError("the workload was built before the flags were checked")
 
     monkeypatch.setattr(workload, "Workload", no_run)
-    status, out, err = run_cli(capsys, "run", *argv)
+    status, out, err = run_cli(capsys, "run", *argv, "--backend", "cpu")
     assert status == 2, err
     assert err.count("\n") == 1 and err.startswith("jax-dflash: error: ")
     assert reason in err
@@ -513,7 +524,7 @@ def test_impossible_settings_exit_2_before_the_run(capsys, monkeypatch, argv, re
 def test_memory_estimate_names_the_flags_that_size_it(capsys, monkeypatch, argv, reason):
     monkeypatch.setattr(memory, "physical_memory", lambda: 2 << 20)  # a 2 MiB machine
     monkeypatch.setattr(workload, "Workload", None)  # building it would raise TypeError
-    status, out, err = run_cli(capsys, "run", *argv)
+    status, out, err = run_cli(capsys, "run", *argv, "--backend", "cpu")
     assert status == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"jax-dflash: error: {reason}")
     assert "GiB of host memory (mostly " in err

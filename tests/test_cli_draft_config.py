@@ -173,7 +173,7 @@ def test_a_config_without_simulation_choices_gets_the_gpu_presets_pool(capsys, t
     path = _write(tmp_path, _config(jax_dflash=None))
     p = presets.read_draft_config(path)
     assert (p.page_size, p.pages_per_slot, p.num_slots, p.gpu_sized) == (128, 16, 64, True)
-    status, out, err = run_cli(capsys, "run", "--draft-config", path)
+    status, out, err = run_cli(capsys, "run", "--draft-config", path, "--backend", "cpu")
     assert status == 2 and out == "" and err.count("\n") == 1
     assert f"draft config {path} is GPU-sized" in err and "--force" in err
 
@@ -315,7 +315,7 @@ def test_short_format_names_are_aliases_of_one_scheme(capsys):
 
 def test_an_old_preset_name_is_an_alias(capsys, monkeypatch):
     monkeypatch.setattr(workload, "Workload", None)
-    status, _, err = run_cli(capsys, "run", "--preset", "qwen3.5-27b")
+    status, _, err = run_cli(capsys, "run", "--preset", "qwen3.5-27b", "--backend", "cpu")
     assert status == 2 and "preset qwen3.5-27b-b16 is GPU-sized" in err
 
 

@@ -91,7 +91,7 @@ def test_table_and_json_print_the_same_headline_and_the_checked_pass_apart(capsy
 
 
 def test_a_cpu_times_the_update_by_wall_clock_and_states_its_resolution(capsys):
-    status, out, err = run_cli(capsys, *TINY_COMPARE, "--json", "--no-progress")
+    status, out, err = run_cli(capsys, *TINY_COMPARE, "--json", "--no-progress", "--backend", "cpu")
     assert status == 0, err
     for r in json.loads(out)["results"]:
         assert r["update_method"] == "wall-clock" and r["update_resolution_ms"] > 0

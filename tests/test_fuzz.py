@@ -2,8 +2,8 @@
 
 Each seed draws a random problem: shapes, delta/pool dtype pair, FP8 scales (hostile ones
 included: 0, negative, inf, NaN), fused norms, ring, layer-batched forms, hostile positions,
-lengths, owners, page ids and flat slots (int32 extremes, negative, the other plane, past N,
-duplicates), and poisons the
+lengths, owners, page ids and flat slots (int32 extremes, negative, the other plane, past N;
+flat slots distinct within a layer), and poisons the
 pool, the deltas, the rope rows and the weights with NaNs carrying payloads, infinities and
 subnormals. The update runs through the JAX op and through the raw CPU entry; both must equal
 the NumPy reference over the whole pool, bit for bit.
@@ -233,9 +233,16 @@ def slot_mapping_problem(seed):
     tokens = paged.k_delta.shape[-3]
     per_layer = pool.ndim == 6 and bool(rng.random() < 0.5)
     shape = (pool.shape[0], tokens) if per_layer else (tokens,)
-    # Valid slots drawn with repeats (of tokens with one slot the later one's rows are stored),
-    # then hostile ones: negative, past the pool's N * P rows, int32's limits.
-    slots = rng.integers(0, rows, shape).astype(np.int32)
+
+    # Valid slots drawn without repeats within a layer (of tokens with one slot the CPU stores the
+    # last and the GPU any one, per element: test_slot_mapping checks both), -1 where the pool
+    # has fewer rows than tokens; then hostile ones: negative, past the N * P rows, int32's limits.
+    def distinct():
+        valid = rng.permutation(rows)[:tokens]
+        return rng.permutation(np.concatenate([valid, np.full(tokens - len(valid), -1)]))
+
+    slots = np.stack([distinct() for _ in range(shape[0])]) if per_layer else distinct()
+    slots = slots.astype(np.int32)
     hit = rng.random(shape) < 0.2
     bad = [I32_MIN, I32_MAX, -1, rows, rows + 1, -rows]
     slots[hit] = rng.choice(bad, int(hit.sum()))

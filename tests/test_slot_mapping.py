@@ -32,8 +32,9 @@ def _problem(rng, pool_dtype=np.float16, delta=np.float16, layers=None):
         pool = np.clip(np.rint(pool * 40), -127, 127)
     pool = pool.astype(pool_dtype)
     rope = rng.uniform(-1, 1, (T, R)).astype(np.float32)
-    # Hostile slots: negative, the last row, past the pool, int32 extremes, duplicates.
-    slots = np.array([0, N * P - 1, -1, N * P, 7, 7, 2**31 - 1, -(2**31), 3, 18, 3, 11], np.int32)
+    # Hostile slots: negative, the last row, past the pool, int32 extremes. No slot repeats: of
+    # tokens with one slot the GPU stores any one per element (the tests of duplicates are apart).
+    slots = np.array([0, N * P - 1, -1, N * P, 7, 6, 2**31 - 1, -(2**31), 3, 18, 5, 11], np.int32)
     return k, v, pool, rope, rng.permutation(slots)
 
 
@@ -60,7 +61,9 @@ def test_of_two_tokens_with_one_slot_the_later_is_stored_on_cpu():
     k, v, pool, rope, _ = _problem(np.random.default_rng(2))
     slots = np.full(T, -1, np.int32)
     slots[[2, 9]] = 6  # token 9 comes later
-    out = np.asarray(jax_dflash.target_kv_cache_update_slots(k, v, pool, rope, slots))
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(a, cpu) for a in (k, v, pool, rope, slots)]
+    out = np.asarray(jax_dflash.target_kv_cache_update_slots(*args))
     alone = slots.copy()
     alone[2] = -1
     want = reference.target_kv_cache_update_slots(k, v, pool, rope, alone)
@@ -92,7 +95,7 @@ def test_the_three_forms_write_the_same_pool(ring):
 def test_layered_and_vmap_are_the_layers_one_by_one():
     rng = np.random.default_rng(4)
     k, v, pool, rope, slots = _problem(rng, layers=3)
-    per_layer_slots = np.stack([slots, np.roll(slots, 1), np.roll(slots, 2)])
+    per_layer_slots = np.stack([slots, np.roll(slots, 1), np.roll(slots, 2)])  # none repeats
     fn = jax.vmap(jax_dflash.target_kv_cache_update_slots, in_axes=(0, 0, 0, None, 0))
     got = np.asarray(jax.jit(fn)(k, v, pool, rope, per_layer_slots))
     for layer in range(3):
@@ -136,7 +139,6 @@ CUDA_FORM = pytest.mark.skipif(
 @pytest.mark.parametrize("norms", [False, True])
 def test_cuda_is_the_reference_over_hostile_slots(pool_dtype, norms):
     k, v, pool, rope, slots = _problem(np.random.default_rng(10), pool_dtype)
-    slots = np.where(np.arange(T) == 5, -7, slots).astype(np.int32)  # one 7 only: no duplicate
     kwargs = dict(_scales(pool_dtype))
     if norms:
         kwargs.update(k_norm_weight=np.full(D, 1.25, np.float16), v_norm=True)

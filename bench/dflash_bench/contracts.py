@@ -29,6 +29,7 @@ class Contract:
     name: str
     suffix: str
     token_major: bool  # deltas as [T, H, D] (else [B, L, H, D])
+    by_form = False  # its raw entries are the extensions' by-name ones (launch_form / update)
 
     @property
     def jax_op(self) -> str:
@@ -127,6 +128,7 @@ class SlotMapping(Contract):
     entries are the extensions' by-name ones (``launch_form`` / ``update``)."""
 
     name, suffix, token_major = "slot_mapping", "_slots", True
+    by_form = True
     operands = ("k_delta", "v_delta", "pool", "rope_cos_sin", "slot_mapping")
 
     @staticmethod
