@@ -4,7 +4,8 @@ The rules (ranks, dims, dtypes, attributes, their relations, the messages) live 
 CPU extension's ``check_call`` applies them to operands described as (dtype, dims). This module
 only adapts: it describes Python operands (anything with ``.shape`` and ``.dtype``), checks that
 the static attributes are Python values of the right type, and turns the core's parameters into
-the frozen dataclasses that the op, the sharding rules and the reference read. Runtime data
+the one frozen dataclass (for every addressing form) that the op, the sharding rules and the
+reference read. Runtime data
 (positions, lengths, owners, page ids) is the kernels' business (SPEC.md, "Runtime data never
 writes out of bounds").
 """
@@ -29,8 +30,6 @@ POOL_DTYPES = tuple(np.dtype(getattr(ml_dtypes, n, n)) for n in POOL_FORMATS)
 SCALED_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] != "none")
 INDEX_DTYPE = np.dtype(np.int32)
 
-ARG_NAMES = tuple(FORMS["slot"]["operands"])
-PAGED_ARG_NAMES = tuple(FORMS["paged"]["operands"])
 BASE_NAMES = {name: tuple(form["operands"]) for name, form in FORMS.items()}
 EXTRA_NAMES = (*_core.SCALE_NAMES, _core.NORM_WEIGHT_NAME)
 
@@ -56,7 +55,13 @@ class Extras:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Common:
+class CallShape:
+    """The sizes of one checked update (SPEC.md's names), of any addressing form: the core's
+    parameters, which are one set for every form. A size that ``form`` does not have is the
+    core's value for it (0, or the one it implies: ``rope_seq_len`` is T in the token-major
+    forms). ``num_layers`` is None when unbatched."""
+
+    form: str
     num_layers: int | None
     num_kv_heads: int  # H
     head_dim: int  # D
@@ -64,10 +69,20 @@ class _Common:
     page_size: int  # P
     rotary_dim: int  # R
     rope_per_layer: bool
+    # Whether the index operands (starts and lengths, positions and owners, or the flat slots)
+    # have a leading layers axis: a form's index operands share one layout.
     positions_per_layer: bool
     delta_dtype: np.dtype
     pool_dtype: np.dtype
     extras: Extras
+    batch: int  # B: the sequences (slot form), the page table's rows (paged form)
+    delta_len: int  # L
+    tokens: int  # T
+    pages_per_slot: int
+    rope_batch: int  # Rb
+    rope_seq_len: int  # S
+    table_pages: int  # M
+    table_per_layer: bool
 
     @property
     def dtype(self) -> np.dtype:
@@ -87,45 +102,14 @@ class _Common:
     def scale_shape(self) -> tuple[int, ...] | None:
         return self.extras.scale_shape
 
-
-@dataclasses.dataclass(frozen=True)
-class UpdateShape(_Common):
-    """The sizes of one slot-contract update (SPEC.md's names). ``num_layers`` is None when
-    unbatched."""
-
-    batch: int = 0  # B
-    delta_len: int = 0  # L
-    pages_per_slot: int = 1
-    rope_batch: int = 1  # Rb
-    rope_seq_len: int = 0  # S
-
     @property
     def max_batch(self) -> int:
-        return self.num_pages // self.pages_per_slot
+        """The pool's slots (0 for a form without ``pages_per_slot``)."""
+        return self.num_pages // self.pages_per_slot if self.pages_per_slot else 0
 
     @property
     def slot_capacity(self) -> int:
         return self.pages_per_slot * self.page_size
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedShape(_Common):
-    """The sizes of one paged-contract update (SPEC.md's names). ``positions_per_layer`` covers
-    both ``delta_positions`` and ``delta_token_to_sequence``."""
-
-    tokens: int = 0  # T
-    batch: int = 0  # B (rows of the page table)
-    table_pages: int = 0  # M
-    table_per_layer: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class MappedShape(_Common):
-    """The sizes of one slot-mapping update (SPEC.md's names). ``positions_per_layer`` says
-    whether ``slot_mapping`` has a leading layers axis."""
-
-    tokens: int = 0  # T
-    slots_int64: bool = False
 
 
 # ---- static attributes: Python values of the right type (their rules are the core's) ----------
@@ -169,6 +153,35 @@ def check_norm_eps(norm_eps) -> float:
         )
     _core.check_norm_eps(float(norm_eps))
     return float(norm_eps)
+
+
+def _check_ring(ring) -> bool:
+    return check_bool_attr("ring", ring)
+
+
+# The static value each form attribute takes in the Python API (the row says which a form has;
+# their rules are the core's): its check, and its value when not given (None: required).
+_ATTRIBUTE_CHECKS = {
+    "pages_per_slot": (check_pages_per_slot, None),
+    "ring": (_check_ring, False),
+}
+
+
+def form_attributes(form: str, given: dict) -> dict:
+    """``form``'s attributes (its row's) as checked Python values, each given or its default;
+    TypeError for an attribute the form does not take or a required one left out."""
+    names = FORMS[form]["attributes"]
+    for name in given:
+        if name not in names:
+            raise TypeError(
+                f"{name}: not an attribute of the {form} form (it takes "
+                f"{', '.join(names) or 'none'})"
+            )
+    checked = {}
+    for name in names:
+        check, default = _ATTRIBUTE_CHECKS[name]
+        checked[name] = check(given.get(name, default))
+    return checked
 
 
 # ---- operands -> the core's checker -> sizes ---------------------------------------------------
@@ -220,15 +233,43 @@ def _extras(p: dict, shapes: dict) -> Extras:
     )
 
 
-def _check_form(form, base, k_scale, v_scale, k_norm_weight, tensorrt, **attributes):
-    """The core's check of a call of ``form`` from the Python API's arguments; returns the
-    core's parameters and the shape fields every form has."""
+def _present(base, k_scale, v_scale, k_norm_weight) -> list:
+    """The FFI operand list of the keyword arguments given. The two scales are one keyword pair
+    of the Python API: given together or not at all."""
+    if (k_scale is None) != (v_scale is None):
+        given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+        raise ValueError(
+            f"{missing}: {given} is given, so {missing} is expected too (a pool format with "
+            "scales takes both), got None"
+        )
+    return [*base, *(x for x in (k_scale, v_scale, k_norm_weight) if x is not None)]
+
+
+def check_form(
+    form: str,
+    base,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    tensorrt=False,
+    **attributes,
+) -> CallShape:
+    """Checks a call of the addressing form ``form``: its base operands in the row's order
+    (anything with .shape and .dtype), the extras by keyword and the form's attributes (as
+    :func:`form_attributes`); returns their sizes. The shapes are SPEC.md's, including the
+    layer-batched form; ``tensorrt`` adds TensorRT's profile of the contract (SPEC.md, "The
+    TensorRT plugin contract")."""
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {list(FORMS)}, got {form!r}")
+    attributes = form_attributes(form, attributes)
     operands = _present(base, k_scale, v_scale, k_norm_weight)
     k_norm = k_norm_weight is not None
     p = check_call(form, operands, k_norm=k_norm, tensorrt=tensorrt, **attributes)
     names = operand_names(form, None, k_norm, count=len(operands))
     shapes = {n: tuple(x.shape) for n, x in zip(names, operands)}
-    return p, dict(
+    return CallShape(
+        form=form,
         num_layers=p["num_layers"] if p["layered"] else None,
         num_kv_heads=p["num_kv_heads"],
         head_dim=p["head_dim"],
@@ -240,19 +281,19 @@ def _check_form(form, base, k_scale, v_scale, k_norm_weight, tensorrt, **attribu
         delta_dtype=np.dtype(operands[0].dtype),
         pool_dtype=np.dtype(operands[2].dtype),
         extras=_extras(p, shapes),
+        batch=p["batch"],
+        delta_len=p["delta_len"],
+        tokens=p["num_tokens"],
+        pages_per_slot=p["pages_per_slot"],
+        rope_batch=p["rope_batch"],
+        rope_seq_len=p["rope_seq_len"],
+        table_pages=p["table_pages"],
+        table_per_layer=p["table_per_layer"],
     )
 
 
-def _present(base, k_scale, v_scale, k_norm_weight) -> list:
-    """The FFI operand list of the keyword arguments given. The two scales are one keyword pair
-    of the Python API: given together or not at all."""
-    if (k_scale is None) != (v_scale is None):
-        given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
-        raise ValueError(
-            f"{missing}: {given} is given, so {missing} is expected too (a pool format with "
-            "scales takes both), got None"
-        )
-    return [*base, *(x for x in (k_scale, v_scale, k_norm_weight) if x is not None)]
+# The checks of the three forms by their positional signatures (the reference, the ONNX runtime
+# and the tests call them so); a new form needs no such function: check_form takes it by name.
 
 
 def check_update(
@@ -268,28 +309,11 @@ def check_update(
     v_scale=None,
     k_norm_weight=None,
     tensorrt=False,
-) -> UpdateShape:
-    """Checks the slot-contract operands (anything with .shape and .dtype); returns their sizes.
-    The shapes are SPEC.md's, including the layer-batched form; ``tensorrt`` adds TensorRT's
-    profile of the contract (SPEC.md, "The TensorRT plugin contract")."""
+) -> CallShape:
+    """:func:`check_form` of the slot contract."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths]
-    p, common = _check_form(
-        "slot",
-        base,
-        k_scale,
-        v_scale,
-        k_norm_weight,
-        tensorrt,
-        pages_per_slot=check_pages_per_slot(pages_per_slot),
-    )
-    return UpdateShape(
-        **common,
-        batch=p["batch"],
-        delta_len=p["delta_len"],
-        pages_per_slot=p["pages_per_slot"],
-        rope_batch=p["rope_batch"],
-        rope_seq_len=p["rope_seq_len"],
-    )
+    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    return check_form("slot", base, **extras, tensorrt=tensorrt, pages_per_slot=pages_per_slot)
 
 
 def check_update_paged(
@@ -305,26 +329,12 @@ def check_update_paged(
     v_scale=None,
     k_norm_weight=None,
     tensorrt=False,
-) -> PagedShape:
-    """Checks the paged-contract operands (anything with .shape and .dtype); returns their
-    sizes. The shapes are SPEC.md's, including the layer-batched form."""
-    base = [
-        k_delta,
-        v_delta,
-        past_key_value,
-        rope_cos_sin,
-        delta_positions,
-        delta_token_to_sequence,
-        kv_page_table,
-    ]
-    p, common = _check_form("paged", base, k_scale, v_scale, k_norm_weight, tensorrt)
-    return PagedShape(
-        **common,
-        tokens=p["num_tokens"],
-        batch=p["batch"],
-        table_pages=p["table_pages"],
-        table_per_layer=p["table_per_layer"],
-    )
+) -> CallShape:
+    """:func:`check_form` of the paged contract."""
+    base = [k_delta, v_delta, past_key_value, rope_cos_sin]
+    base += [delta_positions, delta_token_to_sequence, kv_page_table]
+    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    return check_form("paged", base, **extras, tensorrt=tensorrt)
 
 
 def check_update_slots(
@@ -338,16 +348,11 @@ def check_update_slots(
     v_scale=None,
     k_norm_weight=None,
     tensorrt=False,
-) -> MappedShape:
-    """Checks the slot-mapping operands (anything with .shape and .dtype); returns their sizes.
-    The shapes are SPEC.md's, including the layer-batched form."""
+) -> CallShape:
+    """:func:`check_form` of the slot mapping."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
-    p, common = _check_form("slot_mapping", base, k_scale, v_scale, k_norm_weight, tensorrt)
-    return MappedShape(
-        **common,
-        tokens=p["num_tokens"],
-        slots_int64=np.dtype(slot_mapping.dtype) == np.int64,
-    )
+    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    return check_form("slot_mapping", base, **extras, tensorrt=tensorrt)
 
 
 # ---- a bound primitive's operand list: the base operands, then the extras ----------------------
@@ -378,13 +383,10 @@ def split_operands(operands, form: str, k_norm: bool):
     return list(operands[:base]), {name: extras.get(name) for name in EXTRA_NAMES}
 
 
-def check_operands(operands, form: str, params: dict) -> UpdateShape | PagedShape | MappedShape:
-    """The checks of ``form`` ('slot' or 'paged') on a primitive's operands and params."""
+def check_operands(operands, form: str, params: dict) -> CallShape:
+    """The checks of ``form`` on a primitive's operands and params."""
     base, extras = split_operands(operands, form, params["k_norm"])
     if len(operands) < len(BASE_NAMES[form]):
         check_call(form, operands, k_norm=params["k_norm"])  # names what is missing
-    if form == "slot":
-        return check_update(*base, params["pages_per_slot"], **extras)
-    if form == "slot_mapping":
-        return check_update_slots(*base, **extras)
-    return check_update_paged(*base, **extras)
+    attributes = {name: params[name] for name in FORMS[form]["attributes"]}
+    return check_form(form, base, **extras, **attributes)

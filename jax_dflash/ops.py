@@ -21,12 +21,10 @@ from jax_dflash._shapes import (
     FORMS,
     INDEX_DTYPE,
     check_bool_attr,
+    check_form,
     check_norm_eps,
     check_operands,
     check_pages_per_slot,
-    check_update,
-    check_update_paged,
-    check_update_slots,
     takes_scales,
 )
 from jax_dflash.contract import DEFAULT_NORM_EPS
@@ -139,25 +137,29 @@ def _signature(x):
     return None if x is None else (tuple(x.shape), np.dtype(x.dtype))
 
 
-def _check_cached(contract, pages_per_slot, base, extras):
-    """The contract's checks, cached per operand shapes and dtypes: an eager call in a decode
-    loop checks the same signature every step."""
+def _check_cached(form, attributes: dict, base, extras):
+    """The form's checks, cached per operand shapes and dtypes: an eager call in a decode loop
+    checks the same signature every step."""
     _check_signature(
-        contract, pages_per_slot, tuple(map(_signature, base)), tuple(map(_signature, extras))
+        form,
+        tuple(sorted(attributes.items())),
+        tuple(map(_signature, base)),
+        tuple(map(_signature, extras)),
     )
 
 
 @functools.lru_cache(maxsize=256)
-def _check_signature(contract, pages_per_slot, base, extras):
+def _check_signature(form, attributes, base, extras):
     base = [_Aval(*sig) for sig in base]
     k_scale, v_scale, k_norm_weight = (None if sig is None else _Aval(*sig) for sig in extras)
-    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
-    if contract == "slot":
-        check_update(*base, pages_per_slot, **extras)
-    elif contract == "slot_mapping":
-        check_update_slots(*base, **extras)
-    else:
-        check_update_paged(*base, **extras)
+    check_form(
+        form,
+        base,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_norm_weight=k_norm_weight,
+        **dict(attributes),
+    )
 
 
 def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
@@ -250,7 +252,8 @@ def target_kv_cache_update(
     # as the same parameter, so the static values are normalised too.
     pages_per_slot = check_pages_per_slot(pages_per_slot)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
-    _check_cached("slot", pages_per_slot, base, (k_scale, v_scale, k_norm_weight))
+    attributes = dict(pages_per_slot=pages_per_slot)
+    _check_cached("slot", attributes, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
     return _bind(
         target_kv_cache_update_p, [*base, *extras], dict(pages_per_slot=pages_per_slot, **params)
@@ -328,7 +331,7 @@ def target_kv_cache_update_paged(
     params = dict(
         ring=check_bool_attr("ring", ring), **_norm_params(k_norm_weight, v_norm, norm_eps)
     )
-    _check_cached("paged", None, base, (k_scale, v_scale, k_norm_weight))
+    _check_cached("paged", dict(ring=params["ring"]), base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
     return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
 
@@ -372,7 +375,7 @@ def target_kv_cache_update_slots(
     ]
     k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
-    _check_cached("slot_mapping", None, base, (k_scale, v_scale, k_norm_weight))
+    _check_cached("slot_mapping", {}, base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
     return _bind(target_kv_cache_update_slots_p, [*base, *extras], params)
 
@@ -446,18 +449,21 @@ sharding.register_lowerings(
     lowering.lowering_for("slot"),
     platforms=("cpu", "cuda"),
     contract="slot",
+    op_name=target_kv_cache_update.__name__,
 )
 sharding.register_lowerings(
     target_kv_cache_update_paged_p,
     lowering.lowering_for("paged"),
     platforms=("cpu", "cuda"),
     contract="paged",
+    op_name=target_kv_cache_update_paged.__name__,
 )
 sharding.register_lowerings(
     target_kv_cache_update_slots_p,
     lowering.lowering_for("slot_mapping"),
     platforms=("cpu", "cuda"),
     contract="slot_mapping",
+    op_name=target_kv_cache_update_slots.__name__,
 )
 
 

@@ -1,22 +1,28 @@
-"""Multi-device partitioning: under ``jax.jit`` sharding both updates run per shard.
+"""Multi-device partitioning: under ``jax.jit`` sharding every update runs per shard.
 
 The pool's sharding decides. Each shard runs the same kernel on its own blocks, with no
 communication, when the pool is split on:
 
-- the KV heads ``H`` (tensor parallel), both contracts: every shard updates its heads;
-- the ``layers`` axis of the layer-batched form, both contracts;
+- the KV heads ``H`` (tensor parallel), every form: every shard updates its heads;
+- the ``layers`` axis of the layer-batched form, every form;
 - the slots, slot contract only: ``numPages`` in whole slots (data parallel). Shard ``i`` of
   ``s`` holds slots ``[i * B/s, (i + 1) * B/s)`` and sequences ``[i * B/s, (i + 1) * B/s)``, so
   its local update is the global one restricted. This needs every slot in use (``B *
   pages_per_slot == numPages``) and ``numPages / s`` a multiple of ``pages_per_slot``.
 
-The paged contract cannot split the pages: its page table may send any token to any page.
+The paged contract and the slot mapping cannot split the pages: a page table or a flat slot may
+send any token to any page.
 
 The other operands follow the pool: ``k_delta``/``v_delta`` split like it on layers, ``B`` (slot)
 and ``H``; the positions and lengths on ``B`` (slot); ``rope_cos_sin`` on its batch when ``Rb ==
 B``; per-head scales (``[H]``, ``[layers, H]``) on the heads; every ``[layers, ...]`` operand on
 the layers; everything else is replicated. The output has the pool's sharding, and the per-shard
 custom call still aliases the pool, so donation updates each shard in place.
+
+These rules read the form's descriptor row, not its name: an operand's spec follows its dims
+(``"[B, L, H, D]"``: ``H`` on the heads, ``B`` and ``N`` on the slots) and its role (whether it
+has a layers axis); the pages split in whole slots for a form with ``pages_per_slot``.
+:func:`form_partition_specs` gives any form's specs.
 
 What the op cannot follow:
 
@@ -53,21 +59,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_dflash._shapes import (
-    FORMS,
-    MappedShape,
-    PagedShape,
-    UpdateShape,
-    check_operands,
-    operand_names,
-)
-
-# The public function of each form, for messages.
-_OP_NAMES = {
-    "slot": "target_kv_cache_update",
-    "paged": "target_kv_cache_update_paged",
-    "slot_mapping": "target_kv_cache_update_slots",
-}
+from jax_dflash._shapes import FORMS, CallShape, check_operands, operand_names
 
 try:  # JAX's own custom-partitioned ops (cuDNN attention) register themselves here too.
     from jax._src import dispatch as _dispatch
@@ -138,11 +130,19 @@ def partition_specs(
     FP8 pool) appends the specs of ``k_scale`` and ``v_scale``, ``k_norm`` the weight's. The
     output's spec is the pool's.
     """
-    if layer_axis is not None and not layered:
-        raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
-    split = Split(layers=_axes(layer_axis), slots=_axes(batch_axis), heads=_axes(head_axis))
-    return _slot_specs(split, layered, rope_batched, rope_per_layer, positions_per_layer) + (
-        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
+    return form_partition_specs(
+        "slot",
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        layer_axis=layer_axis,
+        layered=layered,
+        rope_batched=rope_batched,
+        rope_per_layer=rope_per_layer,
+        positions_per_layer=positions_per_layer,
+        scales=scales,
+        scales_per_layer=scales_per_layer,
+        k_norm=k_norm,
+        norm_weight_per_layer=norm_weight_per_layer,
     )
 
 
@@ -161,73 +161,122 @@ def paged_partition_specs(
 ) -> tuple[PartitionSpec, ...]:
     """The ``PartitionSpec`` of each operand of the paged contract, in order (as
     :func:`partition_specs`; the paged pool splits on heads and layers only)."""
+    return form_partition_specs(
+        "paged",
+        head_axis=head_axis,
+        layer_axis=layer_axis,
+        layered=layered,
+        rope_per_layer=rope_per_layer,
+        positions_per_layer=positions_per_layer,
+        table_per_layer=table_per_layer,
+        scales=scales,
+        scales_per_layer=scales_per_layer,
+        k_norm=k_norm,
+        norm_weight_per_layer=norm_weight_per_layer,
+    )
+
+
+def form_partition_specs(
+    form: str,
+    *,
+    batch_axis: str | tuple[str, ...] | None = None,
+    head_axis: str | tuple[str, ...] | None = None,
+    layer_axis: str | tuple[str, ...] | None = None,
+    layered: bool = False,
+    rope_batched: bool = False,
+    rope_per_layer: bool = False,
+    positions_per_layer: bool = False,
+    table_per_layer: bool = False,
+    scales: str | None = None,
+    scales_per_layer: bool = False,
+    k_norm: bool = False,
+    norm_weight_per_layer: bool = False,
+) -> tuple[PartitionSpec, ...]:
+    """The ``PartitionSpec`` of each operand of the addressing form ``form`` ('slot', 'paged',
+    'slot_mapping', ...), in order, read from its row (as :func:`partition_specs`).
+
+    ``batch_axis`` needs a form whose pages split in whole slots (one with ``pages_per_slot``);
+    ``positions_per_layer`` covers the form's index operands (starts and lengths, positions and
+    owners, flat slots), ``table_per_layer`` its page table.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {list(FORMS)}, got {form!r}")
     if layer_axis is not None and not layered:
         raise ValueError("layer_axis: only the layer-batched form (layered=True) has a layers axis")
-    split = Split(layers=_axes(layer_axis), heads=_axes(head_axis))
-    return _paged_specs(split, layered, rope_per_layer, positions_per_layer, table_per_layer) + (
+    if batch_axis is not None and not _splits_slots(form):
+        raise ValueError(
+            f"batch_axis: the {form} form addresses any page from any token, so its pool "
+            "cannot be split on the pages; split it on the KV heads and the layers only"
+        )
+    split = Split(layers=_axes(layer_axis), slots=_axes(batch_axis), heads=_axes(head_axis))
+    layouts = dict(
+        rope_per_layer=rope_per_layer,
+        positions_per_layer=positions_per_layer,
+        table_per_layer=table_per_layer,
+    )
+    return _base_specs(form, split, layered, layouts, rope_batched) + (
         _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
     )
 
 
-def _slot_specs(split: Split, layered, rope_batched, rope_per_layer, positions_per_layer):
+def _splits_slots(form: str) -> bool:
+    """Whether ``form``'s pool can be split on its pages: in whole slots, when the form gives
+    each sequence a fixed range of pages (its ``pages_per_slot``). Through a page table or flat
+    slots any token may land on any page."""
+    return "pages_per_slot" in FORMS[form]["attributes"]
+
+
+# Which of the checked call's layouts gives each role a leading layers axis in the layer-batched
+# form; the deltas and the pool always have one. A form's index operands share one layout.
+_ALWAYS_PER_LAYER = ("k_delta", "v_delta", "pool")
+_LAYOUT_OF_ROLE = {
+    "rope": "rope_per_layer",
+    "index": "positions_per_layer",
+    "slot_index": "positions_per_layer",
+    "page_table": "table_per_layer",
+}
+
+
+def _dim_entry(dim: str, split: Split, rope_batched: bool):
+    """The spec entry of one of the row's dims: ``H`` follows the heads; the batch ``B`` and the
+    pool's pages ``N`` follow the slots (split only for a form that splits in whole slots);
+    ``Rb`` follows them too when it is ``B``, one rope table per sequence. Every other dim is
+    whole on each shard."""
+    if dim == "H":
+        return _entry(split.heads)
+    if dim in ("B", "N") or (dim == "Rb" and rope_batched):
+        return _entry(split.slots)
+    return None
+
+
+def _base_specs(form: str, split: Split, layered: bool, layouts: dict, rope_batched: bool):
+    """The specs of ``form``'s base operands from its row: each operand's dims (``"[B, L, H,
+    D]"``), after the layers axis where its role has one."""
     n = (_entry(split.layers),) if layered else ()
-    b, h = _entry(split.slots), _entry(split.heads)
-    delta = PartitionSpec(*n, b, None, h, None)
-    pool = PartitionSpec(*n, None, b, None, h, None)
-    rope = PartitionSpec(*(n if rope_per_layer else ()), b if rope_batched else None, None, None)
-    positions = PartitionSpec(*(n if positions_per_layer else ()), b)
-    return delta, delta, pool, rope, positions, positions
+    row = FORMS[form]
+    specs = []
+    for role, dims in zip(row["operand_roles"], row["operand_dims"]):
+        per_layer = role in _ALWAYS_PER_LAYER or layouts.get(_LAYOUT_OF_ROLE[role], False)
+        entries = [_dim_entry(d, split, rope_batched) for d in dims.strip("[]").split(", ")]
+        specs.append(PartitionSpec(*(n if per_layer else ()), *entries))
+    return tuple(specs)
 
 
-def _paged_specs(split: Split, layered, rope_per_layer, positions_per_layer, table_per_layer):
-    n = (_entry(split.layers),) if layered else ()
-    h = _entry(split.heads)
-    delta = PartitionSpec(*n, None, h, None)
-    pool = PartitionSpec(*n, None, None, None, h, None)
-    rope = PartitionSpec(*(n if rope_per_layer else ()), None, None)
-    positions = PartitionSpec(*(n if positions_per_layer else ()), None)
-    table = PartitionSpec(*(n if table_per_layer else ()), None, None, None)
-    return delta, delta, pool, rope, positions, positions, table
-
-
-def operand_specs(shape: UpdateShape | PagedShape, split: Split) -> tuple[PartitionSpec, ...]:
+def operand_specs(shape: CallShape, split: Split) -> tuple[PartitionSpec, ...]:
     """Every operand's spec (the extras included) for a checked shape and a planned split."""
     layered = shape.num_layers is not None
     extras = shape.extras
     scales = (
         None if extras.scale_shape is None else ("head" if extras.scales_per_head else "tensor")
     )
-    tail = _extra_specs(
-        split, layered, scales, extras.scales_per_layer, extras.k_norm, extras.norm_weight_per_layer
+    layouts = dict(
+        rope_per_layer=shape.rope_per_layer,
+        positions_per_layer=shape.positions_per_layer,
+        table_per_layer=shape.table_per_layer,
     )
-    if isinstance(shape, MappedShape):
-        n = (_entry(split.layers),) if layered else ()
-        h = _entry(split.heads)
-        delta = PartitionSpec(*n, None, h, None)
-        pool = PartitionSpec(*n, None, None, None, h, None)
-        rope = PartitionSpec(*(n if shape.rope_per_layer else ()), None, None)
-        slots = PartitionSpec(*(n if shape.positions_per_layer else ()), None)
-        return (delta, delta, pool, rope, slots) + tail
-    if isinstance(shape, PagedShape):
-        return (
-            _paged_specs(
-                split,
-                layered,
-                shape.rope_per_layer,
-                shape.positions_per_layer,
-                shape.table_per_layer,
-            )
-            + tail
-        )
-    return (
-        _slot_specs(
-            split,
-            layered,
-            shape.rope_batch == shape.batch,
-            shape.rope_per_layer,
-            shape.positions_per_layer,
-        )
-        + tail
+    rope_batched = shape.rope_batch == shape.batch
+    return _base_specs(shape.form, split, layered, layouts, rope_batched) + _extra_specs(
+        split, layered, scales, extras.scales_per_layer, extras.k_norm, extras.norm_weight_per_layer
     )
 
 
@@ -263,7 +312,7 @@ def _shards(mesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def plan_split(shape: UpdateShape | PagedShape, mesh, pool_sharding) -> Split:
+def plan_split(shape: CallShape, mesh, pool_sharding) -> Split:
     """Checks the pool's sharding and returns the split it asks for; ValueError if the op
     cannot follow it (naming the dim, the mesh axes and why)."""
     layered = shape.num_layers is not None
@@ -275,9 +324,9 @@ def plan_split(shape: UpdateShape | PagedShape, mesh, pool_sharding) -> Split:
 def _plan_dims(shape, dims, shards: Callable | None) -> Split:
     """The split of pool ``dims`` (mesh axes per dim). ``shards`` maps axes to a shard count;
     None when the mesh sizes are not known (then only the dims are checked)."""
-    # Token-major forms (a page table or flat slots may send any token to any page): heads and
-    # layers only.
-    paged = not isinstance(shape, UpdateShape)
+    # Forms whose pages do not split in whole slots (a page table or flat slots may send any
+    # token to any page): heads and layers only.
+    paged = not _splits_slots(shape.form)
     layered = shape.num_layers is not None
     lead = 1 if layered else 0
     spec_txt = f"sharding {_spec_text(dims)}"
@@ -490,10 +539,12 @@ def register_lowerings(
     platforms: Sequence[str],
     *,
     contract: str,
+    op_name: str | None = None,
 ) -> None:
     """Registers ``primitive``'s lowering for each platform: the per-shard FFI call
-    (``local_lowering(platform)``) wrapped in JAX's custom partitioning. ``contract`` is 'slot'
-    names an addressing form of the core's table (which checks and sharding rules apply)."""
+    (``local_lowering(platform)``) wrapped in JAX's custom partitioning. ``contract`` names an
+    addressing form of the core's table (which checks and sharding rules apply); ``op_name`` is
+    the public function that binds ``primitive``, for messages (default: the primitive's name)."""
     if contract not in FORMS:
         raise ValueError(f"contract: expected one of {list(FORMS)}, got {contract!r}")
 
@@ -516,7 +567,7 @@ def register_lowerings(
         # The partitioned lowering needs the device assignment (custom_partitioning does too).
         _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
-    op_name = _OP_NAMES[contract]
+    op_name = primitive.name if op_name is None else op_name
     for platform in platforms:
         lower_local = local_lowering(platform)
 

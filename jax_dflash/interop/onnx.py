@@ -4,7 +4,8 @@ TensorRT's parser turns a node whose op type it does not know into a plugin laye
 the creator named by the op type, with the version and namespace given by the node attributes
 ``plugin_version`` and ``plugin_namespace`` (default ``"1"`` and ``""``), and passes the other
 attributes as plugin fields (ints as INT32, floats as FLOAT32). One op type,
-``DFlashTargetKVCacheUpdate``, serves both contracts of SPEC.md:
+``DFlashTargetKVCacheUpdate``, serves every addressing form of SPEC.md; its inputs and
+attributes are the form's row in the core's table (:func:`make_form_node`):
 
 * the slot contract (Edge-LLM 0.10): domain ``trt.plugins``, attributes ``plugin_version``,
   ``plugin_namespace``, ``pages_per_slot`` (and ``k_norm``/``v_norm``/``norm_eps`` when used);
@@ -14,7 +15,10 @@ attributes as plugin fields (ints as INT32, floats as FLOAT32). One op type,
     own node, domain ``trt_edgellm`` (imported at version 23), the seven inputs, no attributes,
     a drop-in for the node Edge-LLM exports;
   - otherwise: domain ``trt.plugins`` with ``plugin_version``, ``plugin_namespace`` and the
-    extensions in use as attributes (``ring``, ``k_norm``, ``v_norm`` as 0/1, ``norm_eps``).
+    extensions in use as attributes (``ring``, ``k_norm``, ``v_norm`` as 0/1, ``norm_eps``);
+* every other form (the slot mapping): domain ``trt.plugins``, the attribute ``form`` naming it
+  (the plugin tells only Edge-LLM's two contracts apart by their inputs), its own attributes,
+  ``plugin_version``, ``plugin_namespace`` and the norms in use.
 
 Extra inputs follow the base ones, in this order: ``k_scale``, ``v_scale`` (float32 ``[1]`` or
 ``[H]``) when the pool is FP8 (float8_e4m3fn, TensorRT's kFP8), then ``k_norm_weight`` (``[D]``,
@@ -105,25 +109,69 @@ def check_norm_eps(value, name: str = "norm_eps") -> float:
     return float(np.float32(_shapes.check_norm_eps(float(value))))
 
 
-def _flags(*, ring, k_norm, v_norm, norm_eps) -> tuple[bool, bool, bool, float | None]:
-    """Checked flags, and the eps to write (None when no norm is on)."""
-    ring, k_norm, v_norm = (
-        check_flag(v, n) for v, n in ((ring, "ring"), (k_norm, "k_norm"), (v_norm, "v_norm"))
-    )
+def _flags(*, k_norm, v_norm, norm_eps) -> tuple[bool, bool, float | None]:
+    """Checked norm flags, and the eps to write (None when no norm is on)."""
+    k_norm, v_norm = check_flag(k_norm, "k_norm"), check_flag(v_norm, "v_norm")
     eps = check_norm_eps(norm_eps)
     if not (k_norm or v_norm):
         if eps != float(np.float32(DEFAULT_NORM_EPS)):
             raise ValueError(
                 f"norm_eps: only used with k_norm or v_norm (both are off), got {norm_eps!r}"
             )
-        return ring, k_norm, v_norm, None
-    return ring, k_norm, v_norm, eps
+        return k_norm, v_norm, None
+    return k_norm, v_norm, eps
+
+
+def _int32_field(value, name: str) -> int:
+    return check_int32_attribute(value, name, minimum=1)
+
+
+def _flag_field(value, name: str) -> int | None:
+    return 1 if check_flag(value, name) else None
+
+
+# How each form attribute becomes a plugin field (the row says which attributes a form has): its
+# writer (the value to write, None to leave the field out) and its value when not given (None:
+# required). The plugin's own fields (version, namespace, norms) are every form's.
+_FORM_FIELDS = {
+    "pages_per_slot": (_int32_field, None),  # INT32 > 0
+    "ring": (_flag_field, False),  # 1 when on, absent when off
+}
+
+# The forms the plugin tells apart by k_delta's rank (Edge-LLM's two contracts): their nodes
+# carry no ``form`` field, so that a node Edge-LLM exports reads as ours. A node of any other form
+# names it in the plugin's ``form`` field.
+UNNAMED_FORMS = ("slot", "paged")
+
+
+def _form_fields(form: str, given: dict) -> dict:
+    """The plugin fields of ``form``'s node: ``form`` (unless the rank tells it), then its
+    attributes as written; TypeError for an attribute the form does not take."""
+    names = _shapes.FORMS[form]["attributes"]
+    for attribute in given:
+        if attribute not in names:
+            raise TypeError(
+                f"{attribute}: not an attribute of the {form} node (it takes "
+                f"{', '.join(names) or 'none'})"
+            )
+    fields = {} if form in UNNAMED_FORMS else {"form": form}
+    for attribute in names:
+        write, default = _FORM_FIELDS[attribute]
+        value = write(given.get(attribute, default), attribute)
+        if value is not None:
+            fields[attribute] = value
+    return fields
+
+
+def form_inputs(form: str, *, fp8_pool: bool = False, k_norm: bool = False) -> tuple[str, ...]:
+    """The input names of ``form``'s node, in order: the base inputs, then the extras in use."""
+    base = _shapes.BASE_NAMES[form]
+    return (*base, *(SCALE_INPUTS if fp8_pool else ()), *((NORM_WEIGHT_INPUT,) if k_norm else ()))
 
 
 def node_inputs(paged: bool, *, fp8_pool: bool = False, k_norm: bool = False) -> tuple[str, ...]:
-    """The node's input names, in order: the base inputs, then the extras in use."""
-    base = PAGED_INPUTS if paged else SLOT_INPUTS
-    return (*base, *(SCALE_INPUTS if fp8_pool else ()), *((NORM_WEIGHT_INPUT,) if k_norm else ()))
+    """The input names of the slot or paged node: :func:`form_inputs`."""
+    return form_inputs("paged" if paged else "slot", fp8_pool=fp8_pool, k_norm=k_norm)
 
 
 def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
@@ -140,6 +188,40 @@ def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
 
 
 # ---- nodes -------------------------------------------------------------------------------------
+
+
+def make_form_node(
+    form: str,
+    inputs: Sequence[str] | None = None,
+    output: str = OUTPUT_NAME,
+    *,
+    fp8_pool: bool = False,
+    k_norm: bool = False,
+    v_norm: bool = False,
+    norm_eps: float = DEFAULT_NORM_EPS,
+    name: str | None = None,
+    plugin_namespace: str = "",
+    **attributes,
+):
+    """The node of the addressing form ``form`` (its row's inputs and attributes): an
+    ``onnx.NodeProto``, domain ``trt.plugins``.
+
+    ``inputs`` are the names of the form's base inputs, then k_scale, v_scale when ``fp8_pool``,
+    then k_norm_weight when ``k_norm`` (default: those names). Attributes: ``plugin_version``,
+    ``plugin_namespace``, ``form`` (the plugin's field that names the form; not for slot and
+    paged, which the plugin tells apart by k_delta's rank), the form's attributes (ints as
+    INT32 fields, flags as 1 when on), and ``k_norm``/``v_norm`` (1) and ``norm_eps`` when a norm
+    is on.
+    """
+    _onnx()  # a clear ImportError without the extra
+    if form not in _shapes.FORMS:
+        raise ValueError(f"form: expected one of {list(_shapes.FORMS)}, got {form!r}")
+    k_norm, v_norm, eps = _flags(k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
+    fp8_pool = check_flag(fp8_pool, "fp8_pool")
+    inputs = _input_list(inputs, form_inputs(form, fp8_pool=fp8_pool, k_norm=k_norm))
+    namespace = _namespace(plugin_namespace)
+    fields = _form_fields(form, attributes)
+    return _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields)
 
 
 def make_update_node(
@@ -162,22 +244,17 @@ def make_update_node(
     ``plugin_namespace``, ``pages_per_slot``, and ``k_norm``/``v_norm`` (1) and ``norm_eps``
     when a norm is on.
     """
-    _onnx()  # a clear ImportError without the extra
-    _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
-    inputs = _input_list(
-        inputs, node_inputs(False, fp8_pool=check_flag(fp8_pool, "fp8_pool"), k_norm=k_norm)
-    )
-    namespace = _namespace(plugin_namespace)
-    return _plugin_node(
+    return make_form_node(
+        "slot",
         inputs,
         output,
-        name,
-        namespace,
-        False,
-        k_norm,
-        v_norm,
-        eps,
-        pages_per_slot=check_int32_attribute(pages_per_slot, "pages_per_slot", minimum=1),
+        pages_per_slot=pages_per_slot,
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=norm_eps,
+        name=name,
+        plugin_namespace=plugin_namespace,
     )
 
 
@@ -190,12 +267,12 @@ def _namespace(plugin_namespace) -> str:
     return plugin_namespace
 
 
-def _plugin_node(inputs, output, name, namespace, ring, k_norm, v_norm, eps, **form_attributes):
+def _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields):
     """Our plugin's node (domain ``trt.plugins``): ``plugin_version``, ``plugin_namespace``, the
-    form's own attributes, and the extensions in use (``ring``/``k_norm``/``v_norm`` = 1,
-    ``norm_eps`` when a norm is on)."""
-    attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=namespace, **form_attributes)
-    for flag, on in (("ring", ring), ("k_norm", k_norm), ("v_norm", v_norm)):
+    form's fields, and the norms in use (``k_norm``/``v_norm`` = 1, ``norm_eps`` when a norm is
+    on)."""
+    attributes = dict(plugin_version=PLUGIN_VERSION, plugin_namespace=namespace, **fields)
+    for flag, on in (("k_norm", k_norm), ("v_norm", v_norm)):
         if on:
             attributes[flag] = 1
     if eps is not None:
@@ -238,13 +315,14 @@ def make_paged_update_node(
     Without ring, norms, an FP8 pool or a namespace this is Edge-LLM 0.11's node: domain
     ``trt_edgellm``, no attributes. Otherwise domain ``trt.plugins`` with ``plugin_version``,
     ``plugin_namespace`` and the extensions in use (``ring``/``k_norm``/``v_norm`` = 1,
-    ``norm_eps`` when a norm is on).
+    ``norm_eps`` when a norm is on): :func:`make_form_node`'s.
     """
     onnx = _onnx()
-    ring, k_norm, v_norm, eps = _flags(ring=ring, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
+    ring = check_flag(ring, "ring")
+    k_norm, v_norm, _ = _flags(k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
     fp8_pool = check_flag(fp8_pool, "fp8_pool")
     plugin_namespace = _namespace(plugin_namespace)
-    inputs = _input_list(inputs, node_inputs(True, fp8_pool=fp8_pool, k_norm=k_norm))
+    inputs = _input_list(inputs, form_inputs("paged", fp8_pool=fp8_pool, k_norm=k_norm))
     if uses_edge_llm_node(
         ring=ring,
         fp8_pool=fp8_pool,
@@ -259,7 +337,18 @@ def make_paged_update_node(
             name=name or PLUGIN_NAME,
             domain=EDGE_LLM_DOMAIN,
         )
-    return _plugin_node(inputs, output, name, plugin_namespace, ring, k_norm, v_norm, eps)
+    return make_form_node(
+        "paged",
+        inputs,
+        output,
+        ring=ring,
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=norm_eps,
+        name=name,
+        plugin_namespace=plugin_namespace,
+    )
 
 
 def make_slots_update_node(
@@ -278,35 +367,31 @@ def make_slots_update_node(
     ``plugin_namespace`` and the extensions in use. ``inputs`` are the names of k_delta,
     v_delta, past_key_value, rope_cos_sin and slot_mapping, then k_scale, v_scale when
     ``fp8_pool``, then k_norm_weight when ``k_norm`` (default: those names)."""
-    _onnx()  # a clear ImportError without the extra
-    _, k_norm, v_norm, eps = _flags(ring=False, k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
-    base = _shapes.BASE_NAMES["slot_mapping"]
-    extras = (*(SCALE_INPUTS if check_flag(fp8_pool, "fp8_pool") else ()),)
-    extras += (NORM_WEIGHT_INPUT,) if k_norm else ()
-    namespace = _namespace(plugin_namespace)
-    return _plugin_node(
-        _input_list(inputs, (*base, *extras)),
+    return make_form_node(
+        "slot_mapping",
+        inputs,
         output,
-        name,
-        namespace,
-        False,
-        k_norm,
-        v_norm,
-        eps,
-        form="slot_mapping",
+        fp8_pool=fp8_pool,
+        k_norm=k_norm,
+        v_norm=v_norm,
+        norm_eps=norm_eps,
+        name=name,
+        plugin_namespace=plugin_namespace,
     )
 
 
-def check_form_operands(form: str, operands: Sequence, *, k_norm: bool = False):
-    """A form without attributes of its own (the slot mapping) against the plugin's rules: the
-    core's, with TensorRT's profile; returns the sizes."""
+def check_form_operands(form: str, operands: Sequence, *, k_norm: bool = False, **attributes):
+    """Operands of a ``form`` node (anything with .shape and .dtype: its inputs in order) against
+    the plugin's rules: the core's, with TensorRT's profile; returns the sizes. ``attributes``
+    are the form's (``pages_per_slot`` for the slot contract)."""
     base = len(_shapes.BASE_NAMES[form])
     operands = list(operands)
     names = _shapes.operand_names(form, None, k_norm, count=len(operands))
     if len(operands) < base or len(names) != len(operands):
-        _shapes.check_call(form, operands, k_norm=k_norm, tensorrt=True)  # names what is off
+        # The core's count message names every operand the form takes.
+        _shapes.check_call(form, operands, k_norm=k_norm, tensorrt=True, **attributes)
     extras = dict(zip(names[base:], operands[base:]))
-    return _shapes.check_update_slots(*operands[:base], **extras, tensorrt=True)
+    return _shapes.check_form(form, operands[:base], **extras, tensorrt=True, **attributes)
 
 
 def domain_version(domain: str) -> int:
@@ -336,24 +421,11 @@ def check_plugin_operands(
     The rules are the core's, with TensorRT's profile of the contract (the unbatched form, pages
     of 128 tokens, kFP8 = e4m3, scales ``[1]`` or ``[H]``): the checker the plugin runs.
     """
-    base = len(PAGED_INPUTS if paged else SLOT_INPUTS)
-    operands = list(operands)
-    if not paged and pages_per_slot is None:
-        raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
-    names = _shapes.operand_names("paged" if paged else "slot", None, k_norm, count=len(operands))
-    extras = dict(zip(names[base:], operands[base:]))
-    if len(operands) < base or len(names) != len(operands):
-        # The core's count message names every operand the form takes.
-        _shapes.check_call(
-            "paged" if paged else "slot",
-            operands,
-            pages_per_slot=pages_per_slot or 0,
-            k_norm=k_norm,
-            tensorrt=True,
-        )
     if paged:
-        return _shapes.check_update_paged(*operands[:base], **extras, tensorrt=True)
-    return _shapes.check_update(*operands[:base], pages_per_slot, **extras, tensorrt=True)
+        return check_form_operands("paged", operands, k_norm=k_norm)
+    if pages_per_slot is None:
+        raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
+    return check_form_operands("slot", operands, k_norm=k_norm, pages_per_slot=pages_per_slot)
 
 
 # ---- one-node models -----------------------------------------------------------------------------

@@ -195,41 +195,53 @@ _ATTRIBUTE_TYPES = {
 _COMMON_ATTRIBUTES = ("plugin_version", "plugin_namespace", "k_norm", "v_norm", "norm_eps")
 _SLOT_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "pages_per_slot"))
 _PAGED_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "ring"))
-_SLOTS_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "form"))
+
+
+def run_form_kernel(
+    form: str,
+    base,
+    *,
+    k_scale=None,
+    v_scale=None,
+    k_norm_weight=None,
+    v_norm: bool = False,
+    norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+    **attributes,
+) -> np.ndarray:
+    """The addressing form ``form`` on the CPU kernel (its raw entry by form name): returns an
+    updated copy of the pool. ``base`` are the form's base operands in its row's order;
+    ``attributes`` the form's (``pages_per_slot``, ``ring``); checked by the same code as the
+    JAX primitive."""
+    from jax_dflash._shapes import check_form
+
+    *base, k_scale, v_scale, weight = _contiguous(*base, k_scale, v_scale, k_norm_weight)
+    check_form(form, base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight, **attributes)
+    k, pool = base[0], base[2]
+    present = pool.copy()
+    # _bits leaves the index and rope operands as they are: it views only the 8/16-bit floats.
+    operands = [_bits(present if i == 2 else x) for i, x in enumerate(base)]
+    _ext.extension("cpu").update(
+        form,
+        operands,
+        k_scale,
+        v_scale,
+        None if weight is None else _bits(weight),
+        v_norm=bool(v_norm),
+        norm_eps=float(norm_eps),
+        delta_dtype=k.dtype.name,
+        pool_dtype=pool.dtype.name,
+        **attributes,
+    )
+    return present
 
 
 def run_slots_update_kernel(
     k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping, **options
 ) -> np.ndarray:
-    """The slot-mapping form on the CPU kernel (its raw entry by form name): returns an updated
-    copy of ``past_key_value``; the options as :func:`run_paged_update_kernel`'s but ``ring``."""
-    from jax_dflash._shapes import check_update_slots
-
-    names = ("k_scale", "v_scale", "k_norm_weight")
-    k, v, pool, rope, slots, k_scale, v_scale, weight = _contiguous(
-        k_delta,
-        v_delta,
-        past_key_value,
-        rope_cos_sin,
-        slot_mapping,
-        *(options.get(n) for n in names),
-    )
-    check_update_slots(
-        k, v, pool, rope, slots, k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight
-    )
-    present = pool.copy()
-    _ext.extension("cpu").update(
-        "slot_mapping",
-        [_bits(k), _bits(v), _bits(present), rope, slots],
-        k_scale,
-        v_scale,
-        None if weight is None else _bits(weight),
-        v_norm=bool(options.get("v_norm", False)),
-        norm_eps=float(options.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS)),
-        delta_dtype=k.dtype.name,
-        pool_dtype=pool.dtype.name,
-    )
-    return present
+    """The slot-mapping form on the CPU kernel: :func:`run_form_kernel`, the options as
+    :func:`run_paged_update_kernel`'s but ``ring``."""
+    base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
+    return run_form_kernel("slot_mapping", base, **options)
 
 
 def _attribute_text(attribute) -> str:
@@ -369,17 +381,23 @@ class _TargetKVCacheUpdate(OpRun):
         )
 
     def _update_form(self, inputs: list, form: str) -> np.ndarray:
-        """A node whose ``form`` attribute names its addressing form (the plugin's field): only the
-        slot mapping has a node of its own; slot and paged nodes are told apart by their inputs."""
-        if form != "slot_mapping":
+        """A node whose ``form`` attribute names its addressing form (the plugin's field): any
+        form of the core's table but slot and paged, whose nodes are told apart by their inputs."""
+        named = [f for f in dflash_onnx._shapes.FORMS if f not in dflash_onnx.UNNAMED_FORMS]
+        if form not in named:
             raise ValueError(
-                f"form: expected 'slot_mapping' (slot and paged nodes name no form), got {form!r}"
+                f"form: expected {' or '.join(map(repr, named))} (slot and paged nodes name no "
+                f"form), got {form!r}"
             )
-        attributes = _read_attributes(self.onnx_node, _SLOTS_ATTRIBUTES, "slot-mapping")
+        form_attributes = dflash_onnx._shapes.FORMS[form]["attributes"]
+        allowed = frozenset((*_COMMON_ATTRIBUTES, "form", *form_attributes))
+        attributes = _read_attributes(self.onnx_node, allowed, form.replace("_", "-"))
+        own = {name: attributes[name] for name in form_attributes if name in attributes}
         k_norm = attributes.get("k_norm", False)
-        dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm)
+        dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm, **own)
         base = len(dflash_onnx._shapes.BASE_NAMES[form])
-        return run_slots_update_kernel(*inputs[:base], **_kernel_options(inputs[base:], attributes))
+        options = _kernel_options(inputs[base:], attributes)
+        return run_form_kernel(form, inputs[:base], **options, **own)
 
 
 def _node_class(qualname: str, domain: str, edge_llm: bool) -> type:
