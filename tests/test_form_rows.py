@@ -5,6 +5,9 @@ their own functions, and on a row that none of that code has seen."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -12,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax_dflash import _shapes, sharding
 from jax_dflash.interop import onnx as dflash_onnx
 from jax_dflash.testing import make_paged_problem, make_problem
+from test_one_checker import _compares_dims
 
 onnx = pytest.importorskip("onnx")
 
@@ -134,3 +138,8 @@ def test_a_row_no_code_has_seen(unseen):
     assert "ring" not in {a.name for a in dflash_onnx.make_form_node(unseen).attribute}
     with pytest.raises(TypeError, match="pages_per_slot: not an attribute of the unseen node"):
         dflash_onnx.make_form_node(unseen, pages_per_slot=2)
+
+
+def test_the_node_checks_of_any_form_hold_no_dimension_rule():
+    """The plugin's checks of a form's node are the core's, as check_plugin_operands' are."""
+    assert _compares_dims(ast.parse(inspect.getsource(dflash_onnx.check_form_operands))) == []
