@@ -539,7 +539,9 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     w0 = load_weight_pack<Delta, VEC>(weight, vectors);
     if (pair) w1 = load_weight_pack<Delta, VEC>(weight + half, vectors);
   }
-  constexpr bool kValuesEarly = kPaged && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Delta, Pool, NORM>);
+  // The slot-mapping form's slot is its only dependent load, so it takes the paged kinds' choice.
+  constexpr bool kValuesEarly =
+      (kPaged || kMapped) && (DFLASH_PAGED_VALUES_EARLY & kPagedKind<Delta, Pool, NORM>);
   // Paged and mapped rope rows are token-aligned: known before the page ids or the slot arrive.
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
@@ -563,9 +565,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
       load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
     }
   } else if constexpr (kMapped) {
+    // No return here: a token whose slot writes nothing leaves before its stores, so that the
+    // values are computed while the slot is in flight (kValuesEarly) and rotate does not wait
+    // for it.
     rows = mapped_rows(p, slot);
-    if (!kButterfly && rows.k_row < 0) return;
-    rotate = pair && rows.k_row >= 0;
   } else {
     // The layer's K and V table rows, addressed before the positions arrive, so that only the
     // entry's own steps lie between them and the page-table loads.
@@ -673,6 +676,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     k_dst = head_row + int64_t(uint32_t(k_page)) * constants.page_elems;
     v_dst = head_row + int64_t(uint32_t(v_page)) * constants.page_elems;
   } else {
+    if constexpr (kValuesEarly) {
+      key_packs(k_out0, k_out1), value_packs(v_out0, v_out1);
+      keep_computed(k_out0), keep_computed(v_out0);
+      if (pair) keep_computed(k_out1), keep_computed(v_out1);
+    }
     // Lanes with nothing to store leave here (a token not written, a butterfly's padding lanes).
     if (!in_range || rows.k_row < 0) return;
     PBits* const layer_pool = static_cast<PBits*>(p.pool) + int64_t(layer) * pool_layer_elems(p);
