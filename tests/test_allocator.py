@@ -1,7 +1,9 @@
 """The page allocator and the paged run's plan: pages are never handed out twice, freed pages
 are reused, a prompt's shared pages are written once, ring pages wrap around the window, and an
 exhausted pool is an error. The plan is replayed into a virtual pool of (page, row) -> token to
-show that every sequence's table finds its own tokens."""
+show that every sequence's table finds its own tokens. A draft mixing windowed and full layers
+has a table per layer: its windowed layers' a ring repeated across the table's width (never more
+than ``window / P + 1`` pages per sequence), its full layers' a growing list."""
 
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ def _plan(
     window=None,
     accept="geometric:0.8",
     num_pages=None,
+    window_layers=None,
 ):
     return allocator.plan_paged_run(
         np.random.default_rng(seed),
@@ -79,14 +82,17 @@ def _plan(
         page_size=page,
         max_length=max_length,
         window=window,
+        window_layers=window_layers,
         num_pages=num_pages,
     )
 
 
-def _replay(plan):
-    """Writes every step's tokens into a virtual pool; returns it and the write counts of each
+def _replay(plan, kind=0):
+    """Writes every step's tokens into a virtual pool of one kind of layer (through the op's
+    rule: the table's width ``M`` and the kind's ring); returns it and the write counts of each
     (page, row) in each phase (prefill, decode)."""
     P, N, M = plan.page_size, plan.num_pages, plan.table_pages
+    ring, kind_pages = plan.kinds[kind].ring, plan.kinds[kind].num_pages
     pool: dict[tuple[int, int], tuple[int, int]] = {}
     writes = {"prefill": {}, "decode": {}}
     for phase, steps in (("prefill", plan.prefill), ("decode", plan.decode)):
@@ -95,15 +101,15 @@ def _replay(plan):
                 steps.positions[i],
                 steps.owners[i],
                 steps.streams[i],
-                steps.tables[i],
+                plan.kind_tables(steps.tables[i])[kind],
             )
             targets = set()
             for t in np.flatnonzero(own >= 0):
                 p, b = int(pos[t]), int(own[t])
-                slot = (p // P) % M if plan.ring else p // P
+                slot = (p // P) % M if ring else p // P
                 assert slot < M, f"position {p} is past the table of {M} pages"
                 kp, vp = int(table[b, 0, slot]), int(table[b, 1, slot])
-                assert 0 <= kp < N and vp == kp + N, f"step {i}: token {t} has no page"
+                assert 0 <= kp < kind_pages and vp == kp + N, f"step {i}: token {t} has no page"
                 target = (kp, p % P)
                 assert target not in targets, f"step {i}: two tokens write {target}"
                 targets.add(target)
@@ -112,7 +118,8 @@ def _replay(plan):
             # Live rows never share a page the decode writes into.
             written_pages = {kp for kp, _ in targets}
             for b in range(plan.batch):
-                row_pages = [int(x) for x in table[b, 0] if x >= 0]
+                row_pages = [int(x) for x in table[b, 0, : plan.kinds[kind].sequence_pages]]
+                row_pages = [x for x in row_pages if x >= 0]
                 assert len(row_pages) == len(set(row_pages))
             owners_of = {}
             for b in range(plan.batch):
@@ -126,13 +133,14 @@ def _replay(plan):
     return pool, writes
 
 
-def _check_final_sequences(plan, pool):
+def _check_final_sequences(plan, pool, kind=0):
     P, M = plan.page_size, plan.table_pages
-    table = plan.decode.tables[-1]
+    table = plan.kind_tables(plan.decode.tables[-1])[kind]
+    ring = plan.kinds[kind].ring
     assert plan.final, "no sequence in flight after the last step"
     for f in plan.final:
-        for p in range(f.visible_start, f.length):
-            slot = (p // P) % M if plan.ring else p // P
+        for p in range(f.visible_starts[kind], f.length):
+            slot = (p // P) % M if ring else p // P
             stream = f.prompt_id if p < f.prompt_length else f.stream
             assert pool[(int(table[f.row, 0, slot]), p % P)] == (stream, p), (
                 f"row {f.row}: position {p} does not hold its own token"
@@ -189,6 +197,68 @@ def test_ring_pages_wrap_around_the_window():
         assert f.visible_start > 0
     pool, _ = _replay(plan)
     _check_final_sequences(plan, pool)
+
+
+MIXED = (True, False, True)  # windowed, full, windowed
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 5),
+    accept=st.sampled_from(["uniform", "geometric:0.8", "fixed:8", "fixed:1"]),
+    window=st.sampled_from([8, 16, 24]),
+)
+def test_a_mixed_drafts_layers_each_find_their_own_tokens(seed, batch, accept, window):
+    plan = _plan(seed, batch=batch, accept=accept, window=window, window_layers=MIXED)
+    assert plan.mixed and plan.ring == MIXED
+    assert [k.layers for k in plan.kinds] == [(0, 2), (1,)]
+    for kind in range(2):
+        pool, _ = _replay(plan, kind)
+        _check_final_sequences(plan, pool, kind)
+        assert plan.kinds[kind].peak_pages_in_use <= plan.kinds[kind].num_pages
+
+
+def test_a_mixed_drafts_windowed_layers_hold_their_ring_and_full_layers_grow():
+    window, page, max_length = 16, 8, 64
+    ring_pages, full_pages = window // page + 1, max_length // page  # 3 and 8
+    plan = _plan(3, steps=40, window=window, page=page, accept="fixed:8", window_layers=MIXED)
+    M = plan.table_pages
+    assert M % ring_pages == 0 and M >= full_pages and M == 9
+    windowed, full = plan.kinds
+    assert (windowed.sequence_pages, full.sequence_pages) == (ring_pages, full_pages)
+    assert windowed.num_pages < full.num_pages == plan.num_pages
+    assert windowed.ring_page_reuses > 0 and full.ring_page_reuses == 0
+    for steps in (plan.prefill, plan.decode):
+        assert steps.tables.shape[1:] == (3, plan.batch, 2, M)
+        tables = steps.tables[:, :, :, 0]  # the K pages [n, layers, B, M]
+        assert (
+            steps.tables[:, :, :, 1] == np.where(tables >= 0, tables + plan.num_pages, -1)
+        ).all()
+        # The windowed layers share one table: a ring of at most M_w pages, repeated.
+        assert (tables[:, 0] == tables[:, 2]).all()
+        ring = tables[:, 0]
+        assert (ring == ring[..., np.arange(M) % ring_pages]).all()
+        for row in ring.reshape(-1, M):
+            held = row[:ring_pages][row[:ring_pages] >= 0]
+            assert len(set(held.tolist())) == len(held) <= ring_pages
+            assert set(row[row >= 0].tolist()) == set(held.tolist())
+            assert (held < windowed.num_pages).all()
+        # The full layer's list: up to its longest sequence's pages, none past them.
+        assert (tables[:, 1, :, full_pages:] == -1).all()
+    assert windowed.most_pages_per_sequence == ring_pages
+    assert full.most_pages_per_sequence > ring_pages
+    grown = [f for f in plan.final if f.length > ring_pages * page]
+    assert grown, "no sequence outgrew its window"
+    for f in grown:  # the window is still held by the windowed layers, all of it by the full
+        assert f.visible_starts[1] == 0 and f.visible_starts[0] > 0
+        assert f.length - f.visible_starts[0] >= window
+
+
+def test_window_layers_need_a_mix_and_a_window():
+    for window, layers in ((None, MIXED), (16, (True, True)), (16, (False, False))):
+        with pytest.raises(ValueError, match="window_layers: expected a mix of windowed and"):
+            _plan(0, window=window, window_layers=layers)
 
 
 def test_a_pool_too_small_for_the_batch_is_an_error():

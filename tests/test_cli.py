@@ -572,7 +572,8 @@ def test_fused_norm_and_fp8_need_an_op_and_a_jax_that_have_them(capsys, monkeypa
 
 
 def test_presets_mark_their_assumptions():
-    for name in ("kimi-k2.5-b8", "qwen3.5-27b-b16", "dflash2-b8-w2048", "llama3.1-8b-b10"):
+    assumed = ("kimi-k2.5-b8", "qwen3.5-27b-b16", "dflash2-b8-w2048", "llama3.1-8b-b10")
+    for name in (*assumed, "qwen3-8b-b16-w2048"):
         assert "ASSUMED" in PRESETS[name].source
     q = PRESETS["qwen3.5-27b-b16"]
     assert (q.num_kv_heads, q.head_dim, q.rope_dim) == (4, 256, 64)
@@ -583,5 +584,10 @@ def test_presets_mark_their_assumptions():
     assert d.window % d.page_size == 0 and d.window < d.slot_capacity
     z = PRESETS["qwen3-8b-b16"]
     assert (z.num_layers, z.num_kv_heads, z.head_dim, z.block_size) == (5, 8, 128, 16)
+    m = PRESETS["qwen3-8b-b16-w2048"]  # the same geometry, four sliding layers and a full one
+    shape = (m.num_layers, m.num_kv_heads, m.head_dim, m.block_size, m.hidden_size)
+    assert shape == (5, 8, 128, 16, z.hidden_size)
+    assert m.window == 2048 and m.window_layers == (True, True, True, True, False)
+    assert m.default_contract == "paged" and m.slot_capacity >= 4 * m.window
     assert not PRESETS["tiny"].gpu_sized and not PRESETS["small"].gpu_sized
     assert all(p.gpu_sized for p in PRESETS.values() if p.page_size == 128)

@@ -78,6 +78,13 @@ PRESET_GEOMETRY = {
     "kimi-k2.5-b8": (6, 8, 128, 128, 7168, 8, 5, None, 128, 64),
     "qwen3.5-27b-b16": (5, 4, 256, 64, 5120, 16, 5, None, 128, 64),
     "dflash2-b8-w2048": (5, 8, 128, 128, 4096, 8, 5, 2048, 128, 32),
+    "tiny-w16": (3, 2, 32, 32, 64, 8, 2, 16, 8, 4),
+    "qwen3-8b-b16-w2048": (5, 8, 128, 128, 4096, 16, 5, 2048, 128, 32),
+}
+# The drafts mixing sliding-window and full layers: per layer, whether it keeps the window.
+MIXED_PRESETS = {
+    "tiny-w16": (True, False, True),
+    "qwen3-8b-b16-w2048": (True, True, True, True, False),
 }
 
 
@@ -92,6 +99,7 @@ def test_every_preset_is_a_config_file_read_by_the_reader():
         shape += (p.block_size, p.target_layers, p.window, p.page_size, p.num_slots)
         assert shape == PRESET_GEOMETRY[name], name
         assert p.default_contract == ("paged" if p.window else "slot")
+        assert p.window_layers == MIXED_PRESETS.get(name) and p.mixed == (name in MIXED_PRESETS)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -121,10 +129,11 @@ def test_the_reader_reads_what_zlab_reads(name, tmp_path):
     ids = _draft_value(zlab, "target_layer_ids", None) or build_target_layer_ids(
         zlab.num_target_layers, layers
     )
-    windows = {
+    windows = [
         zlab.sliding_window if zlab.layer_types[i] == "sliding_attention" else None
         for i in range(layers)
-    }
+    ]
+    keeps = p.window_layers or (True,) * layers
     assert (p.num_layers, p.num_kv_heads, p.head_dim) == (
         layers,
         zlab.num_key_value_heads,
@@ -132,7 +141,8 @@ def test_the_reader_reads_what_zlab_reads(name, tmp_path):
     )
     assert (p.hidden_size, p.target_layers) == (zlab.hidden_size, len(ids))
     assert p.block_size == int(_draft_value(zlab, "block_size", 16))
-    assert windows == {p.window} and p.norm_eps == zlab.rms_norm_eps
+    assert windows == [p.window if keep else None for keep in keeps]
+    assert p.norm_eps == zlab.rms_norm_eps
     assert p.rope_theta == zlab.rope_parameters["rope_theta"]
     factor = zlab.rope_parameters.get("partial_rotary_factor", 1.0)
     assert p.rope_dim == int(p.head_dim * factor)
@@ -169,6 +179,34 @@ def test_a_sliding_window_config_runs_paged_with_ring_pages(capsys, tmp_path):
     assert s["results"][0]["check"] == "bit-exact"
 
 
+def test_a_mixed_config_keeps_the_window_in_its_sliding_layers_only(capsys, tmp_path):
+    """Mixed layer_types: the sliding layers' rings and the full layer's growing pages, one
+    launch with a ring per layer, checked bit for bit and read back; paged by default."""
+    config = _config(layer_types=MIXED, use_sliding_window=True, sliding_window=16)
+    path = _write(tmp_path, config)
+    p = presets.read_draft_config(path)
+    assert (p.window, p.window_layers, p.default_contract) == (16, (False, True), "paged")
+    argv = ("run", "--draft-config", path, "--steps", "12", "--json", "--no-progress")
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    s = json.loads(out)
+    assert s["contract"] == "paged" and s["window_layers"] == [False, True]
+    assert s["paged"]["ring"] == [False, True]
+    [kernel] = s["results"]
+    assert kernel["check"] == "bit-exact" and kernel["readback"]["passed"]
+    assert s["pool_by_layer_kind"]["window_layers"] == [1]
+
+
+def test_layer_types_derived_from_max_window_layers_may_mix(tmp_path):
+    """As Qwen3Config derives them: sliding from layer max_window_layers on."""
+    config = _config(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    p = presets.read_draft_config(_write(tmp_path, config))
+    assert (p.window, p.window_layers) == (16, (False, True))
+    config["max_window_layers"] = 0
+    p = presets.read_draft_config(_write(tmp_path, config))
+    assert (p.window, p.window_layers) == (16, None)  # every layer sliding
+
+
 def test_a_config_without_simulation_choices_gets_the_gpu_presets_pool(capsys, tmp_path):
     path = _write(tmp_path, _config(jax_dflash=None))
     p = presets.read_draft_config(path)
@@ -190,12 +228,12 @@ MIXED = ["full_attention", "sliding_attention"]
 @pytest.mark.parametrize(
     "changes, reason",
     [
-        (
-            dict(layer_types=MIXED, use_sliding_window=True, sliding_window=16),
-            "layer_types: expected every layer of one kind (the op writes every layer's pool in "
-            "one launch",
-        ),
         (dict(layer_types=["full_attention"]), "layer_types: expected a list of 2"),
+        (
+            dict(layer_types=["full_attention", "sliding"], use_sliding_window=True),
+            "layer_types: expected a list of 2 (num_hidden_layers) entries, each "
+            "'full_attention' or 'sliding_attention', got ['full_attention', 'sliding']",
+        ),
         (
             dict(num_key_value_heads="2"),
             "num_key_value_heads: expected an integer >= 1, got '2'",

@@ -8,9 +8,9 @@ and ``target_layer_ids`` from its ``dflash_config`` object first, then the top l
   ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps`` (default 1e-6);
 - RoPE: ``rope_parameters`` (``rope_theta``, ``rope_type``, ``partial_rotary_factor`` and the
   type's own keys) or the older ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``;
-- ``layer_types`` (``full_attention`` / ``sliding_attention``; without it, as ``Qwen3Config``
-  derives it, sliding from layer ``max_window_layers`` on), ``sliding_window`` and
-  ``use_sliding_window`` (without it ``Qwen3Config`` drops the window);
+- ``layer_types`` (``full_attention`` / ``sliding_attention``, in any mix; without it, as
+  ``Qwen3Config`` derives it, sliding from layer ``max_window_layers`` on), ``sliding_window``
+  and ``use_sliding_window`` (without it ``Qwen3Config`` drops the window);
 - ``block_size`` (default 16, z-lab's), ``target_layer_ids`` or ``num_target_layers`` (z-lab's
   ``build_target_layer_ids``): their count sizes the fc projection's input;
 - ``torch_dtype`` or ``dtype`` (default bfloat16).
@@ -163,27 +163,24 @@ def _layer_types(config: dict, layers: int) -> list[str]:
     return types
 
 
-def _window(config: dict, layers: int) -> int | None:
-    """Every layer's sliding window, or None. As in ``Qwen3Config``, ``sliding_window`` counts
-    only with ``use_sliding_window``; then a ``sliding_attention`` layer keeps that window.
-    Windowed and full layers in one draft are refused."""
+def _window(config: dict, layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """``(window, window_layers)``: the sliding window, and which layers keep it when the draft
+    mixes sliding-window and full layers (None when every layer is of one kind). As in
+    ``Qwen3Config``, ``sliding_window`` counts only with ``use_sliding_window``; then a
+    ``sliding_attention`` layer keeps that window and a ``full_attention`` layer all of its
+    sequence."""
     use = config.get("use_sliding_window", False)
     if not isinstance(use, bool):
         raise ConfigError(f"use_sliding_window: expected true or false, got {use!r}")
     if not use or config.get("sliding_window") is None:
         if config.get("layer_types") is not None:
             _layer_types(config, layers)  # still a list of the right kinds
-        return None
+        return None, None
     window = _int(config, "sliding_window")
-    sliding = _layer_types(config, layers).count(SLIDING)
-    if 0 < sliding < layers:
-        raise ConfigError(
-            f"layer_types: expected every layer of one kind (the op writes every layer's pool in "
-            f"one launch, with one ring setting; full and sliding-window layers in one launch are "
-            f"separate work), got {layers - sliding} {FULL} and {sliding} {SLIDING} (with "
-            f"use_sliding_window and sliding_window {window})"
-        )
-    return window if sliding else None
+    sliding = tuple(kind == SLIDING for kind in _layer_types(config, layers))
+    if not any(sliding):
+        return None, None
+    return window, (None if all(sliding) else sliding)
 
 
 def _dtype(config: dict) -> str:
@@ -207,6 +204,7 @@ def geometry(config: dict) -> dict:
             f"rms_norm_eps: expected a normal float32 (at least {FLOAT32_MIN_NORMAL:g}), got {eps!r}"
         )
     block = {"block_size": _draft_value(config, "block_size", 16)}
+    window, window_layers = _window(config, layers)
     return dict(
         num_layers=layers,
         num_kv_heads=kv_heads,
@@ -219,7 +217,8 @@ def geometry(config: dict) -> dict:
         norm_eps=eps,
         dtype=_dtype(config),
         target_layers=_target_layers(config, layers),
-        window=_window(config, layers),
+        window=window,
+        window_layers=window_layers,
     )
 
 

@@ -48,6 +48,7 @@ class ImplResult:
     checked_elements: int | None
     readback: readback.ReadbackResult | None = None
     differences: Differences | None = None
+    mismatched_by_layer: list[int] | None = None  # differing elements of each layer's pool
     times: replays.StepTimes | None = None
     update: replays.UpdateTime | None = None
 
@@ -106,6 +107,7 @@ class ImplResult:
             check=self.check,
             bit_exact_required=self.bit_exact_required,
             mismatched_elements=self.mismatched_elements,
+            mismatched_elements_by_layer=self.mismatched_by_layer,
             max_ulp=self.max_ulp,
             checked_elements=self.checked_elements,
             differences=None if self.differences is None else self.differences.as_dict(),
@@ -205,6 +207,10 @@ def _reference_check(checks: Checks, collector: StepCollector, actual, result: I
     result.check = "bit-exact" if mismatches == 0 else "differs"
     result.mismatched_elements, result.max_ulp = mismatches, max_ulp
     result.checked_elements = expected.size
+    # Layer by layer: layers differ in their kind of pages and ring (a mixed draft).
+    result.mismatched_by_layer = [
+        mismatches and compare_bits(a, e)[0] for a, e in zip(actual, expected)
+    ]
     if mismatches:
         result.differences = differences(actual, expected)
 

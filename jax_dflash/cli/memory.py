@@ -95,8 +95,9 @@ def pool_elements(preset, settings) -> int:
     p = preset
     if settings.contract == "slot":
         pages = p.num_pages
-    else:
-        table_pages = allocator.table_pages_for(p.page_size, p.pages_per_slot, settings.window)
+    else:  # a mixed draft's pool: every layer has its full layers' pages (one array)
+        window = None if settings.window_layers is not None else settings.window
+        table_pages = allocator.table_pages_for(p.page_size, p.pages_per_slot, window)
         pages = allocator.pool_pages_for(settings.batch, table_pages, _prompt_pages(p, settings))
     return p.num_layers * 2 * pages * p.page_size * p.num_kv_heads * p.head_dim
 
@@ -156,7 +157,8 @@ def estimate(preset, settings, *, check: bool, compare: bool, host_device: bool,
 
 def _pool_flags(preset, settings) -> str:
     """The flags that size the pools: the window (paged), else the batch (paged) or the preset."""
-    if settings.contract == "paged" and settings.window is not None:
+    mixed = settings.window_layers is not None  # its full layers size the pool
+    if settings.contract == "paged" and settings.window is not None and not mixed:
         return f"--window {settings.window}"
     if settings.contract == "paged":
         return f"--batch {settings.batch}"
@@ -169,11 +171,18 @@ def _input_bytes(preset, settings, tokens: int) -> int:
 
     if settings.contract == "slot":
         return (settings.steps + 1) * settings.batch * 4 * 3  # lengths, positions, a copy
-    table_pages = allocator.table_pages_for(
-        preset.page_size, preset.pages_per_slot, settings.window
-    )
-    # positions, owners, streams [T] and the table [B, 2, M] per step (and the warm-up's row)
-    per_step = (3 * tokens + 2 * settings.batch * table_pages) * 4
+    tables = 1
+    if settings.window_layers is None:
+        table_pages = allocator.table_pages_for(
+            preset.page_size, preset.pages_per_slot, settings.window
+        )
+    else:  # a table per layer, as wide as the full layers' pages rounded to whole rings
+        tables = preset.num_layers
+        table_pages = allocator.mixed_table_pages(
+            preset.page_size, preset.pages_per_slot, settings.window
+        )
+    # positions, owners, streams [T] and the tables [B, 2, M] per step (and the warm-up's row)
+    per_step = (3 * tokens + tables * 2 * settings.batch * table_pages) * 4
     return 2 * (collected_steps(preset, settings) + 1) * per_step
 
 

@@ -164,7 +164,7 @@ class StepSpec:
     batch: int
     block_size: int
     pages_per_slot: int | None = None  # slot
-    ring: bool = False  # paged
+    ring: bool | tuple[bool, ...] = False  # paged: the op's ring, or one per layer (mixed)
     fused_norm: bool = True
     fp8: bool = False
 
@@ -251,17 +251,14 @@ def baseline_update(spec: StepSpec) -> Callable:
             k_row = v_row = jnp.where(valid, slot * cap + pos, num_pages * page_size)
         else:
             pos, owners, table = addr
-            batch, _, table_pages = table.shape
-            i = pos // page_size
-            if spec.ring:
-                i = i % table_pages
-            ok = (owners >= 0) & (owners < batch) & (pos >= 0) & (i < table_pages)
-            o, ii = jnp.clip(owners, 0, batch - 1), jnp.clip(i, 0, table_pages - 1)
-            kp, vp = table[o, 0, ii], table[o, 1, ii] - num_pages
-            ok &= (kp >= 0) & (kp < num_pages) & (vp >= 0) & (vp < num_pages)
-            row = pos % page_size
-            k_row = jnp.where(ok, kp * page_size + row, num_pages * page_size)
-            v_row = jnp.where(ok, vp * page_size + row, num_pages * page_size)
+            if isinstance(spec.ring, tuple):  # a table and a ring per layer
+                per_layer = [
+                    _paged_rows(pos, owners, table[n], ring, num_pages, page_size)
+                    for n, ring in enumerate(spec.ring)
+                ]
+                k_row, v_row = (jnp.stack(r) for r in zip(*per_layer))
+            else:
+                k_row, v_row = _paged_rows(pos, owners, table, spec.ring, num_pages, page_size)
         rows = rope[jnp.clip(pos, 0, seq_len - 1)] * ((pos >= 0) & (pos < seq_len))[:, None]
         k = k_normed(consts.weights, k, g.norm_eps)  # jnp RMSNorm, as the model code does
         y = rope_jnp(k.astype(jnp.float32), rows[None], g.rotary_dim)
@@ -272,12 +269,30 @@ def baseline_update(spec: StepSpec) -> Callable:
         k_q = _quantize(y, pools.dtype, inv_k)
         v_q = _quantize(v.astype(jnp.float32) if spec.fp8 else v, pools.dtype, inv_v)
         flat = pools.reshape(g.layers, 2, num_pages * page_size, g.heads, g.head_dim)
+        k_row, v_row = (jnp.broadcast_to(r, (g.layers, r.shape[-1])) for r in (k_row, v_row))
         for layer in range(g.layers):
-            flat = flat.at[layer, 0, k_row].set(k_q[layer], mode="drop")
-            flat = flat.at[layer, 1, v_row].set(v_q[layer], mode="drop")
+            flat = flat.at[layer, 0, k_row[layer]].set(k_q[layer], mode="drop")
+            flat = flat.at[layer, 1, v_row[layer]].set(v_q[layer], mode="drop")
         return flat.reshape(pools.shape)
 
     return update
+
+
+def _paged_rows(pos, owners, table, ring: bool, num_pages: int, page_size: int):
+    """The flat pool rows ``[T]`` of the tokens' keys and values through a ``[B, 2, M]`` table,
+    ``num_pages * page_size`` (dropped by the scatter) where the paged contract writes nothing."""
+    batch, _, table_pages = table.shape
+    i = pos // page_size
+    if ring:
+        i = i % table_pages
+    ok = (owners >= 0) & (owners < batch) & (pos >= 0) & (i < table_pages)
+    o, ii = jnp.clip(owners, 0, batch - 1), jnp.clip(i, 0, table_pages - 1)
+    kp, vp = table[o, 0, ii], table[o, 1, ii] - num_pages
+    ok &= (kp >= 0) & (kp < num_pages) & (vp >= 0) & (vp < num_pages)
+    row = pos % page_size
+    k_row = jnp.where(ok, kp * page_size + row, num_pages * page_size)
+    v_row = jnp.where(ok, vp * page_size + row, num_pages * page_size)
+    return k_row, v_row
 
 
 IMPLEMENTATIONS = {"kernel": kernel_update, "baseline": baseline_update}

@@ -94,11 +94,15 @@ class RunPlan:
         kv_dtype: str | None = None,
         contract: str = "slot",
         window: int | None = None,
+        window_layers: tuple[bool, ...] | None = None,
         fused_norm: bool = True,
     ):
+        """``window_layers``: per layer, whether it keeps the window, for a draft that mixes
+        windowed and full layers (None: every layer alike)."""
         self.preset = preset
         self.batch, self.steps, self.seed, self.accept = batch, steps, seed, accept
         self.contract, self.window, self.fused_norm = contract, window, fused_norm
+        self.window_layers = window_layers
         self.delta_dtype_name = dtype or preset.dtype
         self.pool_dtype_name = kv_dtype or self.delta_dtype_name
         self.dtype_name = self.pool_dtype_name
@@ -126,7 +130,7 @@ class RunPlan:
             batch,
             p.block_size,
             pages_per_slot=p.pages_per_slot if contract == "slot" else None,
-            ring=window is not None,
+            ring=False if self.plan is None else self.plan.ring,
             fused_norm=fused_norm,
             fp8=self.fp8,
         )
@@ -144,6 +148,7 @@ class RunPlan:
             page_size=p.page_size,
             max_length=p.slot_capacity,
             window=self.window,
+            window_layers=self.window_layers,
             **run,
         )
         shape = (p.num_layers, 2, plan.num_pages, p.page_size, p.num_kv_heads, p.head_dim)
@@ -184,3 +189,29 @@ class RunPlan:
     def pool_bytes(self, dtype: np.dtype | None = None) -> int:
         itemsize = (self.pool_dtype if dtype is None else np.dtype(dtype)).itemsize
         return int(np.prod(self.pool_shape)) * itemsize
+
+    def pool_by_layer_kind(self) -> dict | None:
+        """With sliding-window layers (paged): the pool the draft's layers need, each layer
+        the pages of its kind (a windowed layer its rings, a full layer its growing lists, both
+        the prompt cache), against the same draft with every layer full. None without a window.
+
+        The run's own pool is one layer-batched array (one launch for every layer), so every
+        layer in it has the largest kind's pages: with a full layer in the draft, the all-full
+        size; the saving is what per-kind pools (an engine's pool per window size) hold."""
+        if self.plan is None or self.window is None:
+            return None
+        p, plan = self.preset, self.plan
+        page = 2 * p.page_size * p.num_kv_heads * p.head_dim * self.pool_dtype.itemsize
+        layers = [plan.kinds[plan.kind_of(n)].num_pages for n in range(p.num_layers)]
+        windowed = [n for n in range(p.num_layers) if plan.kinds[plan.kind_of(n)].ring]
+        mixed_bytes = sum(layers) * page
+        full_bytes = p.num_layers * plan.full_layer_pages * page
+        return dict(
+            window_layers=windowed,
+            pages_per_layer=layers,
+            bytes=mixed_bytes,
+            all_full_pages_per_layer=plan.full_layer_pages,
+            all_full_bytes=full_bytes,
+            ratio=mixed_bytes / full_bytes,
+            layer_batched_bytes=self.pool_bytes(),
+        )

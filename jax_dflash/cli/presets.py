@@ -42,6 +42,11 @@ is the authority; these are the public places it was read from, found with a cod
   layers and block 16, like the other DFlash drafts.
 - DFlash2-style: block 8 and a 2048-token sliding window on every draft layer (``--window``,
   the paged contract with ring pages). ASSUMED: Qwen3-8B's draft geometry otherwise.
+- A mixed draft, ``qwen3-8b-b16-w2048``: Qwen3-8B's draft geometry (as above) with
+  ``layer_types`` of four ``sliding_attention`` layers (a 2048-token window) and a last
+  ``full_attention`` one, the mix z-lab's config reader allows. ASSUMED: no public DFlash
+  draft with this layout was read; it stands for the drafts whose layers mix the two kinds.
+  ``tiny-w16`` is its CPU-sized twin (2 sliding layers of a 16-token window, 1 full).
 
 Where a draft's target layers are not known, its ``target_layer_ids`` stand for the assumed count
 (what the simulation reads: the width of the fc projection's input), not for known layers.
@@ -93,7 +98,10 @@ class Preset:
     source: str
     rotary_dim: int | None = None  # R; None: all of D
     target_layers: int = 5  # target hidden states concatenated into one feature (DFlash's fc)
-    window: int | None = None  # sliding window of every draft layer (tokens), paged + ring
+    window: int | None = None  # sliding window (tokens) of the windowed layers, paged + ring
+    # Per layer, whether it keeps the window, when the draft mixes windowed and full layers
+    # (layer_types); None: every layer alike (all windowed with a window, else all full).
+    window_layers: tuple[bool, ...] | None = None
     gpu_sized: bool = False
     rope_scaling: tuple | None = None  # (key, value) pairs of an HF rope_scaling; None: default
     norm_eps: float = DEFAULT_NORM_EPS  # rms_norm_eps: the hidden norm's and the k-norm's
@@ -103,6 +111,16 @@ class Preset:
     def default_contract(self) -> str:
         """Sliding windows live in ring pages of a page table; every other draft in slots."""
         return "slot" if self.window is None else "paged"
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the draft mixes sliding-window and full layers."""
+        return self.window_layers is not None
+
+    def layer_kinds(self) -> str:
+        """``"4 sliding_attention, 1 full_attention"``: a mixed draft's layer counts."""
+        sliding = sum(self.window_layers or ())
+        return f"{sliding} {draft_config.SLIDING}, {self.num_layers - sliding} {draft_config.FULL}"
 
     def _named(self, preset: str, config: str) -> str:
         """``preset`` for a shipped preset, ``config`` for a --draft-config file."""
@@ -172,6 +190,8 @@ class Preset:
         )
         rope = f" ({rope})" if rope else ""
         window = "" if self.window is None else f", window {self.window} (paged, ring)"
+        if self.mixed:
+            window = f", window {self.window} on {self.layer_kinds()} layers (paged, ring)"
         return (
             f"{self.num_layers} layers x {self.num_kv_heads} KV heads x D {self.head_dim}{rope}, "
             f"hidden {self.hidden_size}, block {self.block_size}, P {self.page_size}, "

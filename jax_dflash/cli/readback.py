@@ -22,6 +22,11 @@ plus float32 rounding of the sums. Queries: a few random ones (a draft's queries
 "probe" queries aimed at sampled positions (``q = beta sqrt(D) k_j / |k_j|^2`` scores token
 ``j`` at ``beta`` and puts most of the weight on it), so that a wrong value at a probed position
 moves an output by far more than the bound; a wrong key anywhere shows in the scores.
+
+Each query has a position and attends as its layer does: a full layer's causally (keys at
+positions ``<= q``), a sliding-window layer's to the keys in ``(q - window, q]``. Query
+positions are ones whose whole window the pool still holds; the random ones include the newest
+position and the oldest such one, whose windows together cover every key the layer holds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 PROBE_SHARPNESS = 8.0  # the probed token's score; the others' stay near 0
+UNWINDOWED = np.iinfo(np.int32).max  # a full layer's window: every earlier position
 F32_U = 2.0**-24
 
 
@@ -49,36 +55,68 @@ def half_smallest_subnormal(dtype) -> float:
 
 @dataclasses.dataclass
 class SequenceView:
-    """Where a sequence's cached tokens are: one entry per visible position."""
+    """Where a sequence's cached tokens are: one entry per position, per layer where the layers
+    hold different pages (a draft mixing windowed and full layers)."""
 
     label: str
-    positions: np.ndarray  # [n]
+    positions: np.ndarray  # [n], ascending
     streams: np.ndarray  # [n] feature stream of each token
-    k_pages: np.ndarray  # [n] page in plane 0
-    v_pages: np.ndarray  # [n] page in plane 1 (the table's V id minus N)
+    k_pages: np.ndarray  # [layers, n] page in plane 0 (0 where the layer holds no page)
+    v_pages: np.ndarray  # [layers, n] page in plane 1 (the table's V id minus N)
     rows: np.ndarray  # [n]
+    held_from: tuple[int, ...]  # per layer: the first position its pages hold
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None: full (causal)
 
 
-def slot_view(label, b, start, end, pages_per_slot, page_size, stream) -> SequenceView:
+def slot_view(label, b, start, end, pages_per_slot, page_size, stream, layers) -> SequenceView:
     pos = np.arange(start, end, dtype=np.int64)
-    pages = b * pages_per_slot + pos // page_size
-    return SequenceView(label, pos, np.full(pos.shape, stream), pages, pages, pos % page_size)
-
-
-def paged_view(label, table_row, positions, streams, page_size, num_pages, ring) -> SequenceView:
-    """``table_row`` ``[2, M]``; positions must be held by the table (the window, with ring)."""
-    pos = np.asarray(positions, np.int64)
-    i = pos // page_size
-    if ring:
-        i = i % table_row.shape[1]
+    pages = np.broadcast_to(b * pages_per_slot + pos // page_size, (layers, len(pos)))
     return SequenceView(
         label,
         pos,
-        np.asarray(streams),
-        table_row[0, i].astype(np.int64),
-        table_row[1, i].astype(np.int64) - num_pages,
+        np.full(pos.shape, stream),
+        pages,
+        pages,
         pos % page_size,
+        (start,) * layers,
+        (None,) * layers,
     )
+
+
+def paged_view(
+    label, table_rows, positions, streams, page_size, num_pages, *, rings, held_from, windows
+) -> SequenceView:
+    """``table_rows`` ``[layers, 2, M]``: each layer's table row of the sequence; ``rings``,
+    ``held_from`` and ``windows`` one per layer. Layer ``l`` must hold the positions from
+    ``held_from[l]`` on; it reads page 0 for older ones, which its queries never see."""
+    pos = np.asarray(positions, np.int64)
+    k_pages = np.zeros((len(rings), len(pos)), np.int64)
+    v_pages = np.zeros_like(k_pages)
+    for layer, (row, ring, start) in enumerate(zip(table_rows, rings, held_from)):
+        i = pos // page_size
+        if ring:
+            i = i % row.shape[1]
+        held = pos >= start
+        k_pages[layer] = np.where(held, row[0, i], 0)
+        v_pages[layer] = np.where(held, row[1, i] - num_pages, 0)
+    return SequenceView(
+        label, pos, np.asarray(streams), k_pages, v_pages, pos % page_size, held_from, windows
+    )
+
+
+def query_positions(view: SequenceView, layer: int, picks: np.ndarray, rng, count: int):
+    """``[count + len(picks)]`` positions of a layer's queries: the newest position, the oldest
+    whose window the layer holds whole, random ones between, then for each probed token the
+    newest query that sees it."""
+    last = int(view.positions[-1])
+    start, window = view.held_from[layer], view.windows[layer]
+    oldest = start if window is None or start == 0 else min(start + window - 1, last)
+    random = [last, oldest][:count]
+    random += rng.integers(oldest, last + 1, max(0, count - 2)).tolist()
+    probed = view.positions[picks]
+    reach = probed if window is None else probed + window - 1
+    probes = np.full(len(picks), last) if window is None else np.minimum(reach, last)
+    return np.concatenate([np.asarray(random, np.int64), probes])
 
 
 @dataclasses.dataclass
@@ -110,11 +148,13 @@ def _stored_error(y, y_err, pool_dtype, scale):
 
 def _attention(q, k, v, mask):
     """``q`` [Q, H, D], ``k``/``v`` [n, H, D] float32 -> scores [Q, H, n], weights, outputs;
-    tokens outside ``mask`` get no weight."""
+    each query attends to the tokens of its row of ``mask`` [Q, n]."""
     d = q.shape[-1]
+    mask = mask[:, None, :]
     scores = jnp.einsum("qhd,nhd->qhn", q, k) / jnp.sqrt(jnp.float32(d))
     scores = jnp.where(mask, scores, 0.0)
-    p = jnp.where(mask, jnp.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    top = jnp.where(mask, scores, -jnp.inf).max(-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
     p = p / p.sum(-1, keepdims=True)
     return scores, p, jnp.einsum("qhn,nhd->qhd", p, v)
 
@@ -154,10 +194,21 @@ def check_sequences(
         layers, n_padded, heads, head_dim = k_ref.shape
         mask = np.arange(n_padded) < n
         q_random = rng.standard_normal((layers, random_queries, heads, head_dim), np.float32)
-        picks = np.stack([rng.choice(n, size=probes, replace=n < probes) for _ in range(layers)])
-        kp, vp, rows = (
-            put(np.pad(a, (0, n_padded - n)).astype(np.int32))
-            for a in (view.k_pages, view.v_pages, view.rows)
+        picks = np.stack([_probed(view, layer, rng, probes) for layer in range(layers)])
+        q_pos = np.stack(
+            [
+                query_positions(view, layer, picks[layer], rng, random_queries)
+                for layer in range(layers)
+            ]
+        )
+        windows = [UNWINDOWED if w is None else w for w in view.windows]
+        pad = n_padded - n
+        kp, vp = (
+            put(np.pad(a, ((0, 0), (0, pad))).astype(np.int32))
+            for a in (view.k_pages, view.v_pages)
+        )
+        rows, k_pos = (
+            put(np.pad(a, (0, pad)).astype(np.int32)) for a in (view.rows, view.positions)
         )
         scales = None if k_scale is None else (put(k_scale), put(v_scale))
         rs, ro, where_s, where_o = _check_view(
@@ -172,6 +223,10 @@ def check_sequences(
             put(q_random),
             put(picks),
             put(mask),
+            k_pos,
+            put(q_pos.astype(np.int32)),
+            put(np.asarray(windows, np.int32)),
+            put(np.asarray(view.held_from, np.int32)),
             rotary_dim=rotary_dim,
             u_delta=unit_roundoff(delta_dtype),
             pool_dtype=jnp.dtype(pools.dtype),
@@ -200,6 +255,12 @@ def check_sequences(
     return ReadbackResult(failure is None, len(views), tokens, queries, worst_s, worst_o, failure)
 
 
+def _probed(view: SequenceView, layer: int, rng, probes: int) -> np.ndarray:
+    """Indices of the tokens a layer's probe queries aim at: among those the layer holds."""
+    held = np.flatnonzero(view.positions >= view.held_from[layer])
+    return rng.choice(held, size=probes, replace=len(held) < probes)
+
+
 @functools.partial(jax.jit, static_argnames=("rotary_dim", "u_delta", "pool_dtype"))
 def _check_view(
     pools,
@@ -213,6 +274,10 @@ def _check_view(
     q_random,
     picks,
     mask,
+    k_pos,
+    q_pos,
+    windows,
+    held_from,
     *,
     rotary_dim,
     u_delta,
@@ -220,8 +285,9 @@ def _check_view(
 ):
     """Per layer: the worst score and output differences relative to their bounds, and where
     the worst ones are (``[query, head, token]`` / ``[query, head]``)."""
-    k_stored = pools[:, 0, kp, rows].astype(jnp.float32)  # [layers, n, H, D]
-    v_stored = pools[:, 1, vp, rows].astype(jnp.float32)
+    layers = jnp.arange(pools.shape[0])[:, None]
+    k_stored = pools[layers, 0, kp, rows[None]].astype(jnp.float32)  # [layers, n, H, D]
+    v_stored = pools[layers, 1, vp, rows[None]].astype(jnp.float32)
     ks = vs = None
     if scales is not None:
         ks, vs = scales[0][:, None, :, None], scales[1][:, None, :, None]
@@ -240,24 +306,45 @@ def _check_view(
     k_stored, v_stored, k_ref, v_ref, ek, ev = (
         jnp.where(keep, a, 0.0) for a in (k_stored, v_stored, k_ref, v_ref, ek, ev)
     )
-    layer = functools.partial(_check_layer, mask=mask)
-    return jax.vmap(layer)(k_stored, v_stored, k_ref, v_ref, ek, ev, q_random, picks)
+    layer = functools.partial(_check_layer, mask=mask, k_pos=k_pos)
+    return jax.vmap(layer)(
+        k_stored, v_stored, k_ref, v_ref, ek, ev, q_random, picks, q_pos, windows, held_from
+    )
 
 
-def _check_layer(k_stored, v_stored, k_ref, v_ref, ek, ev, q_random, picks, *, mask):
+def _check_layer(
+    k_stored,
+    v_stored,
+    k_ref,
+    v_ref,
+    ek,
+    ev,
+    q_random,
+    picks,
+    q_pos,
+    window,
+    held_from,
+    *,
+    mask,
+    k_pos,
+):
     n = mask.sum()
+    # Which keys each query attends to: its layer's window (or causal) among those held.
+    qp, kp = q_pos[:, None], k_pos[None, :]
+    sees = mask[None] & (kp <= qp) & (kp > qp - window) & (kp >= held_from)  # [Q, n]
     head_dim = k_ref.shape[-1]
     root_d = jnp.sqrt(jnp.float32(head_dim))
     probe = k_ref[picks]  # [probes, H, D]
     norm2 = jnp.maximum((probe * probe).sum(-1, keepdims=True), 1e-30)
     q = jnp.concatenate([q_random, PROBE_SHARPNESS * probe / norm2 * root_d], 0)
-    s_ref, p_ref, o_ref = _attention(q, k_ref, v_ref, mask)
-    s, _, o = _attention(q, k_stored, v_stored, mask)
+    s_ref, p_ref, o_ref = _attention(q, k_ref, v_ref, sees)
+    s, _, o = _attention(q, k_stored, v_stored, sees)
     aq = jnp.abs(q)
     b = (
         jnp.einsum("qhd,nhd->qhn", aq, ek)
         + 2 * head_dim * F32_U * jnp.einsum("qhd,nhd->qhn", aq, jnp.abs(k_ref))
     ) / root_d
+    b = jnp.where(sees[:, None, :], b, 0.0)  # a key a query does not see bounds nothing
     b_mean = (p_ref * b).sum(-1, keepdims=True)
     pw = jnp.swapaxes(p_ref, 1, 2)[..., None]  # [Q, n, H, 1]
     bw = jnp.swapaxes(b + b_mean, 1, 2)[..., None]

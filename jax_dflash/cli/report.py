@@ -34,8 +34,45 @@ def run_header(w, device) -> str:
         f"{list(w.pool_shape)}: {human_bytes(w.pool_bytes())} ({others}), block "
         f"{p.block_size}",
     ]
+    lines += _layer_kind_lines(w)
     lines += _slot_lines(w) if w.plan is None else _paged_lines(w)
     return "\n".join(lines)
+
+
+def _layer_kind_lines(w) -> list[str]:
+    """With sliding-window layers: the pool by layer kind against every layer full."""
+    from jax_dflash.cli.presets import human_bytes
+
+    kinds = w.pool_by_layer_kind()
+    if kinds is None:
+        return []
+    plan, layers = w.plan, w.preset.num_layers
+    windowed = len(kinds["window_layers"])
+    parts = []
+    for kind in plan.kinds:
+        count = windowed if kind.ring else layers - windowed
+        what = (
+            f"{kind.sequence_pages} ring pages per sequence"
+            if kind.ring
+            else f"up to {kind.sequence_pages} pages per sequence"
+        )
+        parts.append(
+            f"{count} {'window' if kind.ring else 'full'} layer{'s' * (count != 1)} x "
+            f"{kind.num_pages} pages ({what})"
+        )
+    lines = [
+        f"  pool by layer kind: {' + '.join(parts)} = {human_bytes(kinds['bytes'])}, against "
+        f"{human_bytes(kinds['all_full_bytes'])} with every layer full ({layers} x "
+        f"{kinds['all_full_pages_per_layer']} pages): {kinds['ratio']:.2f}x"
+    ]
+    if plan.mixed:
+        lines.append(
+            f"  (this run's pool is one layer-batched array, one launch for every layer: each "
+            f"layer has the full layers' {plan.num_pages} pages, "
+            f"{human_bytes(kinds['layer_batched_bytes'])}; the windowed layers use "
+            f"{plan.kinds[0].num_pages} of them)"
+        )
+    return lines
 
 
 def mean_accepted_length(w) -> float:
@@ -56,18 +93,32 @@ def _slot_lines(w) -> list[str]:
 
 def _paged_lines(w) -> list[str]:
     plan = w.plan
-    window = (
-        f", window {w.window} tokens in {plan.table_pages} ring pages"
-        if plan.ring
-        else f", table of {plan.table_pages} pages"
-    )
+    if plan.mixed:
+        ring, full = plan.kinds
+        window = (
+            f", a table of {plan.table_pages} pages per layer: window {w.window} tokens in "
+            f"{ring.sequence_pages} ring pages (repeated across it), full layers up to "
+            f"{full.sequence_pages}"
+        )
+        peak = (
+            f"peak {ring.peak_pages_in_use} of {ring.num_pages} window-layer and "
+            f"{full.peak_pages_in_use} of {full.num_pages} full-layer pages in use, at most "
+            f"{ring.most_pages_per_sequence} and {full.most_pages_per_sequence} per sequence"
+        )
+    else:
+        window = (
+            f", window {w.window} tokens in {plan.table_pages} ring pages"
+            if plan.ring
+            else f", table of {plan.table_pages} pages"
+        )
+        peak = f"peak {plan.peak_pages_in_use} of {plan.num_pages} pages in use"
     return [
         f"  paged contract: {w.batch} sequences in flight{window}; {len(plan.prompts)} "
         f"prompts prefilled into shared pages ({w.prefill_steps} untimed steps)",
         f"  {w.steps} steps, accept {w.accept.describe()}: {plan.accepted_tokens} tokens "
         f"accepted, {w.written_tokens} written; {plan.sequences_started} sequences started, "
         f"{plan.sequences_finished} finished; {plan.shared_page_references} shared prompt "
-        f"page references, peak {plan.peak_pages_in_use} of {plan.num_pages} pages in use"
+        f"page references, {peak}"
         + (f", {plan.ring_page_reuses} ring pages overwritten" if plan.ring else ""),
     ]
 
@@ -232,9 +283,11 @@ def run_summary(w, device, results) -> dict:
         "jax_version": jax.__version__,
         "contract": w.contract,
         "window": w.window,
+        "window_layers": None if w.window_layers is None else list(w.window_layers),
         "fused_norm": w.fused_norm,
         "shape": _shape(w),
         "pool_bytes_by_dtype": pool_memory(w),
+        "pool_by_layer_kind": w.pool_by_layer_kind(),
         "batch": w.batch,
         "steps": w.steps,
         "seed": w.seed,
@@ -280,9 +333,11 @@ def failure_lines(results) -> list[str]:
     lines = []
     for r in results:
         if r.check == "differs" and r.bit_exact_required:
+            layers = [str(n) for n, count in enumerate(r.mismatched_by_layer or ()) if count]
             lines.append(
                 f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
                 f"{r.mismatched_elements} of {r.checked_elements} elements"
+                + (f" (layers {', '.join(layers)})" if layers else "")
             )
         if r.readback is not None and not r.readback.passed:
             lines.append(f"{PROG}: check FAILED: read-back ({r.label}): {r.readback.failure}")
@@ -332,7 +387,20 @@ def _shape(w) -> dict:
 
 def _paged_summary(w) -> dict:
     plan = w.plan
-    summary = dict(num_pages=plan.num_pages, table_pages=plan.table_pages, ring=plan.ring)
+    ring = list(plan.ring) if plan.mixed else plan.ring
+    summary = dict(num_pages=plan.num_pages, table_pages=plan.table_pages, ring=ring)
     summary.update(prompts=len(plan.prompts), prefill_steps=w.prefill_steps)
     summary.update({name: getattr(plan, name) for name in _PAGED_COUNTS})
+    summary["page_kinds"] = [
+        dict(
+            ring=k.ring,
+            layers=list(range(w.preset.num_layers)) if k.layers is None else list(k.layers),
+            sequence_pages=k.sequence_pages,
+            num_pages=k.num_pages,
+            peak_pages_in_use=k.peak_pages_in_use,
+            most_pages_per_sequence=k.most_pages_per_sequence,
+            ring_page_reuses=k.ring_page_reuses,
+        )
+        for k in plan.kinds
+    ]
     return summary

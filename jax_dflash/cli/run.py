@@ -41,11 +41,16 @@ DESCRIPTION = textwrap.dedent("""\
     sequences are replaced by new ones started from a prompt pool, whose full pages
     are prefilled once and shared by every sequence using that prompt. --window N
     keeps a sliding window of N tokens per layer in N/P + 1 ring pages (ring=True).
+    A draft whose layer_types mix sliding_attention and full_attention layers keeps
+    the window in its sliding layers' rings and all of each sequence in its full
+    layers' growing pages: a page table per layer, one launch with a ring per layer
+    (paged contract only); the header prints its pool against every layer full.
 
     Checks: the final pools against the NumPy reference (jax_dflash.reference), bit for
     bit, replayed on the host; and a read-back check: attention of draft queries over
     the pool equals attention over keys and values recomputed from the features
-    without a cache, within the pool dtype's rounding.
+    without a cache, within the pool dtype's rounding (a windowed layer's queries
+    see their window, a full layer's attend causally).
 
     Summary: pool memory; steps/s (decode steps over the seconds until the device
     finished them) and accepted tokens/s: the median of interleaved, repeated replays
@@ -99,14 +104,16 @@ def _add_shape_flags(parser) -> None:
         type=named("contract", CONTRACTS),
         metavar="{slot,paged}",
         help="slot (Edge-LLM 0.10) or paged (0.11) addressing (default: the "
-        "preset's, slot for all but the sliding-window one)",
+        "preset's, slot for all but the sliding-window ones; a draft mixing "
+        "sliding-window and full layers runs paged only)",
     )
     parser.add_argument(
         "--window",
         type=positive_int,
         metavar="N",
-        help="sliding window of every draft layer, in tokens (a multiple of the "
-        "page size; paged contract; default: the preset's)",
+        help="sliding window, in tokens, of every draft layer, or of a mixed draft's "
+        "sliding_attention layers (a multiple of the page size; paged contract; "
+        "default: the preset's)",
     )
     parser.add_argument(
         "--backend",
@@ -254,6 +261,7 @@ def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
         kv_dtype=settings.pool_dtype,
         contract=settings.contract,
         window=settings.window,
+        window_layers=settings.window_layers,
         fused_norm=fused,
     )
     print(report.run_header(w, device), file=out, flush=True)

@@ -26,6 +26,7 @@ class RunSettings:
 
     contract: str
     window: int | None
+    window_layers: tuple[bool, ...] | None  # a mixed draft's windowed layers; None: all alike
     batch: int
     steps: int
     accept: object  # jax_dflash.cli.accept.AcceptDistribution
@@ -55,11 +56,23 @@ def _window(args, preset, contract: str) -> int | None:
     return window
 
 
+def _mixed_contract(preset, contract: str) -> None:
+    """A draft mixing windowed and full layers needs a ring for some layers and growing pages
+    for the others, which only page tables give."""
+    if preset.mixed and contract != "paged":
+        raise UsageError(
+            f"--contract {contract}: {preset.origin} mixes sliding-window and full layers "
+            f"(layer_types: {preset.layer_kinds()}); expected --contract paged (the default for "
+            f"it): the slot contract (Edge-LLM 0.10) has no ring pages for the window layers"
+        )
+
+
 def validate(args, preset) -> RunSettings:
     """Every flag of ``run`` checked before anything runs (no JAX needed)."""
     from jax_dflash.cli.accept import parse_accept
 
     contract = args.contract or preset.default_contract
+    _mixed_contract(preset, contract)
     window = _window(args, preset, contract)
     batch = args.batch if args.batch is not None else preset.default_batch
     steps = args.steps if args.steps is not None else preset.default_steps
@@ -83,7 +96,8 @@ def validate(args, preset) -> RunSettings:
         )
     delta = args.dtype or preset.dtype
     pool = args.kv_dtype or delta
-    return RunSettings(contract, window, batch, steps, accept, delta, pool)
+    window_layers = preset.window_layers if window is not None else None
+    return RunSettings(contract, window, window_layers, batch, steps, accept, delta, pool)
 
 
 def select_device(backend: str):

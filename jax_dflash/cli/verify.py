@@ -97,18 +97,20 @@ def gather_rope_host(rope: np.ndarray, positions: np.ndarray, owners: np.ndarray
 def paged_replay_groups(plan: allocator.PagedPlan, steps: range):
     """Consecutive steps merged into groups in which no pool row is written twice (a freed page
     reused, or a ring page overwritten, starts a new group): each group is one reference call,
-    and the groups in step order reproduce the run."""
+    and the groups in step order reproduce the run. Each kind of layer's pages counts apart."""
     P = plan.page_size
     group: list[int] = []
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     for i in steps:
-        pos, own, table = _step_arrays(plan, i)
+        pos, own, tables = _step_arrays(plan, i)
         mine = own >= 0
-        slot = pos[mine] // P
-        if plan.ring:
-            slot = slot % plan.table_pages
-        pages = table[own[mine], 0, slot].astype(np.int64)
-        rows = set((pages * P + pos[mine] % P).tolist())
+        rows = set()
+        for k, (kind, table) in enumerate(zip(plan.kinds, plan.kind_tables(tables))):
+            slot = pos[mine] // P
+            if kind.ring:  # the op's rule: the table's width, which a repeated ring fills
+                slot = slot % plan.table_pages
+            pages = table[own[mine], 0, slot].astype(np.int64)
+            rows |= {(k, row) for row in (pages * P + pos[mine] % P).tolist()}
         if group and (rows & seen):
             yield group
             group, seen = [], set()
@@ -198,7 +200,7 @@ class Checks:
             gather_rope_host(w.rope, pos, own),
             pos,
             own,
-            np.concatenate(tables),
+            np.concatenate(tables, axis=-3),  # the sequences' axis, of each layer's table
             ring=w.plan.ring,
             **extras,
         )
@@ -207,7 +209,8 @@ class Checks:
         """The sequences the read-back check samples (the same ones for a given seed), with the
         positions the run wrote and the pool still holds: in a slot, from the sequence's start
         (what lies before it was never written); in pages, the whole sequence, its shared prompt
-        pages included, or with a window what the ring still holds."""
+        pages included, or in a windowed layer what its ring still holds; and each layer's
+        window (a windowed layer's queries attend to it, a full layer's causally)."""
         w = self.plan
         rng = np.random.default_rng([w.seed, 1])
         return self._slot_views(rng) if w.plan is None else self._paged_views(rng)
@@ -225,13 +228,17 @@ class Checks:
                 p.pages_per_slot,
                 p.page_size,
                 b,
+                p.num_layers,
             )
             for b in sampled
         ]
 
     def _paged_views(self, rng) -> list[readback.SequenceView]:
-        plan = self.plan.plan
-        table = plan.decode.tables[-1]
+        plan, layers = self.plan.plan, self.plan.preset.num_layers
+        kinds = [plan.kinds[plan.kind_of(n)] for n in range(layers)]
+        tables = plan.decode.tables[-1]
+        if not plan.mixed:
+            tables = np.broadcast_to(tables, (layers, *tables.shape))
         views = []
         for n in rng.permutation(len(plan.final))[:READBACK_SEQUENCES]:
             f = plan.final[int(n)]
@@ -240,12 +247,14 @@ class Checks:
             views.append(
                 readback.paged_view(
                     f"sequence in table row {f.row}",
-                    table[f.row],
+                    tables[:, f.row],
                     pos,
                     streams,
                     self.plan.preset.page_size,
                     plan.num_pages,
-                    plan.ring,
+                    rings=tuple(kind.ring for kind in kinds),
+                    held_from=tuple(f.visible_starts[plan.kind_of(n)] for n in range(layers)),
+                    windows=tuple(self.plan.window if kind.ring else None for kind in kinds),
                 )
             )
         return views
