@@ -117,6 +117,8 @@ class PagedShape(_Common):
     batch: int = 0  # B (rows of the page table)
     table_pages: int = 0  # M
     table_per_layer: bool = False
+    # Every layer's ring, or one per layer (the layer-batched form): a tuple of bools.
+    ring: bool | tuple[bool, ...] = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +157,25 @@ def check_bool_attr(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a static bool, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def check_ring_attr(ring) -> bool | tuple[bool, ...]:
+    """``ring``: a static bool (every layer), or a tuple or list of static bools, one per layer
+    of the layer-batched form (the core checks the count against the pool's layers)."""
+    if isinstance(ring, (bool, np.bool_)):
+        return bool(ring)
+    if not isinstance(ring, (tuple, list)):
+        raise TypeError(
+            "ring: expected a static bool, or a tuple of static bools (one per layer), got "
+            f"{type(ring).__name__} {ring!r}"
+        )
+    for layer, entry in enumerate(ring):
+        if not isinstance(entry, (bool, np.bool_)):
+            raise TypeError(
+                f"ring: expected a static bool per layer, got {type(entry).__name__} {entry!r} "
+                f"for layer {layer}"
+            )
+    return tuple(bool(entry) for entry in ring)
 
 
 def check_norm_eps(norm_eps) -> float:
@@ -304,10 +325,12 @@ def check_update_paged(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    ring=False,
     tensorrt=False,
 ) -> PagedShape:
-    """Checks the paged-contract operands (anything with .shape and .dtype); returns their
-    sizes. The shapes are SPEC.md's, including the layer-batched form."""
+    """Checks the paged-contract operands (anything with .shape and .dtype) and ``ring`` (a
+    bool, or one per layer of the layer-batched form); returns their sizes. The shapes are
+    SPEC.md's, including the layer-batched form."""
     base = [
         k_delta,
         v_delta,
@@ -317,13 +340,15 @@ def check_update_paged(
         delta_token_to_sequence,
         kv_page_table,
     ]
-    p, common = _check_form("paged", base, k_scale, v_scale, k_norm_weight, tensorrt)
+    ring = check_ring_attr(ring)
+    p, common = _check_form("paged", base, k_scale, v_scale, k_norm_weight, tensorrt, ring=ring)
     return PagedShape(
         **common,
         tokens=p["num_tokens"],
         batch=p["batch"],
         table_pages=p["table_pages"],
         table_per_layer=p["table_per_layer"],
+        ring=p["ring"],
     )
 
 
@@ -387,4 +412,4 @@ def check_operands(operands, form: str, params: dict) -> UpdateShape | PagedShap
         return check_update(*base, params["pages_per_slot"], **extras)
     if form == "slot_mapping":
         return check_update_slots(*base, **extras)
-    return check_update_paged(*base, **extras)
+    return check_update_paged(*base, **extras, ring=params.get("ring", False))
