@@ -192,8 +192,8 @@ MIXED = ["full_attention", "sliding_attention"]
     [
         (
             dict(layer_types=MIXED, use_sliding_window=True, sliding_window=16),
-            "layer_types: expected every layer of one kind (the op writes every layer's pool in "
-            "one launch",
+            "layer_types: expected every layer of one kind (the run keeps one page table for "
+            "every layer",
         ),
         (dict(layer_types=["full_attention"]), "layer_types: expected a list of 2"),
         (

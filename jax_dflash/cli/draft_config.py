@@ -166,7 +166,8 @@ def _layer_types(config: dict, layers: int) -> list[str]:
 def _window(config: dict, layers: int) -> int | None:
     """Every layer's sliding window, or None. As in ``Qwen3Config``, ``sliding_window`` counts
     only with ``use_sliding_window``; then a ``sliding_attention`` layer keeps that window.
-    Windowed and full layers in one draft are refused."""
+    Windowed and full layers in one draft are refused: the run's page allocator keeps one table
+    for every layer."""
     use = config.get("use_sliding_window", False)
     if not isinstance(use, bool):
         raise ConfigError(f"use_sliding_window: expected true or false, got {use!r}")
@@ -178,9 +179,10 @@ def _window(config: dict, layers: int) -> int | None:
     sliding = _layer_types(config, layers).count(SLIDING)
     if 0 < sliding < layers:
         raise ConfigError(
-            f"layer_types: expected every layer of one kind (the op writes every layer's pool in "
-            f"one launch, with one ring setting; full and sliding-window layers in one launch are "
-            f"separate work), got {layers - sliding} {FULL} and {sliding} {SLIDING} (with "
+            f"layer_types: expected every layer of one kind (the run keeps one page table for "
+            f"every layer: a window's ring pages or a sequence's growing pages, not both; the op "
+            f"itself takes a per-layer ring), got {layers - sliding} {FULL} and {sliding} "
+            f"{SLIDING} (with "
             f"use_sliding_window and sliding_window {window})"
         )
     return window if sliding else None
