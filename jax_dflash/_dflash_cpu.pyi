@@ -48,14 +48,14 @@ def target_kv_cache_update_paged(
     v_scale: np.ndarray | None = None,
     k_norm_weight: np.ndarray | None = None,
     *,
-    ring: bool = False,
+    ring: bool | Sequence[bool] = False,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
     delta_dtype: str | Any = "",
     pool_dtype: str | Any = "",
 ) -> None:
     """Updates ``pool`` in place: the paged contract of docs/SPEC.md; the arrays and keywords as
-    in target_kv_cache_update."""
+    in target_kv_cache_update. ``ring``: a bool, or one bool per layer of a layer-batched pool."""
 
 def update(
     form: str,
@@ -65,7 +65,7 @@ def update(
     k_norm_weight: np.ndarray | None = None,
     *,
     pages_per_slot: int | None = None,
-    ring: bool | None = None,
+    ring: bool | Sequence[bool] | None = None,
     v_norm: bool = False,
     norm_eps: float = 1e-6,
     delta_dtype: str | Any = "",
@@ -79,7 +79,7 @@ def check_call(
     operands: Sequence[tuple[str, Sequence[int | None]]],
     *,
     pages_per_slot: int = 0,
-    ring: bool = False,
+    ring: bool | Sequence[bool] = False,
     k_norm: bool = False,
     v_norm: bool = False,
     norm_eps: float,

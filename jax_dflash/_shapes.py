@@ -83,6 +83,8 @@ class CallShape:
     rope_seq_len: int  # S
     table_pages: int  # M
     table_per_layer: bool
+    # The paged form's ring: every layer's, or one per layer (the layer-batched form).
+    ring: bool | tuple[bool, ...] = False
 
     @property
     def dtype(self) -> np.dtype:
@@ -141,6 +143,25 @@ def check_bool_attr(name: str, value) -> bool:
     return bool(value)
 
 
+def check_ring_attr(ring) -> bool | tuple[bool, ...]:
+    """``ring``: a static bool (every layer), or a tuple or list of static bools, one per layer
+    of the layer-batched form (the core checks the count against the pool's layers)."""
+    if isinstance(ring, (bool, np.bool_)):
+        return bool(ring)
+    if not isinstance(ring, (tuple, list)):
+        raise TypeError(
+            "ring: expected a static bool, or a tuple of static bools (one per layer), got "
+            f"{type(ring).__name__} {ring!r}"
+        )
+    for layer, entry in enumerate(ring):
+        if not isinstance(entry, (bool, np.bool_)):
+            raise TypeError(
+                f"ring: expected a static bool per layer, got {type(entry).__name__} {entry!r} "
+                f"for layer {layer}"
+            )
+    return tuple(bool(entry) for entry in ring)
+
+
 def check_norm_eps(norm_eps) -> float:
     """A static Python float; the core decides whether its value is valid (finite, > 0 and a
     normal float32)."""
@@ -155,15 +176,11 @@ def check_norm_eps(norm_eps) -> float:
     return float(norm_eps)
 
 
-def _check_ring(ring) -> bool:
-    return check_bool_attr("ring", ring)
-
-
 # The static value each form attribute takes in the Python API (the row says which a form has;
 # their rules are the core's): its check, and its value when not given (None: required).
 _ATTRIBUTE_CHECKS = {
     "pages_per_slot": (check_pages_per_slot, None),
-    "ring": (_check_ring, False),
+    "ring": (check_ring_attr, False),
 }
 
 
@@ -289,6 +306,7 @@ def check_form(
         rope_seq_len=p["rope_seq_len"],
         table_pages=p["table_pages"],
         table_per_layer=p["table_per_layer"],
+        ring=p.get("ring", False),
     )
 
 
@@ -328,13 +346,14 @@ def check_update_paged(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    ring=False,
     tensorrt=False,
 ) -> CallShape:
     """:func:`check_form` of the paged contract."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin]
     base += [delta_positions, delta_token_to_sequence, kv_page_table]
     extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
-    return check_form("paged", base, **extras, tensorrt=tensorrt)
+    return check_form("paged", base, **extras, ring=ring, tensorrt=tensorrt)
 
 
 def check_update_slots(

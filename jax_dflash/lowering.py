@@ -14,7 +14,8 @@ POOL_OPERAND = FORMS["slot"]["operands"].index("past_key_value")  # result 0 ali
 SLOT_TARGET = FORMS["slot"]["ffi_target"]
 PAGED_TARGET = FORMS["paged"]["ffi_target"]
 
-# The handlers' attribute types (SPEC.md's ABI): a form's own attributes, then the norms'.
+# The handlers' attribute types (SPEC.md's ABI): a form's own attributes, then the norms'. A
+# per-layer ring (a tuple) is an int8 array of 0/1 entries (XLA's FFI has no bool arrays).
 ATTRIBUTE_TYPES = {
     "pages_per_slot": np.int64,
     "ring": np.bool_,
@@ -23,6 +24,12 @@ ATTRIBUTE_TYPES = {
     "norm_eps": np.float32,
 }
 _NORM_ATTRIBUTES = ("k_norm", "v_norm", "norm_eps")
+
+
+def _attribute(name: str, value):
+    if isinstance(value, tuple):  # one ring entry per layer
+        return np.asarray(value, np.int8)
+    return ATTRIBUTE_TYPES[name](value)
 
 
 def lowering_for(form: str):
@@ -42,7 +49,7 @@ def lowering_for(form: str):
                 )
             _ext.ensure_registered(platform)
             # Typed NumPy scalars: the handlers bind int64, bool (i1) and float32 attributes.
-            return lower(ctx, *operands, **{n: ATTRIBUTE_TYPES[n](params[n]) for n in names})
+            return lower(ctx, *operands, **{n: _attribute(n, params[n]) for n in names})
 
         return rule
 

@@ -25,6 +25,7 @@ from jax_dflash._shapes import (
     check_norm_eps,
     check_operands,
     check_pages_per_slot,
+    check_ring_attr,
     takes_scales,
 )
 from jax_dflash.contract import DEFAULT_NORM_EPS
@@ -269,7 +270,7 @@ def target_kv_cache_update_paged(
     delta_token_to_sequence: jax.Array,
     kv_page_table: jax.Array,
     *,
-    ring: bool = False,
+    ring: bool | tuple[bool, ...] = False,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     k_norm_weight: jax.Array | None = None,
@@ -297,7 +298,10 @@ def target_kv_cache_update_paged(
         valid in ``[N, 2N)`` (V ids offset by ``N``). ``jax_dflash.identity_page_table`` gives the
         slot layout. Index operands must be int32 arrays already (they are never converted).
       ring: static bool: page slot ``(p // P) % M`` instead of ``p // P`` (a sliding window of
-        ``M`` pages per sequence; without it ``p // P >= M`` writes nothing).
+        ``M`` pages per sequence; without it ``p // P >= M`` writes nothing). In the
+        layer-batched form also a tuple of static bools, one per layer: layer ``l`` takes the
+        ring where ``ring[l]`` is true, so the sliding-window and full layers of one draft are
+        written by one launch (a bool is every layer's).
       k_scale, v_scale, k_norm_weight, norm_eps, v_norm: as in
         :func:`target_kv_cache_update`.
 
@@ -311,7 +315,8 @@ def target_kv_cache_update_paged(
     Layer-batched form: a leading ``layers`` axis on ``k_delta``/``v_delta`` (``[layers, T, H,
     D]``) and the pool, optionally on ``rope_cos_sin`` (``[layers, T, R]``), positions/owners
     (``[layers, T]``, both or neither), the table (``[layers, B, 2, M]``), the scales and the
-    weight; one launch. ``jax.vmap`` produces it.
+    weight, and a per-layer ``ring``; one launch. ``jax.vmap`` produces it (the vmapped call's
+    bool ``ring`` then holds for every layer).
 
     In place and donation: as in :func:`target_kv_cache_update`. Sharded: the pool may be split
     on its KV heads and on layers only (the table addresses any page, so the pages cannot be
@@ -328,9 +333,7 @@ def target_kv_cache_update_paged(
         _index_operand("kv_page_table", kv_page_table),
     ]
     k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
-    params = dict(
-        ring=check_bool_attr("ring", ring), **_norm_params(k_norm_weight, v_norm, norm_eps)
-    )
+    params = dict(ring=check_ring_attr(ring), **_norm_params(k_norm_weight, v_norm, norm_eps))
     _check_cached("paged", dict(ring=params["ring"]), base, (k_scale, v_scale, k_norm_weight))
     extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
     return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
@@ -521,6 +524,10 @@ def _batching_rule_for(primitive, form: str):
         inner_pool_rank = pool.ndim - mapped[POOL_OPERAND]
         if inner_pool_rank == _BASE_POOL_RANK + 1:
             return _nested(primitive, args, mapped, kinds, size, params)
+        if isinstance(params.get("ring"), tuple):
+            # Per-layer rings on one layer's call (a hand-bound primitive): the core's refusal.
+            inner = [_Aval(x.shape[1:] if m else x.shape, x.dtype) for x, m in zip(args, mapped)]
+            check_operands(inner, form, params)
 
         per_layer = [m or k == "always" for m, k in zip(mapped, kinds)]
         for group in groups_all:
@@ -556,6 +563,8 @@ def _nested(primitive, args, mapped, kinds, size, params):
         elif kind != "always" and inner_rank == kind:  # shared -> per layer
             x = jnp.broadcast_to(x[:, None], (size, layers, *x.shape[1:]))
         out.append(x.reshape(size * layers, *x.shape[2:]))
+    if isinstance(params.get("ring"), tuple):  # layer s * layers + l is layer l of its call
+        params = dict(params, ring=params["ring"] * size)
     result = primitive.bind(*out, **params)
     return result.reshape(size, layers, *result.shape[1:]), 0
 

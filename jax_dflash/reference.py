@@ -228,7 +228,8 @@ def _layer_slice(x, per_layer, layer):
 def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v_norm, eps):
     """A new pool: ``update_layer`` applied to each layer's operands (the layer-batched form
     slices every operand that carries a leading layers axis, one more dim than ``base_ranks``;
-    the extras likewise). ``static`` follows the base operands."""
+    the extras likewise). ``static`` follows the base operands: a tuple, or a function of the
+    layer that returns one (a per-layer ring)."""
     pool = args[2]
     out = pool.copy()
     layered = pool.ndim == 6
@@ -243,7 +244,7 @@ def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v
         with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
             update_layer(
                 *operands,
-                *static,
+                *(static(layer) if callable(static) else static),
                 pool_dtype=pool.dtype,
                 rotary_dim=rotary_dim,
                 inv_k=_conversion_scale(at(ks, ks is not None and ks.ndim == 2), pool.dtype),
@@ -255,9 +256,8 @@ def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v
     return out
 
 
-def _options(v_norm, norm_eps, ring=False):
+def _options(v_norm, norm_eps):
     _shapes.check_bool_attr("v_norm", v_norm)
-    _shapes.check_bool_attr("ring", ring)
     return np.float32(_shapes.check_norm_eps(norm_eps))
 
 
@@ -383,8 +383,9 @@ def target_kv_cache_update_paged(
     v_norm=False,
 ) -> np.ndarray:
     """Returns a new pool: ``past_key_value`` with the tokens written (SPEC.md, the paged
-    contract, with the ring option). Accepts the unbatched and layer-batched forms of
-    :func:`jax_dflash.target_kv_cache_update_paged`; the input arrays are not modified."""
+    contract, with the ring option: a bool, or in the layer-batched form one per layer). Accepts
+    the unbatched and layer-batched forms of :func:`jax_dflash.target_kv_cache_update_paged`;
+    the input arrays are not modified."""
     args = [
         np.asarray(a)
         for a in (
@@ -398,14 +399,14 @@ def target_kv_cache_update_paged(
         )
     ]
     extras = _extras(k_scale, v_scale, k_norm_weight)
-    _shapes.check_update_paged(*args, **extras)
-    eps = _options(v_norm, norm_eps, ring)
+    ring = _shapes.check_update_paged(*args, **extras, ring=ring).ring
+    eps = _options(v_norm, norm_eps)
     return _each_layer(
         _paged_layer,
         args,
         base_ranks=(3, 3, 5, 2, 1, 1, 3),
         extras=extras,
-        static=(bool(ring),),
+        static=lambda layer: (ring[layer] if isinstance(ring, tuple) else ring,),
         rotary_dim=args[3].shape[-1],
         v_norm=v_norm,
         eps=eps,

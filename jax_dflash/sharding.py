@@ -4,7 +4,8 @@ The pool's sharding decides. Each shard runs the same kernel on its own blocks, 
 communication, when the pool is split on:
 
 - the KV heads ``H`` (tensor parallel), every form: every shard updates its heads;
-- the ``layers`` axis of the layer-batched form, every form;
+- the ``layers`` axis of the layer-batched form, every form (a per-layer ``ring`` must then
+  be the same on every shard's layers);
 - the slots, slot contract only: ``numPages`` in whole slots (data parallel). Shard ``i`` of
   ``s`` holds slots ``[i * B/s, (i + 1) * B/s)`` and sequences ``[i * B/s, (i + 1) * B/s)``, so
   its local update is the global one restricted. This needs every slot in use (``B *
@@ -363,6 +364,8 @@ def _plan_dims(shape, dims, shards: Callable | None) -> Split:
             f"past_key_value: {spec_txt} splits {shape.num_layers} layers (dim 0) over "
             f"{shards(split.layers)} shards, which does not divide them"
         )
+    if split.layers:
+        _shard_ring(shape, shards(split.layers), spec_txt)
     heads = shards(split.heads)
     if shape.num_kv_heads % heads:
         raise ValueError(
@@ -387,6 +390,26 @@ def _plan_dims(shape, dims, shards: Callable | None) -> Split:
     return split
 
 
+def _shard_ring(shape, shards: int, spec_txt: str = ""):
+    """The ``ring`` each of ``shards`` layer shards runs with: its slice of a per-layer ring,
+    which must be the same slice on every shard (each shard runs the same call, and its ring
+    is static); a bool as it is."""
+    ring = getattr(shape, "ring", False)
+    if not isinstance(ring, tuple):
+        return ring
+    per = len(ring) // shards
+    pieces = [ring[i * per : (i + 1) * per] for i in range(shards)]
+    differ = [i for i, piece in enumerate(pieces) if piece != pieces[0]]
+    if differ:
+        raise ValueError(
+            f"past_key_value: {spec_txt} splits {len(ring)} layers (dim 0) over {shards} shards "
+            f"whose per-layer rings differ (ring {ring}: {pieces[0]} on shard 0, "
+            f"{pieces[differ[0]]} on shard {differ[0]}); every shard runs one call with a static "
+            "ring, so order the layers to give each shard the same rings, or replicate dim 0"
+        )
+    return pieces[0]
+
+
 def _is_local_slice(given: list[tuple[str, ...]], wanted: list[tuple[str, ...]]) -> bool:
     """Whether going from ``given`` to ``wanted`` only slices locally (no communication)."""
     return all(w[: len(g)] == g for g, w in zip(given, wanted))
@@ -400,6 +423,8 @@ def _partition(primitive, contract, params, mesh, arg_shapes, result_shape):
     specs = operand_specs(shape, split)
     names = operand_names(contract, shape.pool_dtype, shape.k_norm)
     pool_txt = _spec_text(_spec_axes(specs[POOL], len(specs[POOL])))
+    if split.layers and "ring" in params:  # each shard's layers take their own rings
+        params["ring"] = _shard_ring(shape, _shards(mesh, split.layers), f"sharding {pool_txt}")
     for i, (arg, spec) in enumerate(zip(arg_shapes, specs)):
         ndim = len(arg.shape)
         given = _dim_axes(arg.sharding, ndim, names[i])

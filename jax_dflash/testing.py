@@ -273,7 +273,7 @@ class PagedProblem(_Extras):
     delta_positions: np.ndarray
     delta_token_to_sequence: np.ndarray
     kv_page_table: np.ndarray
-    ring: bool = False
+    ring: bool | tuple[bool, ...] = False  # a tuple: one per layer (the layer-batched form)
 
     def args(self):
         return (
@@ -434,7 +434,7 @@ def make_paged_problem(
         positions,
         owners,
         table,
-        bool(ring),
+        tuple(bool(r) for r in ring) if isinstance(ring, (tuple, list)) else bool(ring),
         **dataclasses.asdict(extras),
     )
 

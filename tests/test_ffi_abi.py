@@ -72,6 +72,8 @@ def _base_call(contract: str, problem) -> Call:
     attrs = {}
     if contract == "slot":
         attrs["pages_per_slot"] = np.int64(problem.pages_per_slot)
+    elif isinstance(problem.ring, tuple):  # one 0/1 entry per layer, an int8 array
+        attrs["ring"] = np.asarray(problem.ring, np.int8)
     elif problem.ring:
         attrs["ring"] = np.bool_(True)
     if problem.k_norm_weight is not None:
@@ -265,6 +267,8 @@ _LAYERED_PAGED = (
     ("ring", True),
 )
 _NORMS = (("k_norm", True), ("v_norm", True))
+# A draft of sliding-window and full layers: one ring entry per layer.
+_PER_LAYER_RING = (("layers", 3), ("ring", (True, False, True)))
 
 
 def _both_contracts(name, problem, mutate, expect):
@@ -304,6 +308,13 @@ def _cases() -> list[Case]:
     slot("ok_layered_all_extras_per_layer", _LAYERED_SLOT, None, OK)
     paged("ok_layered_all_extras_per_layer", _LAYERED_PAGED, None, OK)
     paged("ok_ring", (("ring", True),), None, OK)
+    paged("ok_per_layer_ring", _PER_LAYER_RING, None, OK)
+    paged(
+        "ok_layered_all_extras_per_layer_ring",
+        (*_LAYERED_PAGED[:-1], ("ring", (False, True))),
+        None,
+        OK,
+    )
     slot("ok_pages_per_slot_int32", (), _attr(pages_per_slot=np.int32(2)), OK)
     both("ok_result_not_aliased", _fp8(k_norm=True), _no_alias, OK)
     both(
@@ -464,6 +475,30 @@ def _cases() -> list[Case]:
     )
     both("v_norm_given_as_string", (), _attr(v_norm="true"), ("v_norm",))
     paged("ring_given_as_int", (("ring", True),), _attr(ring=np.int32(1)), ("ring", "bool"))
+    paged(
+        "per_layer_ring_as_int32",
+        _PER_LAYER_RING,
+        _attr(ring=np.array([1, 0, 1], np.int32)),
+        ("ring", "int8 array"),
+    )
+    paged(
+        "per_layer_ring_entry_2",
+        _PER_LAYER_RING,
+        _attr(ring=np.array([1, 2, 0], np.int8)),
+        ("ring", "0 or 1", "got 2 for layer 1"),
+    )
+    paged(
+        "per_layer_ring_one_short",
+        _PER_LAYER_RING,
+        _attr(ring=np.array([1, 0], np.int8)),
+        ("ring", "one entry per layer, 3", "got entries for 2 layers"),
+    )
+    paged(
+        "per_layer_ring_unbatched",
+        (),
+        _attr(ring=np.array([1], np.int8)),
+        ("ring", "layer-batched form", "expected a bool"),
+    )
     both(
         "norm_eps_float64",
         (("v_norm", True),),

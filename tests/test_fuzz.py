@@ -163,6 +163,11 @@ def paged_problem(seed):
     tokens = _count(rng, batch * table_pages * page_size)
     per_layer = layers is not None
     ring = bool(rng.random() < 0.4)
+    # Some layered problems mix ring and full layers (their own generator: the other draws of a
+    # seed stay as they were).
+    mix = np.random.default_rng([10, seed])
+    if per_layer and mix.random() < 0.4:
+        ring = tuple(bool(r) for r in mix.random(layers) < 0.5)
     problem = make_paged_problem(
         rng,
         tokens=tokens,

@@ -672,7 +672,7 @@ BAD_CALLS = [
         {},
         _set_kw(ring="yes"),
         TypeError,
-        ("ring: expected a bool, got str 'yes'",),
+        ("ring: expected a bool, or a sequence of bools (one per layer), got str 'yes'",),
         ("paged",),
     ),
     Bad(

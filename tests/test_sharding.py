@@ -353,6 +353,14 @@ def cases(num_devices: int) -> list[Case]:
             ),
             contract="paged",
         ),
+        # Per-layer rings split with the layers: every shard's layers take (ring, no ring).
+        Case(
+            "paged_layered_layers_per_layer_ring",
+            x,
+            dict(layers=2 * n, tokens=9, batch=2, heads=2, hostile=True, ring=(True, False) * n),
+            paged_partition_specs(layer_axis="x", layered=True),
+            contract="paged",
+        ),
         Case(
             "paged_eager",
             x,
@@ -386,6 +394,15 @@ def cases(num_devices: int) -> list[Case]:
             expect="error",
             contract="paged",
             match=("past_key_value", "dim 3 (P)", "the layers (dim 0)"),
+        ),
+        Case(
+            "error_paged_per_layer_rings_differ_between_shards",
+            x,
+            dict(layers=2 * n, tokens=6, batch=2, heads=2, ring=(True,) * n + (False,) * n),
+            paged_partition_specs(layer_axis="x", layered=True),
+            expect="error",
+            contract="paged",
+            match=("past_key_value", "per-layer rings differ", "(True, True) on shard 0", "ring"),
         ),
         Case(
             "warn_paged_table_split",
@@ -478,7 +495,8 @@ def _op(case: Case, operands, extras, static):
     def fn(*ops):
         return op(*ops[:base], **static, **dict(zip(extras, ops[base:])))
 
-    if "layers" in case.problem:
+    # vmap's calls take one bool ring: a per-layer ring is the layer-batched call itself.
+    if "layers" in case.problem and not isinstance(static.get("ring"), tuple):
         ranks = _BASE_RANKS[case.contract] + tuple(_EXTRA_RANKS[n] for n in extras)
         fn = jax.vmap(fn, in_axes=tuple(0 if a.ndim > r else None for a, r in zip(operands, ranks)))
     return fn, op, base

@@ -144,6 +144,10 @@ struct KVUpdateParams {
   bool scale_per_layer = false;
   bool weight_per_layer = false;
   bool ring = false;  // paged: page index (p / P) % M instead of dropping p / P >= M
+  // Paged, layer-batched: layer l's ring is ring_layers[l] != 0, in place of `ring` (a draft whose
+  // sliding-window layers share a launch with its full ones); null when every layer has `ring`.
+  // Host memory, read while a launch is set up (never by a GPU thread).
+  int8_t const* ring_layers = nullptr;
   bool k_norm = false;
   bool v_norm = false;
   float norm_eps = kDefaultNormEps;
@@ -229,7 +233,6 @@ DFLASH_HOST_DEVICE uint32_t cap_at_int32(int64_t n) {
 struct PagedAddressing {
   uint32_t batch = 0;        // B: owner b is written iff uint32(b) < batch
   uint32_t table_pages = 0;  // M: page index i is in the table iff i < M
-  bool ring = false;         // page index (p / P) % M instead of dropping p / P >= M (M > 0)
   Divisor31 page;            // P (capped: the same quotient and remainder for any int32 position)
   Divisor31 table;           // M (capped), for the ring's remainder
   int64_t page_size = 0;     // P
@@ -238,13 +241,30 @@ struct PagedAddressing {
   uint32_t k_pages = 0;      // K ids in [0, k_pages): N
   uint32_t v_first = 0;      // V ids in [v_first, v_first + v_pages): [N, 2N), as far as int32
   uint32_t v_pages = 0;      // reaches (none when N >= 2^31)
+  // Bit i: layer first + i of the addressed layers takes the ring, page index (p / P) % M instead
+  // of dropping p / P >= M (never when M = 0). Every bit alike when all layers share `ring`, so any
+  // layer may read it; per-layer rings address at most 64 layers at a time.
+  uint64_t ring_bits = 0;
 };
 
-DFLASH_HOST_DEVICE PagedAddressing paged_addressing(KVUpdateParams const& p) {
+inline constexpr int64_t kRingMaskLayers = 64;
+
+// The ring bits of layers [first, first + 64), on the host (ring_layers is host memory).
+inline uint64_t ring_mask(KVUpdateParams const& p, int64_t first) {
+  if (p.table_pages <= 0) return 0;
+  if (p.ring_layers == nullptr) return p.ring ? ~uint64_t(0) : 0;
+  uint64_t mask = 0;
+  for (int64_t i = 0; i < kRingMaskLayers && first + i < p.num_layers; ++i)
+    mask |= uint64_t(p.ring_layers[first + i] != 0) << i;
+  return mask;
+}
+
+// The constants of the layers from `first` on (the ring bits of 64 of them).
+inline PagedAddressing paged_addressing(KVUpdateParams const& p, int64_t first = 0) {
   PagedAddressing a;
   a.batch = cap_at_int32(p.batch);
   a.table_pages = cap_at_int32(p.table_pages);
-  a.ring = p.ring && p.table_pages > 0;
+  a.ring_bits = ring_mask(p, first);
   a.page = divisor31(cap_at_int32(p.page_size));
   a.table = divisor31(a.table_pages);
   a.page_size = p.page_size;
@@ -259,20 +279,25 @@ DFLASH_HOST_DEVICE PagedAddressing paged_addressing(KVUpdateParams const& p) {
   return a;
 }
 
+// Whether layer first + i (i < 64) takes the ring: one bit test, the same for a whole layer.
+DFLASH_HOST_DEVICE bool layer_ring(PagedAddressing const& a, uint32_t i) {
+  return ((a.ring_bits >> (i & uint32_t(kRingMaskLayers - 1))) & 1u) != 0;
+}
+
 // Steps 1-2: the entry of token (owner, pos) in its sequence's K row of the page table,
 // [b, 0, page] (the V page is M entries further), counted from the layer's table; -1 when nothing
 // is written (owner outside [0, B), negative position, page index past M without ring).
-// *row = pos % P. Branch-free but for the ring's choice, which is the same for every token. A
-// layer's table starts layer * table_layer entries in.
-DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, int32_t owner, int32_t pos,
+// *row = pos % P. Branch-free but for the ring's choice (layer_ring), which is the same for every
+// token of a layer. A layer's table starts layer * table_layer entries in.
+DFLASH_HOST_DEVICE int64_t page_table_entry(PagedAddressing const& a, bool ring, int32_t owner, int32_t pos,
                                             uint32_t* row) {
   uint32_t const upos = uint32_t(pos);  // for pos < 0 the quotients below are unused
   uint32_t const page = quotient(a.page, upos);
   *row = upos - page * a.page.d;
   // page % M under ring; else the page itself, which is the entry whenever it is in the table (the
   // remainder's two products stay off the GPU's path from the positions to the page-table load).
-  uint32_t const wrapped = a.ring ? page - quotient(a.table, page) * a.table.d : page;
-  bool const in_table = page < a.table_pages || a.ring;
+  uint32_t const wrapped = ring ? page - quotient(a.table, page) * a.table.d : page;
+  bool const in_table = page < a.table_pages || ring;
   // Selected, not branched to: the product then reads its constant before the test is known.
   // Unsigned, as it is also formed for owners outside [0, B), whose products are never used.
   uint64_t const entry = uint64_t(uint32_t(owner)) * uint64_t(a.table_row) + wrapped;

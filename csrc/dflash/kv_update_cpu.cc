@@ -475,13 +475,14 @@ void update_slot(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
 }
 
 void update_paged(KVUpdateParams const& p, HeadWriter& heads, int64_t layer) {
-  PagedAddressing const addressing = paged_addressing(p);
+  PagedAddressing const addressing = paged_addressing(p, layer);  // bit 0 is this layer's ring
+  bool const ring = layer_ring(addressing, 0);
   int32_t const* const table = p.page_table + layer * addressing.table_layer;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     int32_t const owner = p.token_to_sequence[position_index(p, layer, t)];
     int32_t const pos = p.delta_positions[position_index(p, layer, t)];
     uint32_t row;
-    int64_t const entry = page_table_entry(addressing, owner, pos, &row);
+    int64_t const entry = page_table_entry(addressing, ring, owner, pos, &row);
     if (entry < 0) continue;
     PoolRows const rows = paged_rows(addressing, table[entry], table[entry + p.table_pages], row);
     if (rows.k_row < 0) continue;

@@ -575,8 +575,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     int32_t const* const k_table = p.page_table + int64_t(layer) * constants.paged.table_layer;
     int32_t const* const v_table = k_table + p.table_pages;
     keep_computed(k_table), keep_computed(v_table);
+    // The launch's layers are at most 64 deep under per-layer rings (the launcher splits them).
+    bool const ring = layer_ring(constants.paged, blockIdx.z);
     auto look_up = [&] {
-      int64_t const entry = page_table_entry(constants.paged, owner, pos, &page_row);
+      int64_t const entry = page_table_entry(constants.paged, ring, owner, pos, &page_row);
       if (entry >= 0) {
         k_page = __ldg(k_table + entry);
         v_page = __ldg(v_table + entry);
@@ -796,13 +798,17 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.head_groups = uint32_t(head_groups);
   KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
-  // Slots and layers beyond a grid's 65535 go to further launches.
-  for (int64_t layer = 0; layer < p.num_layers; layer += kMaxGridYZ) {
+  // Slots and layers beyond a grid's 65535 go to further launches; per-layer rings, whose bits a
+  // launch carries for 64 layers, to launches of 64 layers.
+  int64_t const layers_per_launch =
+      C == Contract::kPaged && p.ring_layers != nullptr ? kRingMaskLayers : kMaxGridYZ;
+  for (int64_t layer = 0; layer < p.num_layers; layer += layers_per_launch) {
+    if constexpr (C == Contract::kPaged) constants.paged.ring_bits = ring_mask(p, layer);
     for (int64_t slot = 0; slot < sequences; slot += kMaxGridYZ) {
       g.slot_base = uint32_t(slot);
       g.layer_base = uint32_t(layer);
       dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
-                      unsigned(std::min(kMaxGridYZ, p.num_layers - layer))};
+                      unsigned(std::min(layers_per_launch, p.num_layers - layer))};
       kernel<<<grid, block, 0, stream>>>(p, constants);
       if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
     }

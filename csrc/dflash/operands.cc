@@ -180,6 +180,31 @@ std::string check_tensorrt_profile(Checker& c, int32_t count, bool* type_error) 
   return {};
 }
 
+// Per-layer rings (UpdateAttrs::ring_layers): a form with ring, the layer-batched form, one entry
+// per layer, each 0 or 1.
+std::string check_ring_layers(UpdateAttrs const& attrs, TensorDesc const& pool, bool layered,
+                              bool need_data) {
+  if (attrs.ring_layer_count < 0) return {};
+  AddressingForm const& form = addressing_form(attrs.contract);
+  std::string const given =
+      "entries for " + str(attrs.ring_layer_count) + (attrs.ring_layer_count == 1 ? " layer" : " layers");
+  if (!form.has_ring) return std::string("ring: the ") + form.name + " form takes no ring, got " + given;
+  if (!layered)
+    return "ring: per-layer entries are for the layer-batched form (past_key_value of rank 6, [layers, 2, N, "
+           "P, H, D]); expected a bool for past_key_value of shape " +
+           dims_text(pool) + ", got " + given;
+  if (known(pool.dims[0]) && attrs.ring_layer_count != pool.dims[0])
+    return "ring: expected one entry per layer, " + str(pool.dims[0]) + " (past_key_value dim 0), got " +
+           given;
+  if (attrs.ring_layers == nullptr)
+    return need_data && attrs.ring_layer_count > 0 ? "ring: the per-layer entries are null" : "";
+  for (int64_t l = 0; l < attrs.ring_layer_count; ++l)
+    if (attrs.ring_layers[l] != 0 && attrs.ring_layers[l] != 1)
+      return "ring: expected per-layer entries 0 or 1 (false or true), got " + str(attrs.ring_layers[l]) +
+             " for layer " + str(l);
+  return {};
+}
+
 }  // namespace
 
 char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count) {
@@ -388,6 +413,8 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   int64_t const layers = layered ? pool.dims[0] : 1;
   if (!same(pool.dims[lead], 2))
     return c.fail_shape(kPoolOperand, "dim " + str(lead) + " == 2 (K and V planes)"), c.error();
+  if (std::string e = check_ring_layers(attrs, pool, layered, need_data); !e.empty()) return e;
+  p.ring_layers = attrs.ring_layer_count >= 0 ? attrs.ring_layers : nullptr;
   p.num_layers = layers;
   p.num_pages = pool.dims[lead + 1];
   p.page_size = pool.dims[lead + 2];

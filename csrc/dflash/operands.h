@@ -29,7 +29,12 @@ struct TensorDesc {
 struct UpdateAttrs {
   Contract contract = Contract::kSlot;
   int64_t pages_per_slot = 0;  // slot contract, > 0
-  bool ring = false;           // paged contract
+  bool ring = false;           // paged contract: every layer's pages are a ring
+  // Paged contract, layer-batched form: one entry per layer (0 or 1: that layer's pages are a
+  // ring) in place of `ring`; ring_layer_count < 0 when not given. The caller keeps the entries
+  // alive for the call; they may be null where only shapes are checked (the count still is).
+  int8_t const* ring_layers = nullptr;
+  int64_t ring_layer_count = -1;
   bool k_norm = false;         // k_norm_weight is an operand
   bool v_norm = false;
   float norm_eps = kDefaultNormEps;

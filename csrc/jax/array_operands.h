@@ -83,6 +83,41 @@ inline bool bool_argument(nb::handle value, char const* name) {
   return PyObject_IsTrue(value.ptr()) == 1;
 }
 
+// ring: a bool (every layer), or a sequence of bools, one per layer of the layer-batched form (a
+// NumPy bool array too). Holds the per-layer entries that UpdateAttrs points to, for the call.
+struct RingArgument {
+  bool ring = false;
+  bool per_layer = false;
+  std::vector<int8_t> layers;
+
+  void apply(UpdateAttrs& attrs) const {
+    attrs.ring = ring;
+    attrs.ring_layers = per_layer ? layers.data() : nullptr;
+    attrs.ring_layer_count = per_layer ? int64_t(layers.size()) : -1;
+  }
+};
+inline RingArgument ring_argument(nb::handle value) {
+  RingArgument out;
+  if (is_bool(value)) {
+    out.ring = PyObject_IsTrue(value.ptr()) == 1;
+    return out;
+  }
+  if (!nb::isinstance<nb::sequence>(value) || PyUnicode_Check(value.ptr()) || PyBytes_Check(value.ptr()))
+    throw nb::type_error(
+        ("ring: expected a bool, or a sequence of bools (one per layer), got " + given_value(value)).c_str());
+  nb::sequence const entries = nb::borrow<nb::sequence>(value);
+  out.per_layer = true;
+  for (size_t l = 0; l < nb::len(entries); ++l) {
+    nb::object const entry = entries[l];
+    if (!is_bool(entry))
+      throw nb::type_error(
+          ("ring: expected a bool per layer, got " + given_value(entry) + " for layer " + std::to_string(l))
+              .c_str());
+    out.layers.push_back(int8_t(PyObject_IsTrue(entry.ptr()) == 1));
+  }
+  return out;
+}
+
 // A Python or NumPy float or int (not a bool); its value is the core's to judge.
 inline float float_argument(nb::handle value, char const* name) {
   nb::module_ const np = numpy();
@@ -453,19 +488,19 @@ inline UpdateAttrs slot_attrs(nb::handle pages_per_slot, nb::handle v_norm, nb::
   attrs.norm_eps = float_argument(norm_eps, "norm_eps");
   return attrs;
 }
-inline UpdateAttrs paged_attrs(nb::handle ring, nb::handle v_norm, nb::handle norm_eps) {
+inline UpdateAttrs paged_attrs(RingArgument const& ring, nb::handle v_norm, nb::handle norm_eps) {
   UpdateAttrs attrs;
   attrs.contract = Contract::kPaged;
-  attrs.ring = bool_argument(ring, "ring");
+  ring.apply(attrs);
   attrs.v_norm = bool_argument(v_norm, "v_norm");
   attrs.norm_eps = float_argument(norm_eps, "norm_eps");
   return attrs;
 }
 
 // The attributes of a call of the form named `form_name` (contract.h): its own (pages_per_slot,
-// ring), each refused where the form has none, then the norms'.
+// ring, whose entries `ring_entries` holds), each refused where the form has none, then the norms'.
 inline UpdateAttrs form_attrs(std::string const& form_name, nb::handle pages_per_slot, nb::handle ring,
-                              nb::handle v_norm, nb::handle norm_eps) {
+                              nb::handle v_norm, nb::handle norm_eps, RingArgument& ring_entries) {
   AddressingForm const* form = addressing_form(form_name.c_str());
   if (form == nullptr) {
     std::string known;
@@ -477,11 +512,12 @@ inline UpdateAttrs form_attrs(std::string const& form_name, nb::handle pages_per
     throw nb::value_error((std::string("pages_per_slot: the ") + form->name + " form takes none, got " +
                            given_value(pages_per_slot))
                               .c_str());
-  if (!form->has_ring && !ring.is_none() && bool_argument(ring, "ring"))
-    throw nb::value_error((std::string("ring: the ") + form->name + " form takes none, got True").c_str());
-  nb::handle const ring_or_off = ring.is_none() ? nb::handle(Py_False) : ring;
+  if (!ring.is_none()) ring_entries = ring_argument(ring);
+  if (!form->has_ring && (ring_entries.ring || ring_entries.per_layer))
+    throw nb::value_error(
+        (std::string("ring: the ") + form->name + " form takes none, got " + given_value(ring)).c_str());
   UpdateAttrs attrs = form->has_pages_per_slot ? slot_attrs(pages_per_slot, v_norm, norm_eps)
-                                               : paged_attrs(ring_or_off, v_norm, norm_eps);
+                                               : paged_attrs(ring_entries, v_norm, norm_eps);
   attrs.contract = form->contract;
   return attrs;
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "array_operands.h"
 #include "dflash/contract.h"
 #include "dflash/operands.h"
 
@@ -80,15 +81,21 @@ nb::dict params_dict(KVUpdateParams const& p) {
   d["table_per_layer"] = p.table_per_layer;
   d["scale_per_layer"] = p.scale_per_layer;
   d["weight_per_layer"] = p.weight_per_layer;
-  d["ring"] = p.ring;
+  if (p.ring_layers != nullptr) {
+    nb::list layers;
+    for (int64_t l = 0; l < p.num_layers; ++l) layers.append(p.ring_layers[l] != 0);
+    d["ring"] = nb::tuple(layers);
+  } else {
+    d["ring"] = p.ring;
+  }
   d["k_norm"] = p.k_norm;
   d["v_norm"] = p.v_norm;
   d["norm_eps"] = p.norm_eps;
   return d;
 }
 
-nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t pages_per_slot, bool ring,
-                    bool k_norm, bool v_norm, double norm_eps, bool tensorrt) {
+nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t pages_per_slot,
+                    nb::handle ring, bool k_norm, bool v_norm, double norm_eps, bool tensorrt) {
   AddressingForm const* form = addressing_form(form_name.c_str());
   if (form == nullptr)
     throw nb::value_error(("form: expected 'slot' or 'paged', got '" + form_name + "'").c_str());
@@ -96,7 +103,8 @@ nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t
   UpdateAttrs attrs;
   attrs.contract = form->contract;
   attrs.pages_per_slot = form->has_pages_per_slot ? pages_per_slot : 0;
-  attrs.ring = ring;
+  RingArgument const ring_entries = ring_argument(ring);  // a bool, or one per layer
+  ring_entries.apply(attrs);
   attrs.k_norm = k_norm;
   attrs.v_norm = v_norm;
   attrs.norm_eps = float(norm_eps);
@@ -174,7 +182,8 @@ void bind_contract(nb::module_& m) {
         "order, the attributes; returns the call's parameters, or raises TypeError (a dtype or the\n"
         "operand count) or ValueError (a shape or a value) naming the operand. A dim of None is not\n"
         "known yet: the rules between the known sizes are checked. With tensorrt, TensorRT's profile\n"
-        "of the contract applies too (the plugin's and its ONNX node's rules).");
+        "of the contract applies too (the plugin's and its ONNX node's rules). ring: a bool, or one\n"
+        "bool per layer of the layer-batched form.");
   m.def("check_norm_eps", [](double eps) {
     if (std::string e = check_norm_eps(eps); !e.empty()) throw nb::value_error(e.c_str());
   });

@@ -66,7 +66,8 @@ void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool,
                         nb::handle delta_dtype, nb::handle pool_dtype, nb::kwargs const& unknown) {
   refuse_unknown_keywords(unknown, "target_kv_cache_update_paged",
                           "k_scale, v_scale, k_norm_weight, ring, v_norm, norm_eps, delta_dtype, pool_dtype");
-  UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
+  RingArgument const ring_entries = ring_argument(ring);
+  UpdateAttrs const attrs = paged_attrs(ring_entries, v_norm, norm_eps);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(
       attrs, {k_delta, v_delta, pool, rope_cos_sin, delta_positions, delta_token_to_sequence, kv_page_table},
@@ -83,7 +84,8 @@ void update_numpy(std::string const& form, nb::handle operands, nb::handle k_sca
       unknown, "update",
       "k_scale, v_scale, k_norm_weight, pages_per_slot, ring, v_norm, norm_eps, delta_dtype, "
       "pool_dtype");
-  UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps);
+  RingArgument ring_entries;
+  UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps, ring_entries);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(attrs, form_operands(form, operands), k_scale, v_scale,
                                                 k_norm_weight, delta_dtype, pool_dtype, keep));

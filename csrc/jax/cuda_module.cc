@@ -91,7 +91,8 @@ void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::h
   refuse_unknown_keywords(unknown, "launch_paged",
                           "k_scale, v_scale, k_norm_weight, ring, v_norm, norm_eps, delta_dtype, pool_dtype, "
                           "stream");
-  UpdateAttrs const attrs = paged_attrs(ring, v_norm, norm_eps);
+  RingArgument const ring_entries = ring_argument(ring);
+  UpdateAttrs const attrs = paged_attrs(ring_entries, v_norm, norm_eps);
   uintptr_t const cuda_stream = stream_argument(stream);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(
@@ -110,7 +111,8 @@ void launch_form(std::string const& form, nb::handle operands, nb::handle k_scal
       unknown, "launch_form",
       "k_scale, v_scale, k_norm_weight, pages_per_slot, ring, v_norm, norm_eps, delta_dtype, "
       "pool_dtype, stream");
-  UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps);
+  RingArgument ring_entries;
+  UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps, ring_entries);
   uintptr_t const cuda_stream = stream_argument(stream);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(attrs, form_operands(form, operands), k_scale, v_scale,

@@ -57,8 +57,9 @@ inline TensorDesc describe(ffi::AnyBuffer const& buffer) {
 }
 
 // The attributes of SPEC.md's ABI: the form's own (pages_per_slot: int64 or int32, required;
-// ring: bool), then k_norm, v_norm (bool) and norm_eps (float32), which every form has. Anything
-// else is an error.
+// ring: bool, or in the layer-batched form an int8 array of one 0/1 entry per layer), then k_norm,
+// v_norm (bool) and norm_eps (float32), which every form has. Anything else is an error. The
+// per-layer entries stay in the call frame for the call.
 inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, UpdateAttrs* out) {
   AddressingForm const& form = addressing_form(contract);
   out->contract = contract;
@@ -77,10 +78,19 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
         return wrong_type("an int64 (or int32) scalar");
       }
       pages_per_slot_seen = true;
-    } else if ((form.has_ring && name == "ring") || name == "k_norm" || name == "v_norm") {
+    } else if (form.has_ring && name == "ring") {
+      if (auto v = attrs.get<bool>(name); v.has_value()) {
+        out->ring = *v;
+      } else if (auto entries = attrs.get<ffi::Span<int8_t const>>(name); entries.has_value()) {
+        out->ring_layers = entries->begin();
+        out->ring_layer_count = int64_t(entries->size());
+      } else {
+        return wrong_type("a bool, or an int8 array of one entry per layer");
+      }
+    } else if (name == "k_norm" || name == "v_norm") {
       auto v = attrs.get<bool>(name);
       if (!v.has_value()) return wrong_type("a bool");
-      (name == "ring" ? out->ring : name == "k_norm" ? out->k_norm : out->v_norm) = *v;
+      (name == "k_norm" ? out->k_norm : out->v_norm) = *v;
     } else if (name == "norm_eps") {
       auto v = attrs.get<float>(name);
       if (!v.has_value()) return wrong_type("a float32 scalar");
