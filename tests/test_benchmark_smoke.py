@@ -464,3 +464,24 @@ def test_targets_of_a_shape_measured_below_the_top_clock_are_marked():
     mark_clock_limited(results)
     assert "clock_limited" not in results["targets"][0]
     assert results["targets"][1]["clock_limited"] == ["paged_jax", "knorm_jax"]
+
+
+@pytest.mark.parametrize("contract", ["paged", "slot_mapping"])
+def test_raw_pool_compare_in_slot_order_counts_each_differing_element(monkeypatch, contract):
+    """The raw launchers' whole-pool check (one plane of one layer gathered at a time): a pool
+    holding the slot pool's pages in the contract's page order matches, one flipped element is
+    one mismatch."""
+    torch = pytest.importorskip("torch", reason="torch (the [oracle] extra) is not installed")
+    from dflash_bench import torch_side
+    from dflash_bench.problem import host_pool
+
+    monkeypatch.setattr(torch_side, "page_indices", lambda t, p: t.from_numpy(p.astype(np.int64)))
+    problem = make_problem(BenchShape("tiny", 2, 4, num_layers=3, **TINY), "cpu")
+    slot = np.random.default_rng(0).standard_normal(problem.shape.pool_shape).astype(np.float16)
+    k_pages, v_pages = problem.page_order(contract)
+    mine = host_pool(problem, contract)
+    mine[:, 0, k_pages], mine[:, 1, v_pages] = slot[:, 0], slot[:, 1]
+    count = torch_side.mismatches_in_slot_order
+    assert count(torch, torch.from_numpy(mine), torch.from_numpy(slot), problem, contract) == 0
+    mine[2, 1, v_pages[-1], 0, 0, 3] += 1
+    assert count(torch, torch.from_numpy(mine), torch.from_numpy(slot), problem, contract) == 1

@@ -12,8 +12,7 @@ from dflash_bench.problem import Problem, host_pool
 from dflash_bench.timing import Prepared, Settings, Skip, cuda_graph, host_loop
 from dflash_bench.torch_side import (
     TorchInputs,
-    count_mismatches,
-    gather_pool,
+    mismatches_in_slot_order,
     import_torch,
     torch_pool,
 )
@@ -70,7 +69,7 @@ def prepare_raw_gpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
     if contract != "slot":
         twin = torch_pool(torch, problem, "slot")
         _cuda_launcher(problem, torch, inputs, "slot")(twin, 0)
-        mismatches = count_mismatches(torch, gather_pool(torch, pool, problem, contract), twin)
+        mismatches = mismatches_in_slot_order(torch, pool, twin, problem, contract)
         check["full_pool_bits_differing_vs_slot_op"] = mismatches
         check["ok"] = check["ok"] and mismatches == 0
         del twin

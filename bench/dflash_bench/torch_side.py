@@ -104,16 +104,19 @@ class TorchInputs:
         return self._operands[contract]
 
 
-def gather_pool(torch, pool, problem: Problem, contract: str):
-    """The contract's pool in slot order (its page order, see contracts.Contract)."""
-    k_pages, v_pages = (page_indices(torch, p) for p in problem.page_order(contract))
-    lead = len(problem.shape.lead)
-    return torch.stack(
-        [
-            pool.select(lead, 0).index_select(lead, k_pages),
-            pool.select(lead, 1).index_select(lead, v_pages),
-        ],
-        dim=lead,
+def mismatches_in_slot_order(torch, pool, slot_pool, problem: Problem, contract: str) -> int:
+    """Elements of the contract's pool, read in slot order (its page order, see
+    contracts.Contract), whose bits differ from the slot op's pool. One plane of one layer is
+    gathered at a time: with every contender's pool alive, a whole gathered copy of a
+    multi-layer pool did not fit beside them."""
+    pages = [page_indices(torch, p) for p in problem.page_order(contract)]
+    layers = [(pool, slot_pool)]
+    if problem.shape.lead:
+        layers = [(pool[layer], slot_pool[layer]) for layer in range(pool.shape[0])]
+    return sum(
+        count_mismatches(torch, mine[plane].index_select(0, pages[plane]), theirs[plane])
+        for mine, theirs in layers
+        for plane in (0, 1)
     )
 
 
