@@ -12,8 +12,8 @@ from dflash_bench.problem import Problem, host_pool
 from dflash_bench.timing import Prepared, Settings, Skip, cuda_graph, host_loop
 from dflash_bench.torch_side import (
     TorchInputs,
-    mismatches_in_slot_order,
     import_torch,
+    mismatches_in_slot_order,
     torch_pool,
 )
 
