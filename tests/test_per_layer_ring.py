@@ -322,3 +322,16 @@ def test_the_raw_cuda_entry_takes_per_layer_rings():
     torch.cuda.synchronize()
     want = reference.target_kv_cache_update_paged(*problem.args(), ring=RINGS)
     assert_bits_equal(operands[2].cpu().numpy(), want)
+
+
+def test_the_onnx_reference_runner_takes_a_ring_per_layer():
+    """run_paged_update_kernel (the ONNX reference runtime's CPU kernel call) keeps each layer's
+    ring: a tuple is not one bool."""
+    from jax_dflash.interop.onnx_reference import run_paged_update_kernel
+
+    problem = _problem(9, k_norm=True)
+    got = run_paged_update_kernel(*problem.args(), **problem.kwargs())
+    assert_bits_equal(
+        got, reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
+    )
+    _assert_the_mix_matters(problem, got)

@@ -56,60 +56,17 @@ def run_update_kernel(
     delta_lengths,
     *,
     pages_per_slot: int,
-    k_scale=None,
-    v_scale=None,
-    k_norm_weight=None,
-    v_norm: bool = False,
-    norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+    **options,
 ) -> np.ndarray:
     """The slot contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
     Operands as :func:`jax_dflash.target_kv_cache_update` (unbatched or layer-batched), checked
-    by the same code as the JAX primitive, so errors read the same.
+    by the same code as the JAX primitive, so errors read the same; ``options`` are
+    :func:`run_form_kernel`'s (``k_scale``, ``v_scale``, ``k_norm_weight``, ``v_norm``,
+    ``norm_eps``).
     """
-    from jax_dflash._shapes import check_update
-
-    k, v, pool, rope, starts, lengths, k_scale, v_scale, weight = _contiguous(
-        k_delta,
-        v_delta,
-        past_key_value,
-        rope_cos_sin,
-        delta_start_positions,
-        delta_lengths,
-        k_scale,
-        v_scale,
-        k_norm_weight,
-    )
-    shape = check_update(
-        k,
-        v,
-        pool,
-        rope,
-        starts,
-        lengths,
-        pages_per_slot,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_norm_weight=weight,
-    )
-    present = pool.copy()
-    _ext.extension("cpu").target_kv_cache_update(
-        _bits(k),
-        _bits(v),
-        _bits(present),
-        rope,
-        starts,
-        lengths,
-        k_scale,
-        v_scale,
-        None if weight is None else _bits(weight),
-        pages_per_slot=shape.pages_per_slot,
-        v_norm=bool(v_norm),
-        norm_eps=float(norm_eps),
-        delta_dtype=k.dtype.name,
-        pool_dtype=pool.dtype.name,
-    )
-    return present
+    base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths]
+    return run_form_kernel("slot", base, pages_per_slot=pages_per_slot, **options)
 
 
 def run_paged_update_kernel(
@@ -121,63 +78,18 @@ def run_paged_update_kernel(
     delta_token_to_sequence,
     kv_page_table,
     *,
-    ring: bool = False,
-    k_scale=None,
-    v_scale=None,
-    k_norm_weight=None,
-    v_norm: bool = False,
-    norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+    ring: bool | tuple[bool, ...] = False,
+    **options,
 ) -> np.ndarray:
     """The paged contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
-    Operands as :func:`jax_dflash.target_kv_cache_update_paged` (unbatched or layer-batched),
-    checked by the same code as the JAX primitive.
+    Operands as :func:`jax_dflash.target_kv_cache_update_paged` (unbatched or layer-batched,
+    ``ring`` one bool or one per layer), checked by the same code as the JAX primitive;
+    ``options`` as :func:`run_update_kernel`'s.
     """
-    from jax_dflash._shapes import check_update_paged
-
-    k, v, pool, rope, positions, owners, table, k_scale, v_scale, weight = _contiguous(
-        k_delta,
-        v_delta,
-        past_key_value,
-        rope_cos_sin,
-        delta_positions,
-        delta_token_to_sequence,
-        kv_page_table,
-        k_scale,
-        v_scale,
-        k_norm_weight,
-    )
-    check_update_paged(
-        k,
-        v,
-        pool,
-        rope,
-        positions,
-        owners,
-        table,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_norm_weight=weight,
-    )
-    present = pool.copy()
-    _ext.extension("cpu").target_kv_cache_update_paged(
-        _bits(k),
-        _bits(v),
-        _bits(present),
-        rope,
-        positions,
-        owners,
-        table,
-        k_scale,
-        v_scale,
-        None if weight is None else _bits(weight),
-        ring=bool(ring),
-        v_norm=bool(v_norm),
-        norm_eps=float(norm_eps),
-        delta_dtype=k.dtype.name,
-        pool_dtype=pool.dtype.name,
-    )
-    return present
+    base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_positions]
+    base += [delta_token_to_sequence, kv_page_table]
+    return run_form_kernel("paged", base, ring=ring, **options)
 
 
 # ---- the nodes -----------------------------------------------------------------------------------
