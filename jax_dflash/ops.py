@@ -386,25 +386,13 @@ def target_kv_cache_update_slots(
 # ---- abstract evaluation ---------------------------------------------------------------------
 
 
-@target_kv_cache_update_p.def_abstract_eval
-def _slot_abstract_eval(*operands, **params):
-    check_operands(operands, "slot", params)
-    pool = operands[POOL_OPERAND]
-    return jax.core.ShapedArray(pool.shape, pool.dtype)
+def _abstract_eval_for(form):
+    def abstract_eval(*operands, **params):
+        check_operands(operands, form, params)
+        pool = operands[POOL_OPERAND]
+        return jax.core.ShapedArray(pool.shape, pool.dtype)
 
-
-@target_kv_cache_update_paged_p.def_abstract_eval
-def _paged_abstract_eval(*operands, **params):
-    check_operands(operands, "paged", params)
-    pool = operands[POOL_OPERAND]
-    return jax.core.ShapedArray(pool.shape, pool.dtype)
-
-
-@target_kv_cache_update_slots_p.def_abstract_eval
-def _slots_abstract_eval(*operands, **params):
-    check_operands(operands, "slot_mapping", params)
-    pool = operands[POOL_OPERAND]
-    return jax.core.ShapedArray(pool.shape, pool.dtype)
+    return abstract_eval
 
 
 # ---- eager calls: one jitted callable per primitive and params --------------------------------
@@ -439,35 +427,6 @@ def _impl_for(primitive):
         return _call_jitted(primitive, operands, params)
 
     return impl
-
-
-target_kv_cache_update_p.def_impl(_impl_for(target_kv_cache_update_p))
-target_kv_cache_update_paged_p.def_impl(_impl_for(target_kv_cache_update_paged_p))
-target_kv_cache_update_slots_p.def_impl(_impl_for(target_kv_cache_update_slots_p))
-
-
-# Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
-sharding.register_lowerings(
-    target_kv_cache_update_p,
-    lowering.lowering_for("slot"),
-    platforms=("cpu", "cuda"),
-    contract="slot",
-    op_name=target_kv_cache_update.__name__,
-)
-sharding.register_lowerings(
-    target_kv_cache_update_paged_p,
-    lowering.lowering_for("paged"),
-    platforms=("cpu", "cuda"),
-    contract="paged",
-    op_name=target_kv_cache_update_paged.__name__,
-)
-sharding.register_lowerings(
-    target_kv_cache_update_slots_p,
-    lowering.lowering_for("slot_mapping"),
-    platforms=("cpu", "cuda"),
-    contract="slot_mapping",
-    op_name=target_kv_cache_update_slots.__name__,
-)
 
 
 # ---- batching: vmap over layers becomes the layer-batched form ---------------------------------
@@ -569,12 +528,22 @@ def _nested(primitive, args, mapped, kinds, size, params):
     return result.reshape(size, layers, *result.shape[1:]), 0
 
 
-batching.primitive_batchers[target_kv_cache_update_p] = _batching_rule_for(
-    target_kv_cache_update_p, "slot"
+# ---- each form's primitive: its rules, registered alike ---------------------------------------
+
+_FORM_PRIMITIVES = (
+    ("slot", target_kv_cache_update_p, target_kv_cache_update),
+    ("paged", target_kv_cache_update_paged_p, target_kv_cache_update_paged),
+    ("slot_mapping", target_kv_cache_update_slots_p, target_kv_cache_update_slots),
 )
-batching.primitive_batchers[target_kv_cache_update_paged_p] = _batching_rule_for(
-    target_kv_cache_update_paged_p, "paged"
-)
-batching.primitive_batchers[target_kv_cache_update_slots_p] = _batching_rule_for(
-    target_kv_cache_update_slots_p, "slot_mapping"
-)
+for _form, _primitive, _public in _FORM_PRIMITIVES:
+    _primitive.def_abstract_eval(_abstract_eval_for(_form))
+    _primitive.def_impl(_impl_for(_primitive))
+    # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
+    sharding.register_lowerings(
+        _primitive,
+        lowering.lowering_for(_form),
+        platforms=("cpu", "cuda"),
+        contract=_form,
+        op_name=_public.__name__,
+    )
+    batching.primitive_batchers[_primitive] = _batching_rule_for(_primitive, _form)
