@@ -482,7 +482,9 @@ def _node_for_case(meta):
     )
     if meta["contract"] == "slot":
         return dflash_onnx.make_update_node(pages_per_slot=meta["pages_per_slot"], **options)
-    return dflash_onnx.make_paged_update_node(ring=meta["ring"], **options)
+    if meta["contract"] == "paged":
+        return dflash_onnx.make_paged_update_node(ring=meta["ring"], **options)
+    return dflash_onnx.make_form_node(meta["contract"], **options)
 
 
 def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
@@ -499,7 +501,7 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
         timeout=600,
     )
     dumps = report["dumps"]
-    assert {d["contract"] for d in dumps} == {"slot", "paged"}, dumps
+    assert {d["contract"] for d in dumps} == {"slot", "paged", "slot_mapping"}, dumps
     gpu = gpu_devices()[0]
     edge_llm_cases = 0
     for entry in dumps:
@@ -511,19 +513,20 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
         model = dflash_onnx.make_node_model(node, operands)
         (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
         args, kwargs = trt_harness._op_arguments(meta, arrays)
-        op = (
-            jax_dflash.target_kv_cache_update
-            if meta["contract"] == "slot"
-            else jax_dflash.target_kv_cache_update_paged
-        )
+        op = {
+            "slot": jax_dflash.target_kv_cache_update,
+            "paged": jax_dflash.target_kv_cache_update_paged,
+            "slot_mapping": jax_dflash.target_kv_cache_update_slots,
+        }[meta["contract"]]
         on_gpu = {
             k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
         }
-        jax_pool = np.asarray(
-            jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
-                *[jax.device_put(a, gpu) for a in args]
+        with trt_harness.jax_mode(meta):
+            jax_pool = np.asarray(
+                jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
+                    *[jax.device_put(a, gpu) for a in args]
+                )
             )
-        )
         trt_pool = arrays[meta["output"]]
         try:
             assert_bits_equal(onnx_pool, trt_pool)

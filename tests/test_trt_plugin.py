@@ -37,6 +37,7 @@ from helpers.trt_harness import (  # noqa: F401
     _load_dump,
     _op_arguments,
     _run_harness,
+    jax_mode,
 )
 from jax_dflash import _shapes, reference
 from jax_dflash.interop import trt
@@ -46,13 +47,14 @@ from jax_dflash.testing import assert_bits_equal, gpu_devices
 CPU_GROUPS = {
     "slot_contract",
     "paged_contract",
+    "slot_mapping_contract",
     "fields",
     "slot_bad_inputs",
     "paged_bad_inputs",
     "overflow",
     "registration",
 }
-GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged"}
+GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged", "gpu_slot_mapping"}
 
 
 @pytest.fixture(scope="module")
@@ -519,30 +521,36 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
     _assert_groups(report, GPU_GROUPS)
     dumps = report["dumps"]
     # What the dumps cover, read from the index.
-    assert {d["contract"] for d in dumps} == {"slot", "paged"}
-    for contract in ("slot", "paged"):
+    forms = ("slot", "paged", "slot_mapping")
+    assert {d["contract"] for d in dumps} == set(forms)
+    for contract in forms:
         mine = [d for d in dumps if d["contract"] == contract]
         assert {d["pool_dtype"] for d in mine} == set(DTYPES), contract
         assert any(d["k_norm"] for d in mine) and any(d["v_norm"] for d in mine), contract
         fp8 = [d for d in mine if d["pool_dtype"] == "float8_e4m3fn"]
         assert {d["scale_heads"] == 1 for d in fp8} == {True, False}, contract
     assert any(d["ring"] for d in dumps if d["contract"] == "paged")
+    slot_dtypes = {d["slot_dtype"] for d in dumps if d["contract"] == "slot_mapping"}
+    assert slot_dtypes == {"int32", "int64"}
+    ops = {
+        "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
+        "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
+        "slot_mapping": (
+            jax_dflash.target_kv_cache_update_slots,
+            reference.target_kv_cache_update_slots,
+        ),
+    }
 
     gpu = gpu_devices()[0]
     for entry in dumps:
         arrays, plugin_pool = _load_dump(entry)
         args, kwargs = _op_arguments(entry, arrays)
-        if entry["contract"] == "slot":
-            op, ref = jax_dflash.target_kv_cache_update, reference.target_kv_cache_update
-        else:
-            op, ref = (
-                jax_dflash.target_kv_cache_update_paged,
-                reference.target_kv_cache_update_paged,
-            )
+        op, ref = ops[entry["contract"]]
         on_gpu = {
             k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
         }
-        expected = op(*[jax.device_put(a, gpu) for a in args], **on_gpu)
+        with jax_mode(entry):
+            expected = op(*[jax.device_put(a, gpu) for a in args], **on_gpu)
         try:
             assert_bits_equal(plugin_pool, np.asarray(expected))
             assert_bits_equal(plugin_pool, ref(*args, **kwargs))

@@ -183,12 +183,17 @@ def kernel_device_us(run: Callable[[int], float], updates: int) -> dict[str, flo
     return times or None
 
 
+def warm_up_calls(chain: int) -> range:
+    """The ``i`` of the calls ``cuda_graph`` makes before its capture, in order."""
+    return range(min(chain, 3))
+
+
 def cuda_graph(torch, enqueue: Callable[[int], None], chain: int, info: dict) -> Prepared:
     """Captures ``enqueue(i)`` for i < chain into one CUDA graph, replays timed with events."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for i in range(min(chain, 3)):
+        for i in warm_up_calls(chain):
             enqueue(i)
     torch.cuda.current_stream().wait_stream(side)
     gc.collect()  # JAX frees the buffers of earlier contenders now, not during the capture

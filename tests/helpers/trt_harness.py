@@ -3,6 +3,7 @@ its GPU dumps): shared by the plugin tests and the cross-runtime tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
+from jax_dflash import _shapes
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS_OVERRIDE = "DFLASH_TRT_HARNESS"
@@ -129,12 +132,12 @@ def _load_case(directory: Path):
 
 def _op_arguments(entry, arrays):
     names = entry["inputs"]
-    base = 6 if entry["contract"] == "slot" else 7
+    base = len(_shapes.FORMS[entry["contract"]]["operands"])
     args = [arrays[n] for n in names[:base]]
     kwargs = {"norm_eps": entry["norm_eps"], "v_norm": entry["v_norm"]}
     if entry["contract"] == "slot":
         kwargs["pages_per_slot"] = entry["pages_per_slot"]
-    else:
+    elif entry["contract"] == "paged":
         kwargs["ring"] = entry["ring"]
     if "k_scale" in arrays:
         # TensorRT's per-tensor scale is [1]; the JAX op's is [].
@@ -144,3 +147,13 @@ def _op_arguments(entry, arrays):
     if entry["k_norm"]:
         kwargs["k_norm_weight"] = arrays["k_norm_weight"]
     return args, kwargs
+
+
+def jax_mode(entry):
+    """The JAX mode a dump's op call needs: 64-bit types on for int64 slots (JAX refuses to narrow
+    them, and the harness's slots past 2^31 must stay as they are)."""
+    if entry.get("slot_dtype") == "int64":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()

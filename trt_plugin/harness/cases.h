@@ -10,6 +10,7 @@ namespace harness {
 // Group names every run writes into its report (the test asserts them, by these names only).
 inline constexpr char const* kSlotContractGroup = "slot_contract";
 inline constexpr char const* kPagedContractGroup = "paged_contract";
+inline constexpr char const* kSlotMappingContractGroup = "slot_mapping_contract";
 inline constexpr char const* kFieldsGroup = "fields";
 inline constexpr char const* kSlotBadGroup = "slot_bad_inputs";
 inline constexpr char const* kPagedBadGroup = "paged_bad_inputs";
@@ -17,11 +18,13 @@ inline constexpr char const* kOverflowGroup = "overflow";
 inline constexpr char const* kRegistrationGroup = "registration";
 inline constexpr char const* kGpuSlotGroup = "gpu_slot";
 inline constexpr char const* kGpuPagedGroup = "gpu_paged";
+inline constexpr char const* kGpuSlotMappingGroup = "gpu_slot_mapping";
 inline constexpr char const* kShapeCasesGroup = "shape_cases";
 
-// The builder's and runtime's sequence for each contract's dtypes, FP8 pools and norms.
+// The builder's and runtime's sequence for each addressing form's dtypes, FP8 pools and norms.
 void slotContractCases(IPluginResourceContext* context);
 void pagedContractCases(IPluginResourceContext* context);
+void slotMappingContractCases(IPluginResourceContext* context);
 
 // Every bad-input path: fields, each contract's bad shapes/dtypes/counts, 2^62 dims.
 void fieldCases();

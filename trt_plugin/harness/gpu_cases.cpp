@@ -1,5 +1,6 @@
-// --gpu [--dump DIR]: enqueue on device buffers for both contracts (every pool dtype, kFP8 pools
-// with per-tensor and per-head scales, k_norm / v_norm, hostile positions, owners and tables),
+// --gpu [--dump DIR]: enqueue on device buffers for every addressing form (every pool dtype, kFP8
+// pools with per-tensor and per-head scales, k_norm / v_norm, hostile positions, owners, tables and
+// slots),
 // with guard bands around the pool, into a separate output and in place. The inputs and the
 // pool the plugin produced are dumped as .npy under DIR/<case>/, indexed in the report's "dumps",
 // for tests/test_trt_plugin.py to compare with the JAX op and the NumPy reference bit for bit.
@@ -87,6 +88,7 @@ char const* npyDescr(DataType type) {
     case DataType::kBF16: return "<u2";
     case DataType::kFP8: return "|u1";
     case DataType::kINT32: return "<i4";
+    case DataType::kINT64: return "<i8";
     default: return "<f4";
   }
 }
@@ -204,6 +206,39 @@ void pagedAddressing(Case const& c, std::vector<int32_t>& positions, std::vector
   }
 }
 
+// Flat slots (page * P + row): distinct rows of the pool in a random order, and every guard in
+// play: negative (-1 and the most negative), exactly N * P, past 2^31 and, for int64 slots, a
+// valid slot plus 2^32 (lands nowhere: narrowed to 32 bits it would hit that slot). No two written
+// tokens share a slot (which of two tokens a repeated slot keeps is one of them, not a bit pattern).
+template <typename Index> std::vector<Index> slotMapping(Case const& c) {
+  int64_t const rows = c.N * kP;
+  std::vector<int64_t> unused(static_cast<size_t>(rows));
+  std::iota(unused.begin(), unused.end(), int64_t(0));
+  for (int64_t i = rows - 1; i > 0; --i) std::swap(unused[size_t(i)], unused[size_t(below(i + 1))]);
+  std::vector<Index> slots;
+  size_t next = 0;
+  for (int64_t t = 0; t < c.T; ++t) {
+    int64_t slot = unused[next % unused.size()];
+    switch (t % 8) {
+      case 3: slot = t % 2 ? -1 : int64_t(std::numeric_limits<Index>::min()); break;
+      case 5: slot = rows; break;
+      case 6:
+        slot = sizeof(Index) == 8 ? int64_t(std::numeric_limits<int32_t>::max()) + 1 + below(1000)
+                                  : std::numeric_limits<int32_t>::max();
+        break;
+      case 7:
+        if (sizeof(Index) == 8) {
+          slot += int64_t(1) << 32;
+          break;
+        }
+        [[fallthrough]];
+      default: ++next;
+    }
+    slots.push_back(Index(slot));
+  }
+  return slots;
+}
+
 // The host inputs of a case, in input order.
 std::vector<std::vector<char>> hostInputs(Case const& c) {
   std::vector<Tensor> const in = inputs(c);
@@ -217,6 +252,9 @@ std::vector<std::vector<char>> hostInputs(Case const& c) {
     slotPositions(c, starts, lengths);
     host.push_back(bytesOf(starts));
     host.push_back(bytesOf(lengths));
+  } else if (c.contract == Contract::kSlotMapping) {
+    host.push_back(c.slotIndex == DataType::kINT64 ? bytesOf(slotMapping<int64_t>(c))
+                                                   : bytesOf(slotMapping<int32_t>(c)));
   } else {
     std::vector<int32_t> positions, owners, table;
     pagedAddressing(c, positions, owners, table);
@@ -303,6 +341,13 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
     for (int32_t i : {0, 1}) bad.in[size_t(i)].dims.d[0] = slots + 1;
     bad.in[dtrt::kDELTA_START_POSITIONS].dims.d[0] = bad.in[dtrt::kDELTA_LENGTHS].dims.d[0] = slots + 1;
     expected = "batch B must be <=";
+  } else if (c.contract == Contract::kSlotMapping) {
+    dflash::AddressingForm const& form = dflash::addressing_form(c.contract);
+    for (int32_t i = 0; i < form.base_count; ++i)
+      if (form.base[i].role == dflash::OperandRole::kSlotIndex) {
+        bad.in[size_t(i)].dims.d[0] = c.T + 1;  // one slot per token
+        expected = form.base[i].name;
+      }
   } else {
     bad.in[dtrt::kKV_PAGE_TABLE].dims.d[2] = c.N + 1;
     expected = "kv_page_table";
@@ -333,7 +378,7 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   JsonObject entry;
   entry.add("name", c.name)
       .add("dir", dir)
-      .add("contract", c.contract == Contract::kSlot ? "slot" : "paged")
+      .add("contract", dflash::addressing_form(c.contract).name)
       .add("delta_dtype", dtypeName(c.delta))
       .add("pool_dtype", dtypeName(c.pool))
       .add("dtype", dtypeName(c.pool))
@@ -344,6 +389,7 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
       .addRaw("inputs", jsonArray(names))
       .add("output", "present_key_value");
   if (c.contract == Contract::kSlot) entry.add("pages_per_slot", c.pagesPerSlot);
+  if (c.contract == Contract::kSlotMapping) entry.add("slot_dtype", dtypeName(c.slotIndex));
   if (c.fp8()) entry.add("scale_heads", c.scaleHeads);
   FILE* meta = std::fopen((dir + "/meta.json").c_str(), "w");
   ok = ok && meta != nullptr;
@@ -443,6 +489,49 @@ std::vector<Case> pagedGpuCases() {
   return cases;
 }
 
+std::vector<Case> slotMappingGpuCases() {
+  struct Shape {
+    char const* name;
+    int64_t T, H, D, N, R;
+  };
+  Shape const shapes[] = {
+      {"tokens", 64, 4, 128, 4, 128},
+      {"odd_sizes", 37, 3, 6, 3, 2},
+      {"partial_rotary", 50, 2, 64, 2, 32},
+  };
+  auto make = [](Shape const& s, DataType delta, DataType pool) {
+    Case c;
+    c.contract = Contract::kSlotMapping;
+    c.name = std::string("slot_mapping_") + s.name + "_" + dtypeName(delta) +
+             (pool == delta ? "" : "_into_" + dtypeName(pool));
+    c.delta = delta, c.pool = pool;
+    c.T = s.T, c.H = s.H, c.D = s.D, c.N = s.N, c.R = s.R;
+    return c;
+  };
+  std::vector<Case> cases;
+  for (DataType type : {DataType::kHALF, DataType::kBF16, DataType::kFLOAT})
+    for (Shape const& s : shapes) cases.push_back(make(s, type, type));
+  Case c = make(shapes[0], DataType::kHALF, DataType::kHALF);
+  c.name += "_int32_slots", c.slotIndex = DataType::kINT32;
+  cases.push_back(c);
+  c = make(shapes[0], DataType::kHALF, DataType::kFP8);
+  c.name += "_per_tensor_scales", c.scaleHeads = 1;
+  cases.push_back(c);
+  c = make(shapes[2], DataType::kBF16, DataType::kFP8);
+  c.name += "_per_head_scales", c.scaleHeads = c.H;
+  cases.push_back(c);
+  c = make(shapes[0], DataType::kFLOAT, DataType::kFP8);
+  c.name += "_per_head_scales_k_norm_v_norm", c.scaleHeads = c.H, c.kNorm = c.vNorm = true, c.eps = 1e-5f;
+  cases.push_back(c);
+  c = make(shapes[1], DataType::kHALF, DataType::kFLOAT);
+  c.name += "_v_norm", c.vNorm = true;
+  cases.push_back(c);
+  c = make(shapes[0], DataType::kBF16, DataType::kBF16);
+  c.name += "_k_norm", c.kNorm = true;
+  cases.push_back(c);
+  return cases;
+}
+
 }  // namespace
 
 void gpuCases(std::string const& dumpDir, IPluginResourceContext* context) {
@@ -462,6 +551,11 @@ void gpuCases(std::string const& dumpDir, IPluginResourceContext* context) {
     Group group(kGpuPagedGroup);
     requireGroup(kGpuPagedGroup);
     for (Case const& c : pagedGpuCases()) gpuCase(c, dumpDir, context);
+  }
+  {
+    Group group(kGpuSlotMappingGroup);
+    requireGroup(kGpuSlotMappingGroup);
+    for (Case const& c : slotMappingGpuCases()) gpuCase(c, dumpDir, context);
   }
 }
 

@@ -2,7 +2,7 @@
 // in their order, through the library's C entry points and TensorRT's interfaces only (plus the
 // plugin's setPagesPerSlot()), with test doubles for what TensorRT would provide.
 //
-//   dflash_trt_contract_harness [--report FILE]        both contracts' call sequences, every
+//   dflash_trt_contract_harness [--report FILE]        every form's call sequence, every
 //                                                      bad-input path, registration (no GPU needed)
 //   ... --gpu [--dump DIR]                             also enqueue on device buffers; inputs and
 //                                                      pools as .npy under DIR
@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
     mode = gpu ? "gpu" : "cpu";
     slotContractCases(&context);
     pagedContractCases(&context);
+    slotMappingContractCases(&context);
     fieldCases();
     slotBadInputs(&context, &recorder);
     pagedBadInputs(&context);

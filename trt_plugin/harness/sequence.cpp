@@ -18,6 +18,9 @@ std::vector<DataType> acceptedTypes(Case const& c, int32_t pos, int32_t nbInputs
     return c.fp8() ? std::vector<DataType>{DataType::kFP8}
                    : std::vector<DataType>{DataType::kHALF, DataType::kBF16, DataType::kFLOAT};
   if (pos == nbInputs) return {c.pool};
+  dflash::AddressingForm const& form = dflash::addressing_form(c.contract);
+  if (pos < form.base_count && form.base[pos].role == dflash::OperandRole::kSlotIndex)
+    return {DataType::kINT32, DataType::kINT64};
   return {inputs(c)[pos].type};
 }
 
@@ -64,6 +67,19 @@ std::string fieldsMismatch(PluginFieldCollection const* fc, Case const& c) {
     if (value != e.value)
       problems += std::string(e.name) + " = " + std::to_string(value) + ", expected " +
                   std::to_string(e.value) + "; ";
+  }
+  // The form field: serialized where the node gave it (the slot-mapping cases), with its name.
+  PluginField const* form = nullptr;
+  for (int32_t i = 0; i < fc->nbFields; ++i)
+    if (fc->fields[i].name && !std::strcmp(fc->fields[i].name, dtrt::kFORM_FIELD)) form = &fc->fields[i];
+  if (c.contract == Contract::kSlotMapping) {
+    std::string const name = dflash::addressing_form(c.contract).name;
+    ++present;
+    if (form == nullptr || form->type != PluginFieldType::kCHAR || form->data == nullptr ||
+        std::string(static_cast<char const*>(form->data), size_t(form->length)).c_str() != name)
+      problems += std::string(dtrt::kFORM_FIELD) + " missing or not '" + name + "'; ";
+  } else if (form != nullptr) {
+    problems += std::string(dtrt::kFORM_FIELD) + " serialized for a call its inputs tell apart; ";
   }
   if (fc->nbFields != present)
     problems += "expected " + std::to_string(present) + " fields, got " + std::to_string(fc->nbFields);
@@ -234,7 +250,7 @@ void enqueueEmpty(IPluginV3OneRuntime* rt, Case c) {
   c.name += "_empty";
   if (c.contract == Contract::kSlot) {
     c.B = 0;
-  } else {
+  } else {  // the token-major forms
     c.T = 0;
   }
   RuntimeDescs d = runtimeDescs(c);

@@ -58,6 +58,13 @@ std::vector<Tensor> inputs(Case const& c) {
          {"rope_cos_sin", DataType::kFLOAT, makeDims({c.Rb, c.S, c.R})},
          {"delta_start_positions", DataType::kINT32, makeDims({c.B})},
          {"delta_lengths", DataType::kINT32, makeDims({c.B})}};
+  } else if (c.contract == Contract::kSlotMapping) {
+    Dims const delta = makeDims({c.T, c.H, c.D});
+    t = {{"k_delta", c.delta, delta},
+         {"v_delta", c.delta, delta},
+         {"past_key_value", c.pool, pool},
+         {"rope_cos_sin", DataType::kFLOAT, makeDims({c.T, c.R})},
+         {"slot_mapping", c.slotIndex, makeDims({c.T})}};
   } else {
     Dims const delta = makeDims({c.T, c.H, c.D});
     t = {{"k_delta", c.delta, delta},
@@ -80,12 +87,10 @@ std::vector<Tensor> inputs(Case const& c) {
 Tensor output(Case const& c) { return {"present_key_value", c.pool, makeDims({2, c.N, c.P, c.H, c.D})}; }
 std::string tag(Case const& c) { return " [" + c.name + "]"; }
 
-int32_t kScaleIndex(Case const& c) {
-  return c.fp8() ? (c.contract == Contract::kSlot ? dtrt::kNB_INPUTS : dtrt::kNB_PAGED_INPUTS) : -1;
-}
+int32_t kScaleIndex(Case const& c) { return c.fp8() ? dflash::base_operand_count(c.contract) : -1; }
 int32_t kNormWeightIndex(Case const& c) {
   if (!c.kNorm) return -1;
-  return (c.contract == Contract::kSlot ? dtrt::kNB_INPUTS : dtrt::kNB_PAGED_INPUTS) + (c.fp8() ? 2 : 0);
+  return dflash::base_operand_count(c.contract) + (c.fp8() ? 2 : 0);
 }
 
 RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out) {
@@ -141,6 +146,11 @@ void Fields::add(char const* name, PluginFieldType type, void const* data, int32
 Fields nodeFields(Case const& c) {
   Fields f;
   if (c.contract == Contract::kSlot) f.addInt32(dtrt::kPAGES_PER_SLOT_FIELD, int32_t(c.pagesPerSlot));
+  // The slot-mapping form has no input of its own to be told by: its node names it.
+  if (c.contract == Contract::kSlotMapping) {
+    char const* const form = dflash::addressing_form(c.contract).name;
+    f.add(dtrt::kFORM_FIELD, PluginFieldType::kCHAR, form, int32_t(std::strlen(form)), std::strlen(form));
+  }
   if (c.ring) f.addInt32(dtrt::kRING_FIELD, 1);
   if (c.kNorm) f.addInt32(dtrt::kK_NORM_FIELD, 1);
   if (c.vNorm) f.addInt32(dtrt::kV_NORM_FIELD, 1);
@@ -152,7 +162,9 @@ Fields copyFields(PluginFieldCollection const* fc) {
   Fields copy;
   for (int32_t i = 0; i < fc->nbFields; ++i) {
     PluginField const& f = fc->fields[i];
-    size_t const bytes = f.type == PluginFieldType::kINT64 || f.type == PluginFieldType::kFLOAT64 ? 8 : 4;
+    size_t const bytes = f.type == PluginFieldType::kINT64 || f.type == PluginFieldType::kFLOAT64 ? 8
+                         : f.type == PluginFieldType::kCHAR || f.type == PluginFieldType::kINT8   ? 1
+                                                                                                  : 4;
     copy.add(f.name, f.type, f.data, f.length, bytes * size_t(f.length));
   }
   return copy;

@@ -1,4 +1,4 @@
-// A call's tensors as TensorRT describes them, for both contracts, and access to the plugin.
+// A call's tensors as TensorRT describes them, for every addressing form, and access to the plugin.
 //
 // A Case names one problem (contract, dtypes, sizes, fields); its tensors are built in SPEC.md's
 // input order: the base inputs, then k_scale and v_scale for a kFP8 pool, then k_norm_weight.
@@ -35,6 +35,7 @@ struct Case {
   int64_t Rb{1}, S{0};      // slot rope table [Rb, S, R]
   int64_t R{0};
   int64_t M{0};             // paged table [B, 2, M]
+  DataType slotIndex{DataType::kINT64};  // slot_mapping [T]: int32 or int64
   int64_t scaleHeads{1};    // kFP8 pools: scales [1] or [H]
   bool ring{false}, kNorm{false}, vNorm{false};
   float eps{1e-6f};
@@ -97,8 +98,9 @@ struct Fields {
     add(name, PluginFieldType::kFLOAT32, &value, 1, sizeof(value));
   }
 };
-// The fields an exporter writes for the case: pages_per_slot (slot), and ring / k_norm / v_norm /
-// norm_eps only where they differ from the defaults (so that Edge-LLM's nodes stay field-less).
+// The fields an exporter writes for the case: pages_per_slot (slot), form (slot_mapping), and ring /
+// k_norm / v_norm / norm_eps only where they differ from the defaults (so that Edge-LLM's nodes stay
+// field-less).
 Fields nodeFields(Case const& c);
 Fields copyFields(PluginFieldCollection const* fc);
 
