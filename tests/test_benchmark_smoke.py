@@ -19,7 +19,7 @@ from dflash_bench.clocks import (
     parse_clock_samples,
     sampled_gpu,
 )
-from dflash_bench.contenders import CONTENDERS, PREPARERS
+from dflash_bench.contenders import CONTENDERS, GEMM_CHAINS, GEMM_CONTENDERS, PREPARERS
 from dflash_bench.contracts import CONTRACTS
 from dflash_bench.dtypes import bits
 from dflash_bench.problem import make_problem
@@ -84,6 +84,9 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
             assert contenders["ours_jax"]["check"]["full_pool_max_abs_diff_vs_baseline"] < 0.02
         if entry["name"] != "decode_b8":
             assert contenders["unfused_jax"]["status"] == "n/a"
+        # No CPU shape is marked for the GEMM chain (test_gemm_chain_runs_on_the_cpu runs it).
+        for name in GEMM_CONTENDERS:
+            assert contenders[name]["status"] == "n/a", (entry["name"], name)
     # Bytes = K/V read + pool rows written + cos/sin read: 8 x 16 tokens x 8 heads x 128.
     b8 = by_name["decode_b8"]["bytes"]
     assert b8 == {
@@ -106,6 +109,36 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
         "| shape | bytes | ours_jax (us) | ours_raw (us) | paged_jax (us) | paged_raw (us)"
         in printed
     )
+
+
+def test_gemm_chain_runs_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """The JAX GEMM chains at a tiny shape marked for them, through the command line: checked
+    bit for bit, timed, their added time in the JSON and their table printed; the raw ones
+    skipped (GPU only)."""
+    from dflash_bench import cli
+
+    tiny = BenchShape("tiny_gemm", 2, 4, gemm_chain=True, **TINY)
+    monkeypatch.setattr(cli, "shapes_for", lambda backend: [tiny])
+    names = ["ours_jax", "copy", *GEMM_CONTENDERS]
+    argv = ["--backend", "cpu", "--quick", "--repeats", "2", "--min-time", "0.002"]
+    rc = benchmark.main([*argv, "--contenders", ",".join(names), "--out", str(tmp_path)])
+    assert rc == 0
+    (entry,) = json.loads((tmp_path / "kv_update_cpu.json").read_text())["shapes"]
+    contenders, d = entry["contenders"], entry["derived"]
+    for name, (alone, _) in GEMM_CHAINS.items():
+        c = contenders[name]
+        if name.endswith("_raw"):
+            assert c == {"status": "skipped", "reason": "GPU only", "setup_s": c["setup_s"]}
+            continue
+        assert c["status"] == "ok" and c["check"]["bit_exact"], (name, c)
+        assert c["with_update"] and c["us"] > 0 and len(c["samples_us"]) == 2
+        assert d[f"{name}_added_us"] == c["us"] - contenders[alone]["us"]
+        assert d[f"{name}_added_over_floor"] == d[f"{name}_added_us"] / contenders["copy"]["us"]
+    assert contenders["gemm_jax"]["status"] == "ok" and not contenders["gemm_jax"]["with_update"]
+    printed = capsys.readouterr().out
+    assert "| shape | bytes | ours_jax (us) | copy (us) |" in printed  # not in the main table
+    assert "GEMM chain: the update right after the k/v GEMM producing its deltas" in printed
+    assert "| gemm_paged_jax |" in printed
 
 
 def test_out_must_be_a_writable_directory(tmp_path, capsys):

@@ -24,6 +24,9 @@ One run on one device times the time per update of every contender at every shap
 - ``flashinfer``: FlashInfer's ``apply_rope_with_cos_sin_cache_inplace`` +
   ``append_paged_kv_cache`` (GPU only; skipped with the reason when it cannot be imported).
 - ``copy``: a device-to-device copy moving the same number of bytes (read + written), the floor.
+- ``gemm_jax`` / ``gemm_raw`` and ``gemm_{ours,paged,slots}_{jax,raw}``: the k/v projection GEMM
+  that produces the deltas, split into contiguous k and v, alone and followed by each form's
+  update (``gemm_chain``; GPU decode shapes): the update's added time in the chain.
 
 TensorRT Edge-LLM 0.11's own kernel cannot run here; its numbers measured on the H200
 (``EDGE_LLM_0_11_US``) are quoted next to ours and enter the targets.
@@ -61,7 +64,7 @@ into ``--out`` (default: the current directory).
 Modules: ``shapes`` (the cases), ``dtypes`` (element formats), ``contracts`` (addressing forms),
 ``problem`` (host data and references), ``contenders`` (what is timed, and the preparer of each
 kind: ``jax_contenders``, ``raw_launchers``, ``flashinfer_peer``, ``copy_floor``, over
-``torch_side``), ``check`` (the correctness gate), ``timing`` and ``clocks`` (how it is timed),
+``torch_side``; ``gemm_chain``), ``check`` (the correctness gate), ``timing`` and ``clocks`` (how it is timed),
 ``runner`` (one shape), ``targets``, ``report``, ``plot`` and ``cli`` (the command line).
 """
 

@@ -168,6 +168,7 @@ def _list_shapes(available: dict) -> None:
         print(
             f"{s.name:<24} {s.describe()}, M = pages_per_slot = {s.pages_per_slot}, "
             f"{s.num_pages} pages{', unfused pair' if s.unfused else ''}"
+            f"{', GEMM chain' if s.gemm_chain else ''}"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_bench import copy_floor, flashinfer_peer, jax_contenders, raw_launchers
+from dflash_bench import copy_floor, flashinfer_peer, gemm_chain, jax_contenders, raw_launchers
 from dflash_bench.problem import Problem
 from dflash_bench.timing import Prepared, Settings, Skip
 
@@ -23,7 +23,8 @@ class Contender:
     jnp_norm: bool = False  # a jnp RMSNorm of the keys before the op, under the same jit
     exact: bool = True  # bit-exact against the reference (else within two ulps)
     ours: bool = False  # this project's kernel: its fractions of the floor and of copy bandwidth
-    unfused_shapes_only: bool = False  # timed at the shapes marked unfused only
+    only_at: str = ""  # timed only at the shapes with this BenchShape flag set ("": at every one)
+    gemm_alone: bool = False  # a GEMM chain (kind gemm_*) without the update: the GEMM and split
 
 
 CONTENDERS = {
@@ -36,16 +37,48 @@ CONTENDERS = {
         Contender("slots_jax", "jax", "slot_mapping", ours=True),
         Contender("slots_raw", "raw", "slot_mapping", ours=True),
         Contender("knorm_jax", "jax", "paged", fused_norm=True, ours=True),
-        Contender(
-            "unfused_jax", "jax", "paged", jnp_norm=True, exact=False, unfused_shapes_only=True
-        ),
-        Contender("rmsnorm_jax", "jax_norm_alone", unfused_shapes_only=True),
+        Contender("unfused_jax", "jax", "paged", jnp_norm=True, exact=False, only_at="unfused"),
+        Contender("rmsnorm_jax", "jax_norm_alone", only_at="unfused"),
         Contender("jax_baseline", "jax_baseline", exact=False),
         Contender("flashinfer", "flashinfer", exact=False),
         Contender("copy", "copy"),
+        # The update after the k/v GEMM that produces its deltas (gemm_chain.py), per path: the
+        # GEMM and split alone, then each form's update after them.
+        Contender("gemm_jax", "gemm_jax", only_at="gemm_chain", gemm_alone=True),
+        Contender("gemm_ours_jax", "gemm_jax", only_at="gemm_chain"),
+        Contender("gemm_paged_jax", "gemm_jax", "paged", only_at="gemm_chain"),
+        Contender("gemm_slots_jax", "gemm_jax", "slot_mapping", only_at="gemm_chain"),
+        Contender("gemm_raw", "gemm_raw", only_at="gemm_chain", gemm_alone=True),
+        Contender("gemm_ours_raw", "gemm_raw", only_at="gemm_chain"),
+        Contender("gemm_paged_raw", "gemm_raw", "paged", only_at="gemm_chain"),
+        Contender("gemm_slots_raw", "gemm_raw", "slot_mapping", only_at="gemm_chain"),
     )
 }
 OURS = tuple(name for name, c in CONTENDERS.items() if c.ours)
+
+
+def _gemm_chains() -> dict[str, tuple[str, str]]:
+    """Each GEMM chain with the update -> (its path's GEMM chain alone, the same update timed
+    back to back): what its added time is taken from and set beside."""
+    out = {}
+    for name, c in CONTENDERS.items():
+        if c.kind.startswith("gemm_") and not c.gemm_alone:
+            alone = next(n for n, a in CONTENDERS.items() if a.kind == c.kind and a.gemm_alone)
+            back_to_back = next(
+                n
+                for n, b in CONTENDERS.items()
+                if b.kind == c.kind.removeprefix("gemm_")
+                and b.contract == c.contract
+                and not (b.fused_norm or b.jnp_norm)
+            )
+            out[name] = (alone, back_to_back)
+    return out
+
+
+GEMM_CHAINS = _gemm_chains()
+# Timed per GEMM step, not per update of the shape's bytes: the report's GEMM-chain table, not
+# the main table or the plot.
+GEMM_CONTENDERS = tuple(n for n, c in CONTENDERS.items() if c.kind.startswith("gemm_"))
 
 # (kind, backend) -> preparer(spec, problem, settings, ctx); backend None: either.
 PREPARERS = {
@@ -53,6 +86,8 @@ PREPARERS = {
     ("jax_baseline", None): jax_contenders.prepare_jax,
     ("jax_norm_alone", None): jax_contenders.prepare_rmsnorm,
     ("raw", "gpu"): raw_launchers.prepare_raw_gpu,
+    ("gemm_jax", None): gemm_chain.prepare_gemm_jax,
+    ("gemm_raw", "gpu"): gemm_chain.prepare_gemm_raw,
     ("raw", "cpu"): raw_launchers.prepare_raw_cpu,
     ("flashinfer", "gpu"): flashinfer_peer.prepare_flashinfer,
     ("copy", "gpu"): copy_floor.prepare_copy_gpu,
@@ -76,8 +111,8 @@ def prepare_contender(
     if name not in CONTENDERS:
         raise ValueError(f"--contenders: unknown contender {name!r}, expected {tuple(CONTENDERS)}")
     spec, ctx = CONTENDERS[name], {} if ctx is None else ctx
-    if spec.unfused_shapes_only and not problem.shape.unfused:
-        return {"status": "n/a", "reason": "timed at the shapes marked unfused only"}
+    if spec.only_at and not getattr(problem.shape, spec.only_at):
+        return {"status": "n/a", "reason": f"timed at the shapes marked {spec.only_at} only"}
     try:
         return _preparer(spec, settings.backend)(spec, problem, settings, ctx)
     except Skip as e:

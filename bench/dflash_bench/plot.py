@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_bench.contenders import CONTENDERS
+from dflash_bench.contenders import CONTENDERS, GEMM_CONTENDERS
 from dflash_bench.runner import measured_us as us
 from dflash_bench.shapes import EDGE_LLM_0_11_US
 
@@ -26,7 +26,7 @@ def plot(results: dict, path: Path) -> str | None:
         )
     fig, ax = plt.subplots(figsize=(9, 6))
     markers = dict(zip(CONTENDERS, "o^sv<>*Dph"))
-    for name in results["contenders"]:
+    for name in (n for n in results["contenders"] if n not in GEMM_CONTENDERS):
         points = sorted(
             (e["bytes"]["total"], us(e, name)) for e in results["shapes"] if us(e, name) is not None
         )

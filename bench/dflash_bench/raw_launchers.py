@@ -14,6 +14,7 @@ from dflash_bench.torch_side import (
     TorchInputs,
     import_torch,
     mismatches_in_slot_order,
+    torch_inputs,
     torch_pool,
 )
 
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
     from dflash_bench.contenders import Contender
 
 
-def _cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
-    """``launch(pool, j)``: the contract's raw CUDA entry on input set j (DLPack arrays)."""
+def cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
+    """``launch(pool, j, **deltas)``: the contract's raw CUDA entry on input set j (DLPack
+    arrays); ``deltas`` (``k_delta``, ``v_delta``) replace the set's own."""
     from jax_dflash import _ext
 
     try:
@@ -36,10 +38,10 @@ def _cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
     # A format torch has no dtype for crosses as raw bits, with pool_dtype naming it.
     dtypes = {"pool_dtype": spec.name if spec.torch_name != spec.name else ""}
 
-    def launch(pool, j: int) -> None:
+    def launch(pool, j: int, **deltas) -> None:
         entry(
             pool=pool,
-            **per_set[j],
+            **{**per_set[j], **deltas},
             **shared,
             **inputs.scales,
             **statics,
@@ -55,11 +57,9 @@ def prepare_raw_gpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
     contract other than the slot one also its whole pool, gathered in slot order, against the
     slot launcher's."""
     torch = import_torch()
-    if "torch_inputs" not in ctx:
-        ctx["torch_inputs"] = TorchInputs(torch, problem)
-    inputs = ctx["torch_inputs"]
+    inputs = torch_inputs(torch, problem, ctx)
     contract = spec.contract
-    launch = _cuda_launcher(problem, torch, inputs, contract)
+    launch = cuda_launcher(problem, torch, inputs, contract)
     pool = torch_pool(torch, problem, contract)
     launch(pool, 0)
     torch.cuda.synchronize()
@@ -71,7 +71,7 @@ def prepare_raw_gpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
         twin = ctx.get("warm_slot_pool")
         if twin is None:
             twin = torch_pool(torch, problem, "slot")
-            _cuda_launcher(problem, torch, inputs, "slot")(twin, 0)
+            cuda_launcher(problem, torch, inputs, "slot")(twin, 0)
         else:
             # The slot launcher's pool after cuda_graph's warm-up calls: this pool gets the same
             # calls (each an overwrite, so the warm-up repeating them changes nothing).

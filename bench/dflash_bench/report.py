@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_bench.contenders import OURS
+from dflash_bench.contenders import GEMM_CHAINS, GEMM_CONTENDERS, OURS
 from dflash_bench.plot import plot
 from dflash_bench.shapes import EDGE_LLM_0_11_US
 from dflash_bench.timing import Settings
@@ -96,8 +96,9 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def format_table(results: dict) -> str:
-    """Times per update, then (second table) the fractions of the floor and of copy bandwidth."""
-    names = results["contenders"]
+    """Times per update, then (second table) the fractions of the floor and of copy bandwidth,
+    then (when one ran) the GEMM chains'."""
+    names = [n for n in results["contenders"] if n not in GEMM_CONTENDERS]
     peer = results["backend"] == "gpu"
     head = ["shape", "bytes"] + [f"{n} (us)" for n in names]
     head += ["Edge-LLM 0.11, quoted (us)"] if peer else []
@@ -122,7 +123,49 @@ def format_table(results: dict) -> str:
             + [pct(f"floor_over_{n}") for n in ours]
             + [pct(f"{n}_fraction_of_peak_copy_bw") for n in ours]
         )
-    return "\n".join(_table(head, rows) + [""] + _table(fractions_head, fractions))
+    tables = _table(head, rows) + [""] + _table(fractions_head, fractions)
+    gemm_rows = gemm_chain_rows(results)
+    if gemm_rows:
+        tables += ["", "GEMM chain: the update right after the k/v GEMM producing its deltas"]
+        tables += _table(GEMM_HEAD, gemm_rows)
+    return "\n".join(tables)
+
+
+GEMM_HEAD = [
+    "shape",
+    "chain",
+    "GEMM + split alone (us)",
+    "GEMM + split + update (us)",
+    "update added (us)",
+    "update back to back (us)",
+    "copy floor (us)",
+    "added / floor",
+]
+
+
+def gemm_chain_rows(results: dict) -> list[list[str]]:
+    """One row per shape and GEMM chain that ran: the chain alone and with the update per step,
+    the update's added time, its back-to-back time and the copy floor."""
+    rows = []
+    for e in results["shapes"]:
+        d = e.get("derived", {})
+        for name, (alone, back_to_back) in GEMM_CHAINS.items():
+            if f"{name}_added_us" not in d:
+                continue
+            over = d.get(f"{name}_added_over_floor")
+            rows.append(
+                [
+                    e["description"],
+                    name,
+                    _fmt_us(e, alone),
+                    _fmt_us(e, name),
+                    f"{d[f'{name}_added_us']:.2f}",
+                    _fmt_us(e, back_to_back),
+                    _fmt_us(e, "copy"),
+                    "-" if over is None else f"{over:.2f}x",
+                ]
+            )
+    return rows
 
 
 def _with_status(results: dict, status: str) -> list[tuple[str, str, dict]]:

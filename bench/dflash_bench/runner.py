@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from dflash_bench.clocks import GpuClocks
-from dflash_bench.contenders import OURS, prepare_contender
+from dflash_bench.contenders import GEMM_CHAINS, OURS, prepare_contender
 from dflash_bench.dtypes import bits
 from dflash_bench.problem import Problem, make_problem
 from dflash_bench.shapes import BenchShape
@@ -102,8 +102,17 @@ def run_shape(
     return entry
 
 
+def gemm_added_us(entry: dict, name: str) -> float | None:
+    """What the update adds to the GEMM chain ``name`` (contenders.GEMM_CHAINS): its time per
+    step minus that of its path's GEMM chain alone, when both ran."""
+    alone = GEMM_CHAINS[name][0]
+    with_update, without = measured_us(entry, name), measured_us(entry, alone)
+    return None if with_update is None or without is None else with_update - without
+
+
 def derived(entry: dict, peak_bw: float) -> dict:
-    """This project's contenders' fractions of the copy floor and of peak copy bandwidth."""
+    """This project's contenders' fractions of the copy floor and of peak copy bandwidth, and
+    what the update adds to each GEMM chain (µs, and over the copy floor)."""
     total = entry["bytes"]["total"]
     floor = measured_us(entry, "copy")
     out = {}
@@ -116,4 +125,11 @@ def derived(entry: dict, peak_bw: float) -> dict:
         if peak_bw:
             out[f"{name}_bytes_per_s"] = total / (t * 1e-6)
             out[f"{name}_fraction_of_peak_copy_bw"] = total / (t * 1e-6) / peak_bw
+    for name in GEMM_CHAINS:
+        added = gemm_added_us(entry, name)
+        if added is None:
+            continue
+        out[f"{name}_added_us"] = added
+        if floor is not None:
+            out[f"{name}_added_over_floor"] = added / floor
     return out

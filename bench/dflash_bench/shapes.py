@@ -38,6 +38,7 @@ class BenchShape:
     page_size: int = 128  # P
     min_capacity: int = 8192  # tokens per sequence at least (M = 64 pages of 128)
     unfused: bool = False  # also time the unfused pair and the norm alone
+    gemm_chain: bool = False  # also time the update after the k/v GEMM (gemm_chain.py)
 
     @property
     def pages_per_slot(self) -> int:  # M
@@ -111,9 +112,9 @@ _FP8 = {"pool_dtype": "float8_e4m3fn"}
 _INT8 = {"pool_dtype": "int8"}
 
 GPU_SHAPES = (
-    BenchShape("decode_b1", 1, 16),
-    BenchShape("decode_b8", 8, 16),
-    BenchShape("decode_b64", 64, 16, unfused=True),
+    BenchShape("decode_b1", 1, 16, gemm_chain=True),
+    BenchShape("decode_b8", 8, 16, gemm_chain=True),
+    BenchShape("decode_b64", 64, 16, unfused=True, gemm_chain=True),
     BenchShape("prefill_b1_l4096", 1, 4096),
     BenchShape("prefill_b8_l2048", 8, 2048, unfused=True),
     BenchShape("decode_b64_5layers", 64, 16, num_layers=5),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dflash_bench.contenders import GEMM_CHAINS
+from dflash_bench.runner import gemm_added_us
 from dflash_bench.runner import measured_us as us
 from dflash_bench.shapes import EDGE_LLM_0_11_US
 
@@ -148,6 +150,32 @@ def _against_others(t: _Targets) -> None:
             )
 
 
+def _gemm_chain(t: _Targets) -> None:
+    """What the update adds right after the k/v GEMM that produces its deltas: at most 1.2x its
+    copy floor at B=64 L=16, at most 0.8 µs at B=1 L=16."""
+    for name, limit in (("decode_b64", None), ("decode_b1", 0.8)):
+        e = t.shapes.get(name)
+        for who in GEMM_CHAINS if e else ():
+            added, alone = gemm_added_us(e, who), GEMM_CHAINS[who][0]
+            if added is None:
+                continue
+            how = f"{added:.2f} us ({us(e, who):.2f} - {us(e, alone):.2f} of {alone})"
+            if limit is not None:
+                t.add(
+                    f"{name}: in the GEMM chain the update adds at most {limit} us ({who})",
+                    added <= limit,
+                    how,
+                )
+                continue
+            floor = us(e, "copy")
+            if floor is not None:
+                t.add(
+                    f"{name}: in the GEMM chain the update adds at most 1.2x its copy floor ({who})",
+                    added <= 1.2 * floor,
+                    f"{how}, floor {floor:.2f} us ({added / floor:.2f}x)",
+                )
+
+
 def evaluate_targets(results: dict) -> list[dict]:
     t = _Targets(results)
     if results["backend"] == "cpu":
@@ -157,4 +185,5 @@ def evaluate_targets(results: dict) -> list[dict]:
     for e in t.entries:
         _per_shape(t, e)
     _against_others(t)
+    _gemm_chain(t)
     return t.rows

@@ -104,6 +104,13 @@ class TorchInputs:
         return self._operands[contract]
 
 
+def torch_inputs(torch, problem: Problem, ctx: dict) -> TorchInputs:
+    """The shape's ``TorchInputs``, uploaded by the first contender of the shape that asks."""
+    if "torch_inputs" not in ctx:
+        ctx["torch_inputs"] = TorchInputs(torch, problem)
+    return ctx["torch_inputs"]
+
+
 def mismatches_in_slot_order(torch, pool, slot_pool, problem: Problem, contract: str) -> int:
     """Elements of the contract's pool, read in slot order (its page order, see
     contracts.Contract), whose bits differ from the slot op's pool. One plane of one layer is
