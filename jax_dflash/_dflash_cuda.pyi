@@ -7,6 +7,13 @@ from typing import Any
 def registrations() -> dict[str, Any]:
     """FFI handler capsules by target name: dflash_target_kv_cache_update(_paged)."""
 
+def pdl_enabled() -> bool:
+    """Whether the launches on the current CUDA device use programmatic dependent launch (the
+    kernel starts while the kernel before it on the stream finishes, and waits for that kernel's
+    writes before its own first memory access): the environment variable ``DFLASH_PDL``, read once
+    per process, is not ``"0"``, this build's kernels were compiled for compute capability 9.0 or
+    more, and so is the device. False where no CUDA device is visible."""
+
 def launch(
     k_delta: Any,
     v_delta: Any,

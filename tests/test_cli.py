@@ -305,6 +305,7 @@ def test_check_reports_and_passes_parity_on_every_backend(capsys):
     for line in (
         "default backend:",
         "CUDA extension:",
+        "CUDA launches, programmatic dependent launch:",
         "TensorRT plugin library:",
         "TensorRT runtime:",
         "parity: all cases bit-exact",

@@ -2,6 +2,11 @@
 // the kernel instantiation (kv_update_kernel.cuh, one unit per pool dtype) for the contract and
 // the delta/pool dtypes.
 #include "dflash/kv_update_cuda.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 #include "dflash/kv_update_kernel.cuh"
 
 DFLASH_DECLARE_POOL(F16)
@@ -37,7 +42,61 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
   }
 }
 
+// DFLASH_PDL, read once: "0" turns programmatic dependent launch off; unset (or "1") leaves it on.
+bool pdl_switch_on() {
+  static bool const on = [] {
+    char const* value = std::getenv("DFLASH_PDL");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return on;
+}
+
+// Whether every virtual architecture this unit (and so the kernel units, built with the same
+// flags) was compiled for is 9.0 or more. A device of 9.0 or more that ran an image of an older one
+// (its PTX compiled at load time) would run a kernel without griddepcontrol.wait, which a launch
+// with the attribute must not.
+constexpr bool images_wait_for_producer() {
+#ifdef __CUDA_ARCH_LIST__
+  for (int arch : {__CUDA_ARCH_LIST__})
+    if (arch < 900) return false;
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The compute capability test of pdl_enabled, cached per device: 0 not asked yet, 1 no, 2 yes.
+// Devices past the table are asked at every launch (one attribute query).
+constexpr int kCachedDevices = 64;
+std::atomic<signed char> device_has_pdl[kCachedDevices];
+
+bool device_supports_pdl(int device) {
+  bool const cached = device >= 0 && device < kCachedDevices;
+  if (cached) {
+    if (signed char const known = device_has_pdl[device].load(std::memory_order_relaxed); known != 0)
+      return known == 2;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // the plain launch reports any real problem with the device
+    return false;
+  }
+  bool const yes = major >= 9;
+  if (cached) device_has_pdl[device].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
+}
+
 }  // namespace
+
+bool pdl_enabled() {
+  if (!images_wait_for_producer() || !pdl_switch_on()) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();  // no device: no launch either, and its own error says why
+    return false;
+  }
+  return device_supports_pdl(device);
+}
 
 cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t stream) {
   // A form whose kernel path has not passed on the GPU is refused here, under every runtime.

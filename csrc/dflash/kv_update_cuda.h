@@ -11,4 +11,12 @@ namespace dflash {
 // pointers. Returns the launch status (cudaSuccess when nothing needed launching).
 cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t stream);
 
+// Whether the launches on the current device use programmatic dependent launch (PDL): the kernel
+// may then start while the kernel before it on the stream finishes, and waits for that kernel's
+// writes (griddepcontrol.wait) before its own first load or store. True when the environment
+// variable DFLASH_PDL, read once per process, is not "0", every kernel image of this build was
+// compiled for compute capability 9.0 or more (so has the wait), and the device's compute
+// capability, asked once per device, is 9.0 or more. The one place that decides it.
+bool pdl_enabled();
+
 }  // namespace dflash

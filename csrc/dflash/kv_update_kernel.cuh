@@ -444,6 +444,14 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // what is computed while it is in flight, what after), and that order is read in one body.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
 __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Launch<C> constants) {
+  // Launched with programmatic dependent launch (pdl_enabled), this grid may start before the
+  // kernel ahead of it on the stream has finished, and any of its inputs, or the pool, may be that
+  // kernel's output: the wait, before every load and store, holds until that grid has completed
+  // and its writes are visible. Without the launch attribute it returns at once. Only the
+  // parameters (constant memory, written at launch) are read before it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   Geometry const& g = constants.g;
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
@@ -797,7 +805,16 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
   KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
-  dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
+  config.stream = stream;
+  // Programmatic dependent launch: the launch overlaps the previous kernel's tail; the kernel
+  // waits for that kernel's completion before touching memory (update_kernel's first line).
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &overlap;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
   // Slots and layers beyond a grid's 65535 go to further launches; per-layer rings, whose bits a
   // launch carries for 64 layers, to launches of 64 layers.
   int64_t const layers_per_launch =
@@ -807,10 +824,13 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
     for (int64_t slot = 0; slot < sequences; slot += kMaxGridYZ) {
       g.slot_base = uint32_t(slot);
       g.layer_base = uint32_t(layer);
-      dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
-                      unsigned(std::min(layers_per_launch, p.num_layers - layer))};
-      kernel<<<grid, block, 0, stream>>>(p, constants);
-      if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
+      config.gridDim = dim3{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
+                            unsigned(std::min(layers_per_launch, p.num_layers - layer))};
+      if (cudaError_t const status = cudaLaunchKernelEx(&config, kernel, p, constants);
+          status != cudaSuccess) {
+        (void)cudaGetLastError();  // reported once, by the return value
+        return status;
+      }
     }
   }
   return cudaSuccess;

@@ -1,7 +1,8 @@
 // _dflash_cuda: the XLA FFI handlers of both contracts on CUDA. They translate the buffers into
 // KVUpdateParams (operands.h) and call the launcher the TensorRT plugin calls too. Safe to capture
 // into a CUDA graph (XLA command buffers): they only enqueue work on XLA's stream. Also the raw
-// launcher over DLPack arrays (jax, torch, cupy), for benchmarks and the TensorRT parity tests.
+// launcher over DLPack arrays (jax, torch, cupy), for benchmarks and the TensorRT parity tests, and
+// whether the launches use programmatic dependent launch (pdl_enabled, kv_update_cuda.h).
 #include <cuda_runtime_api.h>
 
 #include "array_operands.h"
@@ -132,6 +133,11 @@ NB_MODULE(_dflash_cuda, m) {
       targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
     return targets;
   });
+  m.def("pdl_enabled", &dflash::pdl_enabled,
+        "Whether the launches on the current CUDA device use programmatic dependent launch: the\n"
+        "environment variable DFLASH_PDL (read once per process) is not '0', this build's kernels\n"
+        "were compiled for compute capability 9.0 or more, and so is the device. False where no CUDA\n"
+        "device is visible.");
   m.def("launch", &dflash::jax::launch_slot, "k_delta"_a, "v_delta"_a, "pool"_a, "rope_cos_sin"_a,
         "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
         "k_norm_weight"_a = nb::none(), nb::kw_only(), "pages_per_slot"_a = nb::none(), "v_norm"_a = false,

@@ -18,8 +18,10 @@ SUMMARY = (
 HELP = "report backends, extensions, the TensorRT plugin, and run a parity self-test"
 DESCRIPTION = textwrap.dedent("""\
     Reports the JAX version, backends and devices; whether the CUDA extension
-    (jax_dflash._dflash_cuda) loads; the TensorRT plugin library's path and whether a
-    TensorRT runtime (tensorrt or tensorrt_lean) is installed and can load it. Then
+    (jax_dflash._dflash_cuda) loads and whether its launches use programmatic
+    dependent launch (DFLASH_PDL=0 turns it off); the TensorRT plugin library's path
+    and whether a TensorRT runtime (tensorrt or tensorrt_lean) is installed and can
+    load it. Then
     a parity self-test: the op against the NumPy reference, bit for bit, on every
     available backend (cpu, and gpu when JAX has one) for float16, bfloat16 and
     float32 deltas, on small random shapes of both contracts: hostile positions
@@ -116,6 +118,37 @@ def _tensorrt_report() -> tuple[str, str]:
     )
 
 
+PDL_SWITCH = "DFLASH_PDL"
+
+
+def _pdl_report(cuda_loaded: bool, backends: list[str]) -> str:
+    """Whether the CUDA launches use programmatic dependent launch, and how to turn it off."""
+    import os
+
+    from jax_dflash import _ext
+
+    if not cuda_loaded:
+        return "not applicable: the CUDA path is not present (no CUDA extension)"
+    if "gpu" not in backends:
+        return "not applicable: the CUDA path is not present (no GPU)"
+    value = os.environ.get(PDL_SWITCH)
+    # The extension reads the switch once per process, so it answers for this run.
+    if _ext.extension("cuda").pdl_enabled():
+        note = ""
+        if value not in (None, "1"):
+            note = f"; {PDL_SWITCH}={value!r} is not 0 or 1, and only 0 turns it off"
+        return (
+            "on: the update kernel's launch overlaps the tail of the kernel before it, and the "
+            f"kernel waits for that kernel's writes; {PDL_SWITCH}=0 turns it off{note}"
+        )
+    if value == "0":
+        return f"off ({PDL_SWITCH}=0; unset it or set 1 to turn it on)"
+    return (
+        "off: the GPU's compute capability, or the one this build's kernels were compiled for, "
+        "is below 9.0"
+    )
+
+
 def _report_environment() -> list[str]:
     """Prints the environment's lines; returns the backends the parity test runs on."""
     import jax
@@ -140,6 +173,8 @@ def _report_environment() -> list[str]:
         else:  # pragma: no cover - available after all
             cuda = "loaded"
     print(f"CUDA extension: {cuda}")
+    pdl = _pdl_report(_ext.cuda_extension_available(), backends)
+    print(f"CUDA launches, programmatic dependent launch: {pdl}")
     library, runtime = _tensorrt_report()
     print(f"TensorRT plugin library: {library}")
     print(f"TensorRT runtime: {runtime}")
