@@ -51,15 +51,14 @@ def _expected_pdl(switch: str | None) -> bool | None:
     if archs is None:
         return None
     capability = float(gpu_devices()[0].compute_capability)
-    return switch != "0" and capability >= 9.0 and min(archs) >= 90
+    return switch == "1" and capability >= 9.0 and min(archs) >= 90
 
 
 def test_cuda_module_exposes_pdl_enabled():
     cuda = _cuda_extension()
-    assert (
-        "def pdl_enabled() -> bool:"
-        in (Path(cuda.__file__).parent / "_dflash_cuda.pyi").read_text()
-    )
+    # The stub lies beside the package's sources (an editable install keeps the module elsewhere).
+    stub = Path(jax_dflash.__file__).parent / "_dflash_cuda.pyi"
+    assert "def pdl_enabled() -> bool:" in stub.read_text()
     enabled = cuda.pdl_enabled()
     assert isinstance(enabled, bool)
     assert cuda.pdl_enabled() is enabled  # the switch and the device's answer are kept
@@ -82,19 +81,20 @@ def test_check_reports_programmatic_dependent_launch(capsys):
     if "gpu" not in backends or not _ext.cuda_extension_available():
         assert "the CUDA path is not present" in line, line
     else:
-        assert ("on:" in line and "DFLASH_PDL=0 turns it off" in line) or "off" in line, line
+        assert ("on (DFLASH_PDL=1)" in line) or ("off" in line and "DFLASH_PDL=1" in line), line
 
 
 @pytest.mark.parametrize(
     ("enabled", "switch", "words"),
     [
-        (True, None, ("on:", "DFLASH_PDL=0 turns it off")),
-        (True, "yes", ("on:", "'yes' is not 0 or 1", "only 0 turns it off")),
-        (False, "0", ("off (DFLASH_PDL=0",)),
-        (False, None, ("off:", "below 9.0")),
+        (True, "1", ("on (DFLASH_PDL=1)", "unset it to turn it off")),
+        (False, None, ("off (the default; DFLASH_PDL=1 turns it on)",)),
+        (False, "0", ("off (the default; DFLASH_PDL=1 turns it on)",)),
+        (False, "yes", ("off (the default", "'yes' is not 0 or 1")),
+        (False, "1", ("off although DFLASH_PDL=1", "below 9.0")),
     ],
 )
-def test_check_pdl_line_says_how_to_turn_it_off(monkeypatch, enabled, switch, words):
+def test_check_pdl_line_says_how_to_switch_it(monkeypatch, enabled, switch, words):
     """The line's wording for each answer of the extension and value of the switch."""
 
     class Extension:

@@ -61,7 +61,12 @@ def new_results(
         "versions": _versions(),
         "env": {
             k: os.environ[k]
-            for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "CUDA_VISIBLE_DEVICES")
+            for k in (
+                "XLA_FLAGS",
+                "XLA_PYTHON_CLIENT_PREALLOCATE",
+                "CUDA_VISIBLE_DEVICES",
+                "DFLASH_PDL",
+            )
             if k in os.environ
         },
         "settings": dataclasses.asdict(settings),

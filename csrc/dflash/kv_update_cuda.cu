@@ -42,11 +42,14 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
   }
 }
 
-// DFLASH_PDL, read once: "0" turns programmatic dependent launch off; unset (or "1") leaves it on.
+// DFLASH_PDL, read once: "1" turns programmatic dependent launch on; unset (or anything else)
+// leaves it off. Off by default because on the H200 it made the update slower where it follows
+// the GEMM that produces its deltas (the benchmark's raw GEMM chain: +0.57 us at B=1 L=16, +0.68
+// at B=64 L=16), though faster back to back (-0.23 / -0.17 us): BENCHMARKS.md.
 bool pdl_switch_on() {
   static bool const on = [] {
     char const* value = std::getenv("DFLASH_PDL");
-    return value == nullptr || std::strcmp(value, "0") != 0;
+    return value != nullptr && std::strcmp(value, "1") == 0;
   }();
   return on;
 }

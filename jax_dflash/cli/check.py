@@ -19,7 +19,7 @@ HELP = "report backends, extensions, the TensorRT plugin, and run a parity self-
 DESCRIPTION = textwrap.dedent("""\
     Reports the JAX version, backends and devices; whether the CUDA extension
     (jax_dflash._dflash_cuda) loads and whether its launches use programmatic
-    dependent launch (DFLASH_PDL=0 turns it off); the TensorRT plugin library's path
+    dependent launch (DFLASH_PDL=1 turns it on); the TensorRT plugin library's path
     and whether a TensorRT runtime (tensorrt or tensorrt_lean) is installed and can
     load it. Then
     a parity self-test: the op against the NumPy reference, bit for bit, on every
@@ -122,7 +122,7 @@ PDL_SWITCH = "DFLASH_PDL"
 
 
 def _pdl_report(cuda_loaded: bool, backends: list[str]) -> str:
-    """Whether the CUDA launches use programmatic dependent launch, and how to turn it off."""
+    """Whether the CUDA launches use programmatic dependent launch, and how to switch it."""
     import os
 
     from jax_dflash import _ext
@@ -134,18 +134,16 @@ def _pdl_report(cuda_loaded: bool, backends: list[str]) -> str:
     value = os.environ.get(PDL_SWITCH)
     # The extension reads the switch once per process, so it answers for this run.
     if _ext.extension("cuda").pdl_enabled():
-        note = ""
-        if value not in (None, "1"):
-            note = f"; {PDL_SWITCH}={value!r} is not 0 or 1, and only 0 turns it off"
         return (
-            "on: the update kernel's launch overlaps the tail of the kernel before it, and the "
-            f"kernel waits for that kernel's writes; {PDL_SWITCH}=0 turns it off{note}"
+            f"on ({PDL_SWITCH}=1): the update kernel's launch overlaps the tail of the kernel "
+            f"before it, and the kernel waits for that kernel's writes; unset it to turn it off"
         )
-    if value == "0":
-        return f"off ({PDL_SWITCH}=0; unset it or set 1 to turn it on)"
+    if value != "1":
+        note = "" if value in (None, "0") else f"; {PDL_SWITCH}={value!r} is not 0 or 1"
+        return f"off (the default; {PDL_SWITCH}=1 turns it on{note})"
     return (
-        "off: the GPU's compute capability, or the one this build's kernels were compiled for, "
-        "is below 9.0"
+        f"off although {PDL_SWITCH}=1: the GPU's compute capability, or the one this build's "
+        "kernels were compiled for, is below 9.0"
     )
 
 
