@@ -37,7 +37,11 @@ def lowering_for(form: str, *, scale_pool: bool = False):
     """The lowering rule factory of ``form``'s primitive: ``platform`` (cpu/cuda) -> rule. With
     ``scale_pool`` (the call with per-token-head dynamic scales), the scale pool (the operand
     after the base ones) is the second result, aliased too."""
-    names = (*FORMS[form]["attributes"], *_NORM_ATTRIBUTES, *(("scale_pool",) if scale_pool else ()))
+    names = (
+        *FORMS[form]["attributes"],
+        *_NORM_ATTRIBUTES,
+        *(("scale_pool",) if scale_pool else ()),
+    )
     aliases = {POOL_OPERAND: 0}
     if scale_pool:
         aliases[len(FORMS[form]["operands"])] = 1

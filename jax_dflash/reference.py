@@ -279,7 +279,9 @@ def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v
             return _layer_slice(x, layered and per_layer, layer)
 
         operands = [at(x, x.ndim > rank) for x, rank in zip(args, base_ranks)]
-        layer_scales = None if scales_out is None else (scales_out[layer] if layered else scales_out)
+        layer_scales = (
+            None if scales_out is None else (scales_out[layer] if layered else scales_out)
+        )
         operands[2] = _Pools(out[layer] if layered else out, layer_scales)
         with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
             update_layer(

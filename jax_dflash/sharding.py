@@ -221,7 +221,9 @@ def form_partition_specs(
     base = _base_specs(form, split, layered, layouts, rope_batched)
     if scales == "pool":
         return base + _scale_pool_specs(base, split, layered, k_norm, norm_weight_per_layer)
-    return base + _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
+    return base + _extra_specs(
+        split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer
+    )
 
 
 def _scale_pool_specs(base, split: Split, layered, k_norm, norm_weight_per_layer):
@@ -300,11 +302,12 @@ def operand_specs(shape: CallShape, split: Split) -> tuple[PartitionSpec, ...]:
 
 
 def _result_shardings(shape: CallShape, mesh, specs):
-    """The pool's sharding, and with a scale pool the pair (pool, scale pool)."""
+    """The pool's sharding, and with a scale pool the list [pool, scale pool] (the structure of
+    the primitive's results)."""
     pool = NamedSharding(mesh, specs[POOL])
     if not shape.extras.scale_pool:
         return pool
-    return (pool, NamedSharding(mesh, specs[len(FORMS[shape.form]["operands"])]))
+    return [pool, NamedSharding(mesh, specs[len(FORMS[shape.form]["operands"])])]
 
 
 def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:

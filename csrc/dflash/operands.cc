@@ -410,15 +410,26 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (!missing.empty()) missing += count + 1 == base ? " is missing: " : " are missing: ";
   if (attrs.scale_pool && count == base + 3 + (attrs.k_norm ? 1 : 0))
     return is_type = true,
-           std::string("scale_pool: per-token-head scales replace the static k_scale and v_scale; expected "
-                       "one or the other, got k_scale, v_scale and scale_pool");
+           std::string(
+               "scale_pool: per-token-head scales replace the static k_scale and v_scale; expected "
+               "one or the other, got k_scale, v_scale and scale_pool");
   if (count < base || scales < 0)
-    return is_type = true, missing + "expected " + str(base) + " operands (" +
-                               base_operand_list(addressing_form(attrs.contract)) +
-                               (attrs.scale_pool ? "), then scale_pool (per-token-head scales)"
-                                                 : "), then k_scale and v_scale for a pool format with scales") +
-                               (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " +
-                               str(count) + " operands";
+    return is_type = true,
+           missing + "expected " + str(base) + " operands (" +
+               base_operand_list(addressing_form(attrs.contract)) +
+               (attrs.scale_pool ? "), then scale_pool (per-token-head scales)"
+                                 : "), then k_scale and v_scale for a pool format with scales") +
+               (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) +
+               " operands";
+  // Where the call runs decides before its operands do.
+  if (attrs.scale_pool && attrs.tensorrt)
+    return std::string(
+        "scale_pool: TensorRT's profile of the contract takes no scale pool (per-token-head "
+        "scales are JAX-only), got one");
+  if (attrs.scale_pool && attrs.cuda)
+    return std::string(
+        "scale_pool: the CUDA kernel does not write per-token-head scales yet; run the call "
+        "with scale_pool on CPU (jax.devices('cpu')), or use static k_scale and v_scale");
   Checker c(operands, attrs, count);
   for (int32_t i = 0; i < count; ++i)
     if (!c.dims_valid(i)) return c.error();
@@ -459,16 +470,11 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   // dtypes, position by position (the rules TensorRT's supportsFormatCombination asks for too).
   DType const delta_dtype = c.op(kKDeltaOperand).dtype, pool_dtype = pool.dtype;
   // Whether the scales are there is a question of values, not dtypes: asked before the dtypes.
-  if (attrs.scale_pool && attrs.tensorrt)
-    return std::string("scale_pool: TensorRT's profile of the contract takes no scale pool (per-token-head "
-                       "scales are JAX-only), got one");
-  if (attrs.scale_pool && attrs.cuda)
-    return std::string("scale_pool: the CUDA kernel does not write per-token-head scales yet; run the call "
-                       "with scale_pool on CPU (jax.devices('cpu')), or use static k_scale and v_scale");
   if (scales == 1 && is_pool_dtype(pool_dtype) && !takes_scale_pool(pool_dtype))
-    return is_type = true, "scale_pool: " + with_article(pool_dtype) +
-                               " pool takes no scale pool (only pool formats with scales do: " +
-                               scaled_dtype_list() + "), got scale_pool of shape " + dims_text(c.op(base));
+    return is_type = true,
+           "scale_pool: " + with_article(pool_dtype) +
+               " pool takes no scale pool (only pool formats with scales do: " + scaled_dtype_list() +
+               "), got scale_pool of shape " + dims_text(c.op(base));
   if (scales != 1 && is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
     return scales == 2
                ? "past_key_value: " + with_article(pool_dtype) +
