@@ -42,8 +42,6 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
 cudaError_t launch_target_kv_cache_update(KVUpdateParams const& p, cudaStream_t stream) {
   // A form whose kernel path has not passed on the GPU is refused here, under every runtime.
   if (!addressing_form(p.contract).cuda) return cudaErrorNotSupported;
-  // The kernel does not write per-token-head scales (the checker refuses them for CUDA calls).
-  if (p.scale_pool != nullptr) return cudaErrorNotSupported;
   if (p.num_layers * tokens_per_layer(p) == 0 || p.num_kv_heads * p.head_dim == 0) return cudaSuccess;
   switch (p.contract) {
     case Contract::kSlot: return for_pool<Contract::kSlot>(p, stream);

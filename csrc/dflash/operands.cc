@@ -421,15 +421,11 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
                                  : "), then k_scale and v_scale for a pool format with scales") +
                (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) +
                " operands";
-  // Where the call runs decides before its operands do.
+  // The profile decides before the operands do.
   if (attrs.scale_pool && attrs.tensorrt)
     return std::string(
         "scale_pool: TensorRT's profile of the contract takes no scale pool (per-token-head "
         "scales are JAX-only), got one");
-  if (attrs.scale_pool && attrs.cuda)
-    return std::string(
-        "scale_pool: the CUDA kernel does not write per-token-head scales yet; run the call "
-        "with scale_pool on CPU (jax.devices('cpu')), or use static k_scale and v_scale");
   Checker c(operands, attrs, count);
   for (int32_t i = 0; i < count; ++i)
     if (!c.dims_valid(i)) return c.error();

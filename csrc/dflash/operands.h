@@ -41,9 +41,6 @@ struct UpdateAttrs {
   // Per-token-head dynamic scales: the operand after the base ones is scale_pool (in place of
   // k_scale and v_scale), and the call has a second result aliasing it.
   bool scale_pool = false;
-  // The call runs on the CUDA kernel, which does not write per-token-head scales: scale_pool is
-  // refused there rather than stored wrong.
-  bool cuda = false;
   // TensorRT's profile of the contract (the plugin, and the ONNX node that targets it): the
   // unbatched form only, pages of kTensorRTPageSize tokens, the pool formats TensorRT has
   // (kFP8 is e4m3), scales of shape [1] or [H].

@@ -14,9 +14,7 @@ ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRet
                    ffi::Dictionary attrs) {
   KVUpdateParams p;
   InPlace pool, scales;
-  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales, /*cuda=*/false);
-      e.failure())
-    return e;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
   for (InPlace const* buffers : {&pool, &scales})
     if (!buffers->aliased())
       std::memcpy(buffers->result->untyped_data(), buffers->operand->untyped_data(),

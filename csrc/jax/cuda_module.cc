@@ -24,8 +24,7 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
                                                           " form has no CUDA kernel yet (CPU only)");
   KVUpdateParams p;
   InPlace pool, scales;
-  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales, /*cuda=*/true); e.failure())
-    return e;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
   for (InPlace const* buffers : {&pool, &scales}) {
     if (buffers->aliased()) continue;
     cudaError_t const copied =

@@ -121,13 +121,12 @@ struct InPlace {
 // Decodes one call: every operand and result (all bound as remaining arguments/results, so that a
 // wrong count is this target's own error naming what is expected) and the attributes. On success
 // *p describes the update with p->pool (and p->scale_pool, with the scale_pool attribute) pointing
-// at the results. `cuda`: the call runs on the CUDA kernel (the checker's profile of it).
+// at the results.
 inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
                               ffi::RemainingRets const& rets, ffi::Dictionary const& attrs, KVUpdateParams* p,
-                              InPlace* pool, InPlace* scales, bool cuda) {
+                              InPlace* pool, InPlace* scales) {
   UpdateAttrs a;
   if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
-  a.cuda = cuda;
   int32_t const base = base_operand_count(contract);
   if (args.size() < size_t(base) || args.size() > size_t(base + kMaxExtraOperands + (a.scale_pool ? 1 : 0)))
     return invalid(contract,
