@@ -17,15 +17,14 @@ namespace dflash {
 
 // ---- pool formats --------------------------------------------------------------------------------
 
-// Which scale operands a pool format takes. A format with scales takes either granularity; the
-// call picks one (the static operands, or UpdateAttrs::scale_pool).
+// Which scale operands a pool format takes. A format with static scales also takes, per call
+// (UpdateAttrs::scale_pool), a scale pool in their place: [2, N, P, H] float32, updated in place,
+// each written (plane, token, head) row getting s = max_j |y_j| / max_finite and its elements
+// stored divided by s (SPEC.md, "Dynamic scales"). The format's row does not decide between the
+// two: the same pool may be written either way.
 enum class ScaleGranularity : int32_t {
   kNone = 0,    // 16/32-bit pools: the value is rounded to the element type
   kStatic = 1,  // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
-  // scale_pool [2, N, P, H] float32, updated in place: each written (plane, token, head) row gets
-  // s = max_j |y_j| / max_finite, and its elements are stored divided by s (SPEC.md, "Dynamic
-  // scales").
-  kPerTokenHead = 2,
 };
 
 // How a float32 value y becomes a stored element (numerics.h).
@@ -190,7 +189,8 @@ inline AddressingForm const* addressing_form(char const* name) {
   return nullptr;
 }
 
-// Whether a pool of this dtype can take a scale pool (per-token-head dynamic scales).
+// Whether a pool of this dtype can take a scale pool (per-token-head dynamic scales): every
+// format with scales can.
 constexpr bool takes_scale_pool(DType pool) { return takes_scales(pool); }
 
 // Operands before the extras.
