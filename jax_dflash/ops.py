@@ -255,7 +255,7 @@ def target_kv_cache_update(
         and ``v_scale`` (giving both is an error). Each written row (plane, token, head) gets
         ``s = max_j |y_j| / qmax`` at its place in ``scale_pool``, its elements stored as
         ``y / s`` in the pool's conversion (SPEC.md, "Dynamic scales"); rows not written keep
-        their scales. Updated in place like the pool (donate both). CPU only for now.
+        their scales. Updated in place like the pool (donate both).
 
     Returns:
       ``present_key_value``: the pool with, for each ``b, t < delta_lengths[b]`` whose position

@@ -56,10 +56,22 @@ def _random_scale_pool(rng, pool_shape):
     return bits.view(np.float32)
 
 
-def _problem(rng, form, pool_dtype, *, layers=None, delta=np.float16, k_norm=False, v_norm=False):
+def _problem(
+    rng,
+    form,
+    pool_dtype,
+    *,
+    layers=None,
+    delta=np.float16,
+    k_norm=False,
+    v_norm=False,
+    head_dim=16,
+    rotary_dim=None,
+):
     """``(args, kwargs)`` of one hostile call of ``form`` with a scale pool (no static scales):
     negative, padded and past-the-pool positions, owners, page ids and slots."""
     common = dict(dtype=delta, pool_dtype=pool_dtype, layers=layers, k_norm=k_norm, v_norm=v_norm)
+    common.update(head_dim=head_dim, rotary_dim=rotary_dim)
     if form == "slot":
         problem = make_problem(rng, rope_seq_len=5, **common)
     else:
@@ -144,8 +156,14 @@ def _calls(draw):
         delta=draw(st.sampled_from(DELTA_DTYPES)),
         k_norm=draw(st.booleans()),
         v_norm=draw(st.booleans()),
+        **draw(st.integers(1, 40).flatmap(_head_dims)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+def _head_dims(head_dim):
+    rotary = st.integers(0, head_dim // 2).map(lambda half: 2 * half)
+    return rotary.map(lambda r: dict(head_dim=head_dim, rotary_dim=r))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -431,7 +449,8 @@ _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
-def test_cuda_matches_the_reference(form, pool_dtype, layers, norms):
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (128, 128), (40, 8), (7, 0), (96, 64)])
+def test_cuda_matches_the_reference(form, pool_dtype, layers, norms, head_dim, rotary_dim):
     for seed in range(3):
         args, kwargs = _problem(
             np.random.default_rng(seed),
@@ -441,6 +460,8 @@ def test_cuda_matches_the_reference(form, pool_dtype, layers, norms):
             k_norm=norms,
             v_norm=norms,
             delta=DELTA_DTYPES[seed % 3],
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
         )
         pool, scales = _run(form, args, kwargs, backend="gpu")
         want = OPS[form][1](*args, **kwargs)
