@@ -101,7 +101,7 @@ inline constexpr int32_t kMaxBaseOperands = 7;
 inline constexpr char const* kScaleNames[2] = {"k_scale", "v_scale"};
 inline constexpr char const* kNormWeightName = "k_norm_weight";
 inline constexpr char const* kResultName = "present_key_value";
-// The per-token-head scales (ScaleGranularity::kPerTokenHead): one operand in place of k_scale and
+// Per-token-head dynamic scales (UpdateAttrs::scale_pool): one operand in place of k_scale and
 // v_scale, and the call's second result, aliasing it.
 inline constexpr char const* kScalePoolName = "scale_pool";
 inline constexpr char const* kScaleResultName = "present_scale_pool";
