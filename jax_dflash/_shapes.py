@@ -32,7 +32,9 @@ INDEX_DTYPE = np.dtype(np.int32)
 
 BASE_NAMES = {name: tuple(form["operands"]) for name, form in FORMS.items()}
 SCALE_POOL_NAME = _core.SCALE_POOL_NAME  # per-token-head dynamic scales, in place of the two
-EXTRA_NAMES = (*_core.SCALE_NAMES, SCALE_POOL_NAME, _core.NORM_WEIGHT_NAME)
+# The keyword operands (the scale pool last: TensorRT's node, which reads the first three, has
+# none).
+EXTRA_NAMES = (*_core.SCALE_NAMES, _core.NORM_WEIGHT_NAME, SCALE_POOL_NAME)
 
 INT64_MAX = 2**63 - 1
 
