@@ -84,8 +84,10 @@ def check_call(
     v_norm: bool = False,
     norm_eps: float,
     tensorrt: bool = False,
+    scale_pool: bool = False,
 ) -> dict[str, Any]:
-    """The contract's checker: the call's parameters, or TypeError/ValueError naming the operand."""
+    """The contract's checker: the call's parameters, or TypeError/ValueError naming the operand.
+    ``scale_pool``: the operand after the base ones is the per-token-head scale pool."""
 
 def check_norm_eps(eps: float) -> None: ...
 
@@ -94,3 +96,5 @@ POOL_FORMATS: dict[str, dict[str, Any]]
 RESULT_NAME: str
 SCALE_NAMES: tuple[str, str]
 NORM_WEIGHT_NAME: str
+SCALE_POOL_NAME: str
+SCALE_RESULT_NAME: str

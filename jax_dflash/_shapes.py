@@ -31,7 +31,10 @@ SCALED_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] !
 INDEX_DTYPE = np.dtype(np.int32)
 
 BASE_NAMES = {name: tuple(form["operands"]) for name, form in FORMS.items()}
-EXTRA_NAMES = (*_core.SCALE_NAMES, _core.NORM_WEIGHT_NAME)
+SCALE_POOL_NAME = _core.SCALE_POOL_NAME  # per-token-head dynamic scales, in place of the two
+# The keyword operands (the scale pool last: TensorRT's node, which reads the first three, has
+# none).
+EXTRA_NAMES = (*_core.SCALE_NAMES, _core.NORM_WEIGHT_NAME, SCALE_POOL_NAME)
 
 INT64_MAX = 2**63 - 1
 
@@ -52,6 +55,9 @@ class Extras:
     # Whether the scales have one entry per KV head (``[H]`` or ``[layers, H]``, H > 1); a
     # per-tensor scale is ``[]``, ``[1]`` or ``[layers, 1]``.
     scales_per_head: bool = False
+    # Whether the call has per-token-head dynamic scales (the ``scale_pool`` operand, the pool's
+    # dims without D, updated in place as the call's second result).
+    scale_pool: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +227,12 @@ def check_call(
     v_norm=False,
     norm_eps=1e-6,
     tensorrt=False,
+    scale_pool=False,
 ) -> dict:
     """The core's checker on ``operands`` (the FFI order: base operands, then the extras that
-    are present); returns its parameters, or raises TypeError/ValueError naming the operand."""
-    names = operand_names(form, None, k_norm, count=len(operands))
+    are present); returns its parameters, or raises TypeError/ValueError naming the operand.
+    ``scale_pool``: the operand after the base ones is the per-token-head scale pool."""
+    names = operand_names(form, None, k_norm, count=len(operands), scale_pool=scale_pool)
     names += ("operand",) * (len(operands) - len(names))
     described = [_describe(n, x) for n, x in zip(names, operands)]
     return _core.check_call(
@@ -236,6 +244,7 @@ def check_call(
         v_norm=v_norm,
         norm_eps=norm_eps,
         tensorrt=tensorrt,
+        scale_pool=scale_pool,
     )
 
 
@@ -247,19 +256,22 @@ def _extras(p: dict, shapes: dict) -> Extras:
         k_norm=p["k_norm"],
         norm_weight_per_layer=p["weight_per_layer"],
         scales_per_head=bool(scale_shape) and p["scale_heads"] > 1,
+        scale_pool=p["scale_pool"],
     )
 
 
-def _present(base, k_scale, v_scale, k_norm_weight) -> list:
+def _present(base, k_scale, v_scale, k_norm_weight, scale_pool=None) -> list:
     """The FFI operand list of the keyword arguments given. The two scales are one keyword pair
-    of the Python API: given together or not at all."""
+    of the Python API: given together or not at all. ``scale_pool`` goes where they go (the core
+    refuses a call with both)."""
     if (k_scale is None) != (v_scale is None):
         given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
         raise ValueError(
             f"{missing}: {given} is given, so {missing} is expected too (a pool format with "
             "scales takes both), got None"
         )
-    return [*base, *(x for x in (k_scale, v_scale, k_norm_weight) if x is not None)]
+    extras = (k_scale, v_scale, scale_pool, k_norm_weight)
+    return [*base, *(x for x in extras if x is not None)]
 
 
 def check_form(
@@ -269,6 +281,7 @@ def check_form(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    scale_pool=None,
     tensorrt=False,
     **attributes,
 ) -> CallShape:
@@ -280,10 +293,12 @@ def check_form(
     if form not in FORMS:
         raise ValueError(f"form: expected one of {list(FORMS)}, got {form!r}")
     attributes = form_attributes(form, attributes)
-    operands = _present(base, k_scale, v_scale, k_norm_weight)
-    k_norm = k_norm_weight is not None
-    p = check_call(form, operands, k_norm=k_norm, tensorrt=tensorrt, **attributes)
-    names = operand_names(form, None, k_norm, count=len(operands))
+    operands = _present(base, k_scale, v_scale, k_norm_weight, scale_pool)
+    k_norm, dynamic = k_norm_weight is not None, scale_pool is not None
+    p = check_call(
+        form, operands, k_norm=k_norm, tensorrt=tensorrt, scale_pool=dynamic, **attributes
+    )
+    names = operand_names(form, None, k_norm, count=len(operands), scale_pool=dynamic)
     shapes = {n: tuple(x.shape) for n, x in zip(names, operands)}
     return CallShape(
         form=form,
@@ -326,11 +341,14 @@ def check_update(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    scale_pool=None,
     tensorrt=False,
 ) -> CallShape:
     """:func:`check_form` of the slot contract."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths]
-    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    extras = dict(
+        k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight, scale_pool=scale_pool
+    )
     return check_form("slot", base, **extras, tensorrt=tensorrt, pages_per_slot=pages_per_slot)
 
 
@@ -346,13 +364,16 @@ def check_update_paged(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    scale_pool=None,
     ring=False,
     tensorrt=False,
 ) -> CallShape:
     """:func:`check_form` of the paged contract."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin]
     base += [delta_positions, delta_token_to_sequence, kv_page_table]
-    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    extras = dict(
+        k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight, scale_pool=scale_pool
+    )
     return check_form("paged", base, **extras, ring=ring, tensorrt=tensorrt)
 
 
@@ -366,23 +387,31 @@ def check_update_slots(
     k_scale=None,
     v_scale=None,
     k_norm_weight=None,
+    scale_pool=None,
     tensorrt=False,
 ) -> CallShape:
     """:func:`check_form` of the slot mapping."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
-    extras = dict(k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight)
+    extras = dict(
+        k_scale=k_scale, v_scale=v_scale, k_norm_weight=k_norm_weight, scale_pool=scale_pool
+    )
     return check_form("slot_mapping", base, **extras, tensorrt=tensorrt)
 
 
 # ---- a bound primitive's operand list: the base operands, then the extras ----------------------
 
 
-def operand_names(form: str, pool_dtype, k_norm: bool, *, count: int | None = None):
+def operand_names(
+    form: str, pool_dtype, k_norm: bool, *, count: int | None = None, scale_pool: bool = False
+):
     """The names of a call's operands in order (SPEC.md's FFI ABI): the form's base operands,
-    then ``k_scale, v_scale`` when the pool takes scales (given by ``pool_dtype``, or when
-    ``pool_dtype`` is None by ``count``), then ``k_norm_weight`` with ``k_norm``."""
+    then ``scale_pool`` with per-token-head scales, or else ``k_scale, v_scale`` when the pool
+    takes scales (given by ``pool_dtype``, or when ``pool_dtype`` is None by ``count``), then
+    ``k_norm_weight`` with ``k_norm``."""
     names = BASE_NAMES[form]
-    scaled = (
+    if scale_pool:
+        names += (SCALE_POOL_NAME,)
+    scaled = not scale_pool and (
         takes_scales(pool_dtype)
         if pool_dtype is not None
         else count is not None and count - len(names) - k_norm == 2
@@ -394,18 +423,20 @@ def operand_names(form: str, pool_dtype, k_norm: bool, *, count: int | None = No
     return names
 
 
-def split_operands(operands, form: str, k_norm: bool):
-    """``(base operands, {k_scale, v_scale, k_norm_weight})`` of a primitive's operand list."""
+def split_operands(operands, form: str, k_norm: bool, scale_pool: bool = False):
+    """``(base operands, {k_scale, v_scale, scale_pool, k_norm_weight})`` of a primitive's operand
+    list."""
     base = len(BASE_NAMES[form])
-    names = operand_names(form, None, k_norm, count=len(operands))
+    names = operand_names(form, None, k_norm, count=len(operands), scale_pool=scale_pool)
     extras = dict(zip(names[base:], operands[base:]))
     return list(operands[:base]), {name: extras.get(name) for name in EXTRA_NAMES}
 
 
 def check_operands(operands, form: str, params: dict) -> CallShape:
     """The checks of ``form`` on a primitive's operands and params."""
-    base, extras = split_operands(operands, form, params["k_norm"])
-    if len(operands) < len(BASE_NAMES[form]):
-        check_call(form, operands, k_norm=params["k_norm"])  # names what is missing
+    scale_pool = params.get("scale_pool", False)
+    base, extras = split_operands(operands, form, params["k_norm"], scale_pool)
+    if len(operands) < len(BASE_NAMES[form]):  # names what is missing
+        check_call(form, operands, k_norm=params["k_norm"], scale_pool=scale_pool)
     attributes = {name: params[name] for name in FORMS[form]["attributes"]}
     return check_form(form, base, **extras, **attributes)

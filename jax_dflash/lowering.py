@@ -22,6 +22,7 @@ ATTRIBUTE_TYPES = {
     "k_norm": np.bool_,
     "v_norm": np.bool_,
     "norm_eps": np.float32,
+    "scale_pool": np.bool_,
 }
 _NORM_ATTRIBUTES = ("k_norm", "v_norm", "norm_eps")
 
@@ -32,14 +33,21 @@ def _attribute(name: str, value):
     return ATTRIBUTE_TYPES[name](value)
 
 
-def lowering_for(form: str):
-    """The lowering rule factory of ``form``'s primitive: ``platform`` (cpu/cuda) -> rule."""
-    names = (*FORMS[form]["attributes"], *_NORM_ATTRIBUTES)
+def lowering_for(form: str, *, scale_pool: bool = False):
+    """The lowering rule factory of ``form``'s primitive: ``platform`` (cpu/cuda) -> rule. With
+    ``scale_pool`` (the call with per-token-head dynamic scales), the scale pool (the operand
+    after the base ones) is the second result, aliased too."""
+    names = (
+        *FORMS[form]["attributes"],
+        *_NORM_ATTRIBUTES,
+        *(("scale_pool",) if scale_pool else ()),
+    )
+    aliases = {POOL_OPERAND: 0}
+    if scale_pool:
+        aliases[len(FORMS[form]["operands"])] = 1
 
     def for_platform(platform: str):
-        lower = jax.ffi.ffi_lowering(
-            FORMS[form]["ffi_target"], operand_output_aliases={POOL_OPERAND: 0}
-        )
+        lower = jax.ffi.ffi_lowering(FORMS[form]["ffi_target"], operand_output_aliases=aliases)
 
         def rule(ctx, *operands, **params):
             if platform == "cuda" and not FORMS[form]["cuda"]:

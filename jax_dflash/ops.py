@@ -42,6 +42,19 @@ target_kv_cache_update_paged_p = Primitive("dflash_target_kv_cache_update_paged"
 target_kv_cache_update_slots_p = Primitive("dflash_target_kv_cache_update_slots")
 
 
+def _dynamic_primitive(name: str) -> Primitive:
+    """A form's call with per-token-head dynamic scales: two results, the pool and the scale
+    pool, each aliasing its operand."""
+    primitive = Primitive(f"{name}_scale_pool")
+    primitive.multiple_results = True
+    return primitive
+
+
+target_kv_cache_update_scale_pool_p = _dynamic_primitive(target_kv_cache_update_p.name)
+target_kv_cache_update_paged_scale_pool_p = _dynamic_primitive(target_kv_cache_update_paged_p.name)
+target_kv_cache_update_slots_scale_pool_p = _dynamic_primitive(target_kv_cache_update_slots_p.name)
+
+
 # ---- operand handling shared by both contracts -----------------------------------------------
 
 
@@ -107,18 +120,23 @@ def _delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin) -> list:
     return [_array_operand(n, x) for n, x in zip(names, operands)]
 
 
-def _extra_operands(k_scale, v_scale, k_norm_weight) -> tuple:
+def _extra_operands(k_scale, v_scale, k_norm_weight, scale_pool=None) -> tuple:
     """The optional operands as given: a Python number is a per-tensor scale."""
     k_scale, v_scale = _scale_operand("k_scale", k_scale), _scale_operand("v_scale", v_scale)
     if k_norm_weight is not None:
         k_norm_weight = _array_operand("k_norm_weight", k_norm_weight)
-    return k_scale, v_scale, k_norm_weight
+    if scale_pool is not None:
+        scale_pool = _array_operand("scale_pool", scale_pool)
+    return k_scale, v_scale, k_norm_weight, scale_pool
 
 
-def _extras(past_key_value, k_scale, v_scale, k_norm_weight) -> list:
-    """The operands after the base ones, in the FFI order: the scales (FP8 pool), the weight."""
+def _extras(past_key_value, k_scale, v_scale, k_norm_weight, scale_pool=None) -> list:
+    """The operands after the base ones, in the FFI order: the scales (a pool format with
+    scales: the static pair, or the scale pool), the weight."""
     out = []
-    if takes_scales(past_key_value.dtype):
+    if scale_pool is not None:
+        out.append(scale_pool)
+    elif takes_scales(past_key_value.dtype):
         out += [k_scale, v_scale]
     if k_norm_weight is not None:
         out.append(k_norm_weight)
@@ -152,15 +170,32 @@ def _check_cached(form, attributes: dict, base, extras):
 @functools.lru_cache(maxsize=256)
 def _check_signature(form, attributes, base, extras):
     base = [_Aval(*sig) for sig in base]
-    k_scale, v_scale, k_norm_weight = (None if sig is None else _Aval(*sig) for sig in extras)
+    k_scale, v_scale, k_norm_weight, scale_pool = (
+        None if sig is None else _Aval(*sig) for sig in extras
+    )
     check_form(
         form,
         base,
         k_scale=k_scale,
         v_scale=v_scale,
         k_norm_weight=k_norm_weight,
+        scale_pool=scale_pool,
         **dict(attributes),
     )
+
+
+def _update(form, base, extras, attributes: dict, params: dict):
+    """Checks and binds one call of ``form``: ``extras`` are the keyword operands as given
+    (k_scale, v_scale, k_norm_weight, scale_pool). With ``scale_pool`` the call's primitive has
+    two results, returned as ``(pool, scale_pool)``."""
+    k_scale, v_scale, k_norm_weight, scale_pool = _extra_operands(*extras)
+    _check_cached(form, attributes, base, (k_scale, v_scale, k_norm_weight, scale_pool))
+    operands = [*base, *_extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight, scale_pool)]
+    plain, dynamic = _FORM_PRIMITIVE[form]
+    if scale_pool is None:
+        return _bind(plain, operands, params)
+    pool, scales = _bind(dynamic, operands, dict(params, scale_pool=True))
+    return pool, scales
 
 
 def _norm_params(k_norm_weight, v_norm, norm_eps) -> dict:
@@ -189,7 +224,8 @@ def target_kv_cache_update(
     k_norm_weight: jax.Array | None = None,
     norm_eps: float = DEFAULT_NORM_EPS,
     v_norm: bool = False,
-) -> jax.Array:
+    scale_pool: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Writes the accepted tokens' keys (with RoPE) and values into the paged KV pool (the slot
     contract, TensorRT Edge-LLM 0.10).
 
@@ -214,12 +250,19 @@ def target_kv_cache_update(
         before RoPE (HF ``RMSNorm`` with this weight).
       norm_eps: static float > 0, the norms' epsilon (used as float32).
       v_norm: static bool: a weightless RMS norm of each value head.
+      scale_pool: float32 ``[2, numPages, P, H]`` (the pool's dims without ``D``): per-token-head
+        dynamic scales of an int8, float8_e4m3fn or float8_e5m2 pool, in place of ``k_scale``
+        and ``v_scale`` (giving both is an error). Each written row (plane, token, head) gets
+        ``s = max_j |y_j| / qmax`` at its place in ``scale_pool``, its elements stored as
+        ``y / s`` in the pool's conversion (SPEC.md, "Dynamic scales"); rows not written keep
+        their scales. Updated in place like the pool (donate both).
 
     Returns:
       ``present_key_value``: the pool with, for each ``b, t < delta_lengths[b]`` whose position
       ``pos = delta_start_positions[b] + t`` lies in ``[0, pages_per_slot * P)``, the rotated key
       and the value written at page ``b * pages_per_slot + pos // P``, row ``pos % P``
       (keys past ``S`` are written unrotated). Every other element is unchanged. See SPEC.md.
+      With ``scale_pool``: ``(present_key_value, present_scale_pool)``.
 
     Layer-batched form: with a leading ``layers`` axis on ``k_delta``/``v_delta``
     (``[layers, B, L, H, D]``) and the pool (``[layers, 2, numPages, P, H, D]``), and optionally
@@ -248,17 +291,13 @@ def target_kv_cache_update(
         _index_operand("delta_start_positions", delta_start_positions),
         _index_operand("delta_lengths", delta_lengths),
     ]
-    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     # Checked before binding (so nothing is converted first); primitive caches treat 2.0 and 2
     # as the same parameter, so the static values are normalised too.
     pages_per_slot = check_pages_per_slot(pages_per_slot)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
     attributes = dict(pages_per_slot=pages_per_slot)
-    _check_cached("slot", attributes, base, (k_scale, v_scale, k_norm_weight))
-    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return _bind(
-        target_kv_cache_update_p, [*base, *extras], dict(pages_per_slot=pages_per_slot, **params)
-    )
+    extras = (k_scale, v_scale, k_norm_weight, scale_pool)
+    return _update("slot", base, extras, attributes, dict(attributes, **params))
 
 
 def target_kv_cache_update_paged(
@@ -276,7 +315,8 @@ def target_kv_cache_update_paged(
     k_norm_weight: jax.Array | None = None,
     norm_eps: float = DEFAULT_NORM_EPS,
     v_norm: bool = False,
-) -> jax.Array:
+    scale_pool: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Writes token-major ragged keys (with RoPE) and values into the pool through a page table
     (the paged contract, TensorRT Edge-LLM 0.11).
 
@@ -302,8 +342,9 @@ def target_kv_cache_update_paged(
         layer-batched form also a tuple of static bools, one per layer: layer ``l`` takes the
         ring where ``ring[l]`` is true, so the sliding-window and full layers of one draft are
         written by one launch (a bool is every layer's).
-      k_scale, v_scale, k_norm_weight, norm_eps, v_norm: as in
-        :func:`target_kv_cache_update`.
+      k_scale, v_scale, k_norm_weight, norm_eps, v_norm, scale_pool: as in
+        :func:`target_kv_cache_update` (with ``scale_pool`` the result is
+        ``(present_key_value, present_scale_pool)``).
 
     Returns:
       ``present_key_value``: the pool with, for each token whose owner ``b`` is in ``[0, B)``,
@@ -332,11 +373,9 @@ def target_kv_cache_update_paged(
         _index_operand("delta_token_to_sequence", delta_token_to_sequence),
         _index_operand("kv_page_table", kv_page_table),
     ]
-    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     params = dict(ring=check_ring_attr(ring), **_norm_params(k_norm_weight, v_norm, norm_eps))
-    _check_cached("paged", dict(ring=params["ring"]), base, (k_scale, v_scale, k_norm_weight))
-    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return _bind(target_kv_cache_update_paged_p, [*base, *extras], params)
+    extras = (k_scale, v_scale, k_norm_weight, scale_pool)
+    return _update("paged", base, extras, dict(ring=params["ring"]), params)
 
 
 def target_kv_cache_update_slots(
@@ -351,7 +390,8 @@ def target_kv_cache_update_slots(
     k_norm_weight: jax.Array | None = None,
     norm_eps: float = DEFAULT_NORM_EPS,
     v_norm: bool = False,
-) -> jax.Array:
+    scale_pool: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Writes token-major keys (with RoPE) and values through a flat slot per token (the slot
     mapping of vLLM's ``reshape_and_cache_flash``, SGLang's ``out_cache_loc``).
 
@@ -363,7 +403,9 @@ def target_kv_cache_update_slots(
       slot_mapping: ``[T]`` int32 or int64 (int64 with ``jax_enable_x64`` on): token ``t``
         lands at ``pool[:, s // P, s % P]`` with ``s = slot_mapping[t]``; ``s < 0`` or
         ``s >= N * P`` writes nothing (neither plane). Slots are never narrowed.
-      k_scale, v_scale, k_norm_weight, norm_eps, v_norm: as in :func:`target_kv_cache_update`.
+      k_scale, v_scale, k_norm_weight, norm_eps, v_norm, scale_pool: as in
+        :func:`target_kv_cache_update` (with ``scale_pool`` the result is
+        ``(present_key_value, present_scale_pool)``).
 
     Returns:
       ``present_key_value``: the pool with every addressed row written, the rest unchanged. Of
@@ -376,11 +418,9 @@ def target_kv_cache_update_slots(
         *_delta_operands(k_delta, v_delta, past_key_value, rope_cos_sin),
         _slot_operand("slot_mapping", slot_mapping),
     ]
-    k_scale, v_scale, k_norm_weight = _extra_operands(k_scale, v_scale, k_norm_weight)
     params = _norm_params(k_norm_weight, v_norm, norm_eps)
-    _check_cached("slot_mapping", {}, base, (k_scale, v_scale, k_norm_weight))
-    extras = _extras(base[POOL_OPERAND], k_scale, v_scale, k_norm_weight)
-    return _bind(target_kv_cache_update_slots_p, [*base, *extras], params)
+    extras = (k_scale, v_scale, k_norm_weight, scale_pool)
+    return _update("slot_mapping", base, extras, {}, params)
 
 
 # ---- abstract evaluation ---------------------------------------------------------------------
@@ -390,7 +430,11 @@ def _abstract_eval_for(form):
     def abstract_eval(*operands, **params):
         check_operands(operands, form, params)
         pool = operands[POOL_OPERAND]
-        return jax.core.ShapedArray(pool.shape, pool.dtype)
+        result = jax.core.ShapedArray(pool.shape, pool.dtype)
+        if not params.get("scale_pool", False):
+            return result
+        scales = operands[len(FORMS[form]["operands"])]  # the first extra
+        return [result, jax.core.ShapedArray(scales.shape, scales.dtype)]
 
     return abstract_eval
 
@@ -450,9 +494,11 @@ def _index_group(form: str) -> tuple[int, ...]:
     return tuple(i for i, role in enumerate(FORMS[form]["operand_roles"]) if role == "index")
 
 
-def _kinds(base_kinds, n_operands, scaled, k_norm):
+def _kinds(base_kinds, n_operands, scaled, k_norm, scale_pool=False):
     kinds = list(base_kinds)
-    if scaled:
+    if scale_pool:  # the pool's dims without D: per layer in the layered form, like the pool
+        kinds.append("always")
+    elif scaled:
         kinds += ["scale", "scale"]
     if k_norm:
         kinds.append(1)
@@ -477,8 +523,9 @@ def _batching_rule_for(primitive, form: str):
         args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
         mapped = [d is not None for d in dims]
         pool = args[POOL_OPERAND]
-        scaled = takes_scales(pool.dtype)
-        kinds = _kinds(base_kinds, len(args), scaled, params["k_norm"])
+        dynamic = params.get("scale_pool", False)
+        scaled = takes_scales(pool.dtype) and not dynamic
+        kinds = _kinds(base_kinds, len(args), scaled, params["k_norm"], dynamic)
         groups_all = list(groups) + ([(base, base + 1)] if scaled else [])
         inner_pool_rank = pool.ndim - mapped[POOL_OPERAND]
         if inner_pool_rank == _BASE_POOL_RANK + 1:
@@ -501,7 +548,8 @@ def _batching_rule_for(primitive, form: str):
             elif pl:
                 x = _as_per_layer(x, kind, size)
             out.append(x)
-        return primitive.bind(*out, **params), 0
+        result = primitive.bind(*out, **params)
+        return result, [0] * len(result) if primitive.multiple_results else 0
 
     return rule
 
@@ -525,25 +573,45 @@ def _nested(primitive, args, mapped, kinds, size, params):
     if isinstance(params.get("ring"), tuple):  # layer s * layers + l is layer l of its call
         params = dict(params, ring=params["ring"] * size)
     result = primitive.bind(*out, **params)
+    if primitive.multiple_results:
+        return [r.reshape(size, layers, *r.shape[1:]) for r in result], [0] * len(result)
     return result.reshape(size, layers, *result.shape[1:]), 0
 
 
 # ---- each form's primitive: its rules, registered alike ---------------------------------------
 
+# Each form's primitives: its plain call, and its call with per-token-head dynamic scales.
 _FORM_PRIMITIVES = (
-    ("slot", target_kv_cache_update_p, target_kv_cache_update),
-    ("paged", target_kv_cache_update_paged_p, target_kv_cache_update_paged),
-    ("slot_mapping", target_kv_cache_update_slots_p, target_kv_cache_update_slots),
+    (
+        "slot",
+        target_kv_cache_update_p,
+        target_kv_cache_update_scale_pool_p,
+        target_kv_cache_update,
+    ),
+    (
+        "paged",
+        target_kv_cache_update_paged_p,
+        target_kv_cache_update_paged_scale_pool_p,
+        target_kv_cache_update_paged,
+    ),
+    (
+        "slot_mapping",
+        target_kv_cache_update_slots_p,
+        target_kv_cache_update_slots_scale_pool_p,
+        target_kv_cache_update_slots,
+    ),
 )
-for _form, _primitive, _public in _FORM_PRIMITIVES:
-    _primitive.def_abstract_eval(_abstract_eval_for(_form))
-    _primitive.def_impl(_impl_for(_primitive))
-    # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
-    sharding.register_lowerings(
-        _primitive,
-        lowering.lowering_for(_form),
-        platforms=("cpu", "cuda"),
-        contract=_form,
-        op_name=_public.__name__,
-    )
-    batching.primitive_batchers[_primitive] = _batching_rule_for(_primitive, _form)
+_FORM_PRIMITIVE = {form: (plain, dynamic) for form, plain, dynamic, _ in _FORM_PRIMITIVES}
+for _form, _plain, _dynamic, _public in _FORM_PRIMITIVES:
+    for _primitive in (_plain, _dynamic):
+        _primitive.def_abstract_eval(_abstract_eval_for(_form))
+        _primitive.def_impl(_impl_for(_primitive))
+        # Per shard under jax.jit sharding (custom partitioning), the plain FFI call otherwise.
+        sharding.register_lowerings(
+            _primitive,
+            lowering.lowering_for(_form, scale_pool=_primitive is _dynamic),
+            platforms=("cpu", "cuda"),
+            contract=_form,
+            op_name=_public.__name__,
+        )
+        batching.primitive_batchers[_primitive] = _batching_rule_for(_primitive, _form)

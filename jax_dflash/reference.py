@@ -33,6 +33,7 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 # FP8 formats: (mantissa bits, exponent bias, code of the largest finite magnitude).
 FP8_FORMATS = {_E4M3: (3, 7, 0x7E), _E5M2: (2, 15, 0x7B)}
 NORM_CHUNK = 8  # channels summed left to right before the halving tree
+_FLOAT32_NAN = np.array(CANONICAL_NAN[_FLOAT32], np.uint32).view(np.float32)
 
 
 def written_position(start: int, length: int, t: int, capacity: int) -> int | None:
@@ -173,10 +174,30 @@ def round_int8(q: np.ndarray) -> np.ndarray:
     return np.rint(clamped).astype(np.int8)
 
 
+def dynamic_store(y: np.ndarray, pool_dtype):
+    """Per-token-head dynamic scales (SPEC.md, "Dynamic scales") of float32 rows y [..., D]:
+    ``(elements, scales)``, with ``s = max_j |y_j| / qmax`` (the canonical NaN for a row with a
+    non-finite element) and the elements ``y / s`` in the format's conversion (zeros where
+    ``s == 0``)."""
+    pool_dtype = np.dtype(pool_dtype)
+    qmax = np.float32(_shapes.POOL_FORMATS[str(pool_dtype)]["max_finite"])
+    y = np.asarray(y, np.float32)
+    with np.errstate(all="ignore"):
+        finite = np.all(np.isfinite(y), axis=-1)
+        a = np.max(np.abs(y), axis=-1, initial=np.float32(0)).astype(np.float32)
+        s = np.where(finite, a / qmax, _FLOAT32_NAN).astype(np.float32)
+        q = np.where(s[..., None] == 0, np.float32(0), y / s[..., None]).astype(np.float32)
+    elements = round_int8(q) if pool_dtype == _INT8 else round_fp8(q, pool_dtype)
+    return elements, s
+
+
 def _store(delta, y, touched, pool_dtype, inv_scale):
     """The pool elements for delta [n, H, D] whose float32 result is y; `touched` [n or 1, D]
     marks channels arithmetic changed (else, in the same dtype, the delta's bits are copied).
-    ``inv_scale`` is what the format's conversion takes (_conversion_scale)."""
+    ``inv_scale`` is what the format's conversion takes (_conversion_scale); ``"dynamic"``
+    stores with per-token-head scales (then the result is ``(elements, scales)``)."""
+    if isinstance(inv_scale, str):
+        return dynamic_store(y, pool_dtype)
     if pool_dtype == _INT8:
         return round_int8(y / inv_scale)
     if pool_dtype in FP8_FORMATS:
@@ -221,6 +242,21 @@ def _conversion_scale(scale, pool_dtype):
     return scale[None, :, None]  # [1] (per tensor) or [H] (per head)
 
 
+class _Pools:
+    """A layer's pool and, with dynamic scales, its scale pool: a row stored at ``pool[index]``
+    stores its scales at ``scale_pool[index]`` (the pool's index without D), and nowhere else."""
+
+    def __init__(self, pool, scales):
+        self.pool, self.scales = pool, scales
+        self.shape = pool.shape
+
+    def __setitem__(self, index, rows):
+        if self.scales is None:
+            self.pool[index] = rows
+        else:
+            self.pool[index], self.scales[index] = rows
+
+
 def _layer_slice(x, per_layer, layer):
     return None if x is None else (x[layer] if per_layer else x)
 
@@ -234,26 +270,34 @@ def _each_layer(update_layer, args, *, base_ranks, extras, static, rotary_dim, v
     out = pool.copy()
     layered = pool.ndim == 6
     ks, vs, w = (extras.get(n) for n in ("k_scale", "v_scale", "k_norm_weight"))
+    scales = extras.get("scale_pool")
+    scales_out = None if scales is None else scales.astype(np.float32, copy=True)
+    dynamic = None if scales is None else "dynamic"
     for layer in range(pool.shape[0] if layered else 1):
 
         def at(x, per_layer):
             return _layer_slice(x, layered and per_layer, layer)
 
         operands = [at(x, x.ndim > rank) for x, rank in zip(args, base_ranks)]
-        operands[2] = out[layer] if layered else out
+        layer_scales = (
+            None if scales_out is None else (scales_out[layer] if layered else scales_out)
+        )
+        operands[2] = _Pools(out[layer] if layered else out, layer_scales)
         with np.errstate(all="ignore"):  # inf and NaN in the data are not errors
             update_layer(
                 *operands,
                 *(static(layer) if callable(static) else static),
                 pool_dtype=pool.dtype,
                 rotary_dim=rotary_dim,
-                inv_k=_conversion_scale(at(ks, ks is not None and ks.ndim == 2), pool.dtype),
-                inv_v=_conversion_scale(at(vs, vs is not None and vs.ndim == 2), pool.dtype),
+                inv_k=dynamic
+                or _conversion_scale(at(ks, ks is not None and ks.ndim == 2), pool.dtype),
+                inv_v=dynamic
+                or _conversion_scale(at(vs, vs is not None and vs.ndim == 2), pool.dtype),
                 k_norm_weight=at(w, w is not None and w.ndim == 2),
                 v_norm=bool(v_norm),
                 eps=eps,
             )
-    return out
+    return out if scales_out is None else (out, scales_out)
 
 
 def _options(v_norm, norm_eps):
@@ -261,13 +305,14 @@ def _options(v_norm, norm_eps):
     return np.float32(_shapes.check_norm_eps(norm_eps))
 
 
-def _extras(k_scale, v_scale, k_norm_weight):
+def _extras(k_scale, v_scale, k_norm_weight, scale_pool=None):
     return {
         name: np.asarray(x)
         for name, x in (
             ("k_scale", k_scale),
             ("v_scale", v_scale),
             ("k_norm_weight", k_norm_weight),
+            ("scale_pool", scale_pool),
         )
         if x is not None
     }
@@ -313,10 +358,13 @@ def target_kv_cache_update(
     k_norm_weight=None,
     norm_eps=1e-6,
     v_norm=False,
-) -> np.ndarray:
+    scale_pool=None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Returns a new pool: ``past_key_value`` with the accepted tokens written (SPEC.md, the slot
     contract). Accepts the unbatched and layer-batched forms of
-    :func:`jax_dflash.target_kv_cache_update`; the input arrays are not modified."""
+    :func:`jax_dflash.target_kv_cache_update`; the input arrays are not modified. With
+    ``scale_pool`` (per-token-head dynamic scales, SPEC.md) the result is ``(pool, scale_pool)``,
+    both new; so in the other forms."""
     args = [
         np.asarray(a)
         for a in (
@@ -328,7 +376,7 @@ def target_kv_cache_update(
             delta_lengths,
         )
     ]
-    extras = _extras(k_scale, v_scale, k_norm_weight)
+    extras = _extras(k_scale, v_scale, k_norm_weight, scale_pool)
     _shapes.check_update(*args, pages_per_slot, **extras)
     eps = _options(v_norm, norm_eps)
     return _each_layer(
@@ -381,7 +429,8 @@ def target_kv_cache_update_paged(
     k_norm_weight=None,
     norm_eps=1e-6,
     v_norm=False,
-) -> np.ndarray:
+    scale_pool=None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Returns a new pool: ``past_key_value`` with the tokens written (SPEC.md, the paged
     contract, with the ring option: a bool, or in the layer-batched form one per layer). Accepts
     the unbatched and layer-batched forms of :func:`jax_dflash.target_kv_cache_update_paged`;
@@ -398,7 +447,7 @@ def target_kv_cache_update_paged(
             kv_page_table,
         )
     ]
-    extras = _extras(k_scale, v_scale, k_norm_weight)
+    extras = _extras(k_scale, v_scale, k_norm_weight, scale_pool)
     ring = _shapes.check_update_paged(*args, **extras, ring=ring).ring
     eps = _options(v_norm, norm_eps)
     return _each_layer(
@@ -438,12 +487,13 @@ def target_kv_cache_update_slots(
     k_norm_weight=None,
     norm_eps=1e-6,
     v_norm=False,
-) -> np.ndarray:
+    scale_pool=None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Returns a new pool: ``past_key_value`` with the tokens written through their flat slots
     (SPEC.md, "The slot-mapping form"). Accepts the unbatched and layer-batched forms of
     :func:`jax_dflash.target_kv_cache_update_slots`; the input arrays are not modified."""
     args = [np.asarray(a) for a in (k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping)]
-    extras = _extras(k_scale, v_scale, k_norm_weight)
+    extras = _extras(k_scale, v_scale, k_norm_weight, scale_pool)
     _shapes.check_update_slots(*args, **extras)
     eps = _options(v_norm, norm_eps)
     return _each_layer(

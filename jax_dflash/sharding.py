@@ -17,8 +17,10 @@ send any token to any page.
 The other operands follow the pool: ``k_delta``/``v_delta`` split like it on layers, ``B`` (slot)
 and ``H``; the positions and lengths on ``B`` (slot); ``rope_cos_sin`` on its batch when ``Rb ==
 B``; per-head scales (``[H]``, ``[layers, H]``) on the heads; every ``[layers, ...]`` operand on
-the layers; everything else is replicated. The output has the pool's sharding, and the per-shard
-custom call still aliases the pool, so donation updates each shard in place.
+the layers; a ``scale_pool`` (per-token-head dynamic scales, the pool's dims without ``D``) like
+the pool without ``D``; everything else is replicated. The output has the pool's sharding (the
+scale pool's result its own), and the per-shard custom call still aliases the pool (and the
+scale pool), so donation updates each shard in place.
 
 These rules read the form's descriptor row, not its name: an operand's spec follows its dims
 (``"[B, L, H, D]"``: ``H`` on the heads, ``B`` and ``N`` on the slots) and its role (whether it
@@ -198,7 +200,8 @@ def form_partition_specs(
 
     ``batch_axis`` needs a form whose pages split in whole slots (one with ``pages_per_slot``);
     ``positions_per_layer`` covers the form's index operands (starts and lengths, positions and
-    owners, flat slots), ``table_per_layer`` its page table.
+    owners, flat slots), ``table_per_layer`` its page table. ``scales='pool'`` gives the
+    ``scale_pool`` operand's spec (the pool's without ``D``) in place of the static scales'.
     """
     if form not in FORMS:
         raise ValueError(f"form: expected one of {list(FORMS)}, got {form!r}")
@@ -215,8 +218,20 @@ def form_partition_specs(
         positions_per_layer=positions_per_layer,
         table_per_layer=table_per_layer,
     )
-    return _base_specs(form, split, layered, layouts, rope_batched) + (
-        _extra_specs(split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer)
+    base = _base_specs(form, split, layered, layouts, rope_batched)
+    if scales == "pool":
+        return base + _scale_pool_specs(base, split, layered, k_norm, norm_weight_per_layer)
+    return base + _extra_specs(
+        split, layered, scales, scales_per_layer, k_norm, norm_weight_per_layer
+    )
+
+
+def _scale_pool_specs(base, split: Split, layered, k_norm, norm_weight_per_layer):
+    """The extras of a call with a scale pool: its spec (the pool's without ``D``: a row's scale
+    lives on the shard of its row), then the weight's."""
+    pool = tuple(base[POOL])
+    return (PartitionSpec(*pool[:-1]),) + _extra_specs(
+        split, layered, None, False, k_norm, norm_weight_per_layer
     )
 
 
@@ -276,9 +291,23 @@ def operand_specs(shape: CallShape, split: Split) -> tuple[PartitionSpec, ...]:
         table_per_layer=shape.table_per_layer,
     )
     rope_batched = shape.rope_batch == shape.batch
-    return _base_specs(shape.form, split, layered, layouts, rope_batched) + _extra_specs(
+    base = _base_specs(shape.form, split, layered, layouts, rope_batched)
+    if extras.scale_pool:
+        return base + _scale_pool_specs(
+            base, split, layered, extras.k_norm, extras.norm_weight_per_layer
+        )
+    return base + _extra_specs(
         split, layered, scales, extras.scales_per_layer, extras.k_norm, extras.norm_weight_per_layer
     )
+
+
+def _result_shardings(shape: CallShape, mesh, specs):
+    """The pool's sharding, and with a scale pool the list [pool, scale pool] (the structure of
+    the primitive's results)."""
+    pool = NamedSharding(mesh, specs[POOL])
+    if not shape.extras.scale_pool:
+        return pool
+    return [pool, NamedSharding(mesh, specs[len(FORMS[shape.form]["operands"])])]
 
 
 def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
@@ -421,7 +450,9 @@ def _partition(primitive, contract, params, mesh, arg_shapes, result_shape):
     shape = check_operands(arg_shapes, contract, params)
     split = plan_split(shape, mesh, arg_shapes[POOL].sharding)
     specs = operand_specs(shape, split)
-    names = operand_names(contract, shape.pool_dtype, shape.k_norm)
+    names = operand_names(
+        contract, shape.pool_dtype, shape.k_norm, scale_pool=shape.extras.scale_pool
+    )
     pool_txt = _spec_text(_spec_axes(specs[POOL], len(specs[POOL])))
     if split.layers and "ring" in params:  # each shard's layers take their own rings
         params["ring"] = _shard_ring(shape, _shards(mesh, split.layers), f"sharding {pool_txt}")
@@ -442,28 +473,35 @@ def _partition(primitive, contract, params, mesh, arg_shapes, result_shape):
     return (
         mesh,
         local,
-        NamedSharding(mesh, specs[POOL]),
+        _result_shardings(shape, mesh, specs),
         tuple(NamedSharding(mesh, s) for s in specs),
     )
 
 
 def _infer_sharding_from_operands(contract, params, mesh, arg_shapes, result_shape):
-    """GSPMD (``jax_use_shardy_partitioner=False``): the output takes the pool's sharding."""
+    """GSPMD (``jax_use_shardy_partitioner=False``): the output takes the pool's sharding (the
+    scale pool's result the scale pool's)."""
     del result_shape
     shape = check_operands(arg_shapes, contract, dict(params))
     split = plan_split(shape, mesh, arg_shapes[POOL].sharding)
-    return NamedSharding(mesh, operand_specs(shape, split)[POOL])
+    return _result_shardings(shape, mesh, operand_specs(shape, split))
 
 
-def _sharding_rule(params, mesh, operand_types, result_types):
+def _sharding_rule(contract, params, mesh, operand_types, result_types):
     """Shardy factors: only the pool and the output share them. The output keeps the pool's
     sharding, and a small operand never pushes its own sharding onto the pool (``_partition``
     reshards it to follow the pool instead)."""
-    del params, mesh, result_types
+    del params, mesh
     operands = [
         " ".join(f"o{i}d{j}" for j in range(len(t.shape))) for i, t in enumerate(operand_types)
     ]
-    return f"{', '.join(operands)} -> {operands[POOL]}"
+    if len(result_types) == 1:
+        return f"{', '.join(operands)} -> {operands[POOL]}"
+    # A scale pool (the first extra) shares the pool's factors but D: a row's scale lives where
+    # the row does.
+    scales = len(FORMS[contract]["operands"])
+    operands[scales] = " ".join(f"o{POOL}d{j}" for j in range(len(operand_types[scales].shape)))
+    return f"{', '.join(operands)} -> {operands[POOL]}, {operands[scales]}"
 
 
 def _needs_partitioning(axis_context, op_name: str) -> bool:
@@ -580,13 +618,15 @@ def register_lowerings(
     partitioned.def_partition(
         partition=functools.partial(_partition, primitive, contract),
         infer_sharding_from_operands=functools.partial(_infer_sharding_from_operands, contract),
-        sharding_rule=_sharding_rule,
+        sharding_rule=functools.partial(_sharding_rule, contract),
     )
 
     def lower_partitioned_fn(*operands, params):
         return partitioned(params, *operands)
 
-    lower_partitioned = mlir.lower_fun(lower_partitioned_fn, multiple_results=False)
+    lower_partitioned = mlir.lower_fun(
+        lower_partitioned_fn, multiple_results=primitive.multiple_results
+    )
 
     if _dispatch is not None:
         # The partitioned lowering needs the device assignment (custom_partitioning does too).

@@ -17,7 +17,11 @@ namespace dflash {
 
 // ---- pool formats --------------------------------------------------------------------------------
 
-// Which scale operands a pool format takes.
+// Which scale operands a pool format takes. A format with static scales also takes, per call
+// (UpdateAttrs::scale_pool), a scale pool in their place: [2, N, P, H] float32, updated in place,
+// each written (plane, token, head) row getting s = max_j |y_j| / max_finite and its elements
+// stored divided by s (SPEC.md, "Dynamic scales"). The format's row does not decide between the
+// two: the same pool may be written either way.
 enum class ScaleGranularity : int32_t {
   kNone = 0,    // 16/32-bit pools: the value is rounded to the element type
   kStatic = 1,  // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
@@ -70,6 +74,8 @@ constexpr bool divides_by_scale(DType pool) {
 // "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages; TensorRT's only
 // with `tensorrt`.
 std::string pool_dtype_list(bool tensorrt = false);
+// "float8_e4m3fn, float8_e5m2 or int8": the formats with scales, for messages.
+std::string scaled_dtype_list();
 
 // ---- addressing forms ----------------------------------------------------------------------------
 
@@ -95,6 +101,10 @@ inline constexpr int32_t kMaxBaseOperands = 7;
 inline constexpr char const* kScaleNames[2] = {"k_scale", "v_scale"};
 inline constexpr char const* kNormWeightName = "k_norm_weight";
 inline constexpr char const* kResultName = "present_key_value";
+// Per-token-head dynamic scales (UpdateAttrs::scale_pool): one operand in place of k_scale and
+// v_scale, and the call's second result, aliasing it.
+inline constexpr char const* kScalePoolName = "scale_pool";
+inline constexpr char const* kScaleResultName = "present_scale_pool";
 inline constexpr int32_t kMaxExtraOperands = 3;
 // Operand indices every form shares.
 inline constexpr int32_t kKDeltaOperand = 0, kVDeltaOperand = 1, kPoolOperand = 2, kRopeOperand = 3;
@@ -179,12 +189,16 @@ inline AddressingForm const* addressing_form(char const* name) {
   return nullptr;
 }
 
+// Whether a pool of this dtype can take a scale pool (per-token-head dynamic scales): every
+// format with scales can.
+constexpr bool takes_scale_pool(DType pool) { return takes_scales(pool); }
+
 // Operands before the extras.
 constexpr int32_t base_operand_count(Contract contract) { return addressing_form(contract).base_count; }
-// All operands: the base ones, then k_scale and v_scale when the pool takes scales, then
-// k_norm_weight with k_norm.
-constexpr int32_t operand_count(Contract contract, bool scaled_pool, bool k_norm) {
-  return base_operand_count(contract) + (scaled_pool ? 2 : 0) + (k_norm ? 1 : 0);
+// All operands: the base ones, then k_scale and v_scale when the pool takes static scales (or
+// scale_pool for dynamic ones), then k_norm_weight with k_norm.
+constexpr int32_t operand_count(Contract contract, bool scaled_pool, bool k_norm, bool scale_pool = false) {
+  return base_operand_count(contract) + (scale_pool ? 1 : scaled_pool ? 2 : 0) + (k_norm ? 1 : 0);
 }
 // "k_delta, v_delta, ..." of the form's base operands, for messages.
 std::string base_operand_list(AddressingForm const& form);

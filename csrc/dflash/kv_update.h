@@ -119,6 +119,9 @@ struct KVUpdateParams {
   bool slot_mapping_int64 = false;
   float const* k_scale = nullptr;                  // FP8 pools
   float const* v_scale = nullptr;
+  // Per-token-head dynamic scales, [layers?, 2, N, P, H] float32, updated where rows are stored
+  // (null: static scales or none).
+  float* scale_pool = nullptr;
   void const* k_norm_weight = nullptr;  // k_norm
 
   DType delta_dtype = DType::kFloat16;
@@ -359,6 +362,12 @@ DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t laye
 // Index of head h's scale in k_scale / v_scale.
 DFLASH_HOST_DEVICE int64_t scale_index(KVUpdateParams const& p, int64_t layer, int64_t h) {
   return (p.scale_per_layer ? layer * p.scale_heads : 0) + (p.scale_heads == 1 ? 0 : h);
+}
+
+// Index in scale_pool of the scale of the pool row (one head of one token) whose first element is
+// at pool element offset `row_offset` (layer included): the scale pool is the pool without D.
+DFLASH_HOST_DEVICE int64_t scale_pool_index(KVUpdateParams const& p, int64_t row_offset) {
+  return row_offset / p.head_dim;
 }
 
 // Offset (elements) of the k-norm weight row of a layer.

@@ -304,9 +304,32 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
   }
 }
 
+// dst[0, n) <- y quantized with the row's dynamic scale, which is stored at *scale (SPEC.md,
+// "Dynamic scales": s = max_j |y_j| / qmax, the elements y / s in the pool's conversion).
+void store_dynamic(DType dtype, float const* y, void* dst, int64_t n, float* scale) {
+  RowMax r;
+  for (int64_t j = 0; j < n; ++j) r.add(y[j]);
+  float const s = dynamic_scale(r, pool_format(dtype)->max_finite);
+  *scale = s;
+  uint8_t* const out = static_cast<uint8_t*>(dst);
+  switch (dtype) {
+    case DType::kFloat8E4M3:
+      for (int64_t j = 0; j < n; ++j) out[j] = float_to_fp8_bits<E4M3Format>(dynamic_quotient(y[j], s));
+      return;
+    case DType::kFloat8E5M2:
+      for (int64_t j = 0; j < n; ++j) out[j] = float_to_fp8_bits<E5M2Format>(dynamic_quotient(y[j], s));
+      return;
+    case DType::kInt8:
+      for (int64_t j = 0; j < n; ++j) out[j] = float_to_int8_bits(dynamic_quotient(y[j], s));
+      return;
+    default: return;
+  }
+}
+
 // One head of one token, src -> dst: widened to fp32, RMS-normed (when `norm`; times the k-norm
 // weight when given), rotated (when cos_sin is given), stored in the pool dtype. With
-// `copy_unrotated` (same dtype, no norm) the channels past R are copied bit for bit instead.
+// `copy_unrotated` (same dtype, no norm) the channels past R are copied bit for bit instead. With
+// `scale` (a scale pool's entry) the row is stored with its dynamic scale, written there.
 struct HeadWriter {
   KVUpdateParams const& p;
   std::vector<float> x, y, w, sums;
@@ -348,7 +371,7 @@ struct HeadWriter {
   }
 
   void write(void const* src, void* dst, bool norm, void const* weight, float const* cos_sin, float inv_scale,
-             bool copy_unrotated) {
+             bool copy_unrotated, float* scale = nullptr) {
     int64_t const head_dim = p.head_dim, rotary_dim = cos_sin != nullptr ? p.rotary_dim : 0;
     float* const xs = x.data();
     float* const ys = y.data();
@@ -372,7 +395,10 @@ struct HeadWriter {
       ys[i] = rope_channel(xs[i], xs[i + half], c, s, /*first_half=*/true);
       ys[i + half] = rope_channel(xs[i + half], xs[i], c, s, /*first_half=*/false);
     }
-    if (copy_unrotated) {
+    if (scale != nullptr) {  // a scaled pool: never a copy (its dtype is no delta dtype)
+      for (int64_t j = rotary_dim; j < head_dim; ++j) ys[j] = xs[j];
+      store_dynamic(p.pool_dtype, ys, dst, head_dim, scale);
+    } else if (copy_unrotated) {
       narrow_row(p.pool_dtype, ys, dst, 0, rotary_dim, inv_scale);
       int64_t const elem = dtype_bytes(p.pool_dtype);
       std::memcpy(static_cast<char*>(dst) + rotary_dim * elem,
@@ -390,6 +416,13 @@ float conversion_scale(float const* scales, KVUpdateParams const& p, int64_t lay
   if (scales == nullptr) return 1.0f;
   float const scale = scales[scale_index(p, layer, h)];
   return divides_by_scale(p.pool_dtype) ? scale : div_rn(1.0f, scale);
+}
+
+// The scale pool's entry of head h of pool row `row` (kv_update.h's address); null without one.
+float* row_scale(KVUpdateParams const& p, int64_t layer, int64_t row, int64_t h) {
+  if (p.scale_pool == nullptr) return nullptr;
+  return p.scale_pool +
+         scale_pool_index(p, layer * pool_layer_elems(p) + row * token_stride(p) + h * p.head_dim);
 }
 
 // Writes one token: its key (rotated with cos_sin unless that is null) and value rows.
@@ -418,14 +451,15 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
       heads.write(k_src + h * head_bytes, k_dst + h * p.head_dim * pool_elem, p.k_norm, weight,
-                  rotate ? cos_sin : nullptr, conversion_scale(p.k_scale, p, layer, h), same && !p.k_norm);
+                  rotate ? cos_sin : nullptr, conversion_scale(p.k_scale, p, layer, h), same && !p.k_norm,
+                  row_scale(p, layer, rows.k_row, h));
   }
   if (same && !p.v_norm) {
     std::memcpy(v_dst, v_src, size_t(stride * pool_elem));
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
       heads.write(v_src + h * head_bytes, v_dst + h * p.head_dim * pool_elem, p.v_norm, nullptr, nullptr,
-                  conversion_scale(p.v_scale, p, layer, h), false);
+                  conversion_scale(p.v_scale, p, layer, h), false, row_scale(p, layer, rows.v_row, h));
   }
 }
 

@@ -836,10 +836,153 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// ---- per-token-head dynamic scales (SPEC.md, "Dynamic scales") -----------------------------------
+// A row's scale needs its whole row (max_j |y_j|) before any element is stored, so these calls
+// take their own kernel: one warp per (token, head), K and V in turn. Each lane holds the
+// channels lane, lane + 32, ...; the row's maximum is a warp reduction (a max is exact, so any
+// order gives its bits), and the fused norms' sum is numerics.h's sum_squares in SPEC.md's order,
+// evaluated by every lane (the same bits in each).
+
+template <typename T> inline constexpr float kMaxFinite = pool_format(T::kDType)->max_finite;
+inline constexpr int kDynamicRows = 4;  // warps (rows) per block
+
+// Channel j of one head's float32 value: widened, normed when inv_rms is given (times the k-norm
+// weight when given), in the delta dtype's rounding (SPEC.md "Fused norms" 4-5).
+template <typename Delta> __device__ __forceinline__ float dynamic_value(typename Delta::Bits const* row,
+                                                                         int64_t j, bool norm, float inv_rms,
+                                                                         typename Delta::Bits const* weight) {
+  float x = Delta::decode(row[j]);
+  if (!norm) return x;
+  x = round_to(Delta::kDType, mul_rn(x, inv_rms));
+  if (weight != nullptr) x = round_to(Delta::kDType, mul_rn(x, Delta::decode(weight[j])));
+  return x;
+}
+
+// Channel j of the row that would be stored: normed, then rotated (cos_sin null: not rotated).
+template <typename Delta>
+__device__ __forceinline__ float dynamic_channel(KVUpdateParams const& p, typename Delta::Bits const* row,
+                                                 int64_t j, bool norm, float inv_rms,
+                                                 typename Delta::Bits const* weight, float const* cos_sin) {
+  float const x = dynamic_value<Delta>(row, j, norm, inv_rms, weight);
+  int64_t const half = p.rotary_dim / 2;
+  if (cos_sin == nullptr || j >= p.rotary_dim) return x;
+  bool const first = j < half;
+  int64_t const i = first ? j : j - half;
+  float const partner = dynamic_value<Delta>(row, first ? j + half : j - half, norm, inv_rms, weight);
+  return rope_channel(x, partner, cos_sin[i], cos_sin[half + i], first);
+}
+
+// One head row of one plane: its scale at *scale (lane 0), its elements at dst.
+template <typename Delta, typename Pool>
+__device__ __forceinline__ void dynamic_row(KVUpdateParams const& p, typename Delta::Bits const* row,
+                                            bool norm, typename Delta::Bits const* weight,
+                                            float const* cos_sin, typename Pool::Bits* dst, float* scale) {
+  unsigned const lane = threadIdx.x;
+  float inv_rms = 0.0f;
+  if (norm)
+    inv_rms = inverse_rms(sum_squares([row](int64_t j) { return Delta::decode(row[j]); }, p.head_dim),
+                          p.head_dim, p.norm_eps);
+  RowMax r;
+  for (int64_t j = lane; j < p.head_dim; j += 32)
+    r.add(dynamic_channel<Delta>(p, row, j, norm, inv_rms, weight, cos_sin));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    RowMax other;
+    other.max = __shfl_xor_sync(0xffffffffu, r.max, offset);
+    other.finite = __shfl_xor_sync(0xffffffffu, int(r.finite), offset) != 0;
+    r.merge(other);
+  }
+  float const s = dynamic_scale(r, kMaxFinite<Pool>);
+  if (lane == 0) *scale = s;
+  for (int64_t j = lane; j < p.head_dim; j += 32)
+    dst[j] =
+        Pool::encode(dynamic_quotient(dynamic_channel<Delta>(p, row, j, norm, inv_rms, weight, cos_sin), s));
+}
+
+// Rows [0, items) of the launch's layers, item = ((layer * sequences + b) * tokens + t) * H + h;
+// a warp's lanes share the item, so every branch below is uniform in the warp.
+template <Contract C, typename Delta, typename Pool> __global__ void __launch_bounds__(32 * kDynamicRows)
+    dynamic_scale_kernel(KVUpdateParams p, PagedAddressing paged, int64_t layer_base, int64_t items) {
+  using DBits = typename Delta::Bits;
+  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
+  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
+  int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
+  for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
+    int64_t const h = item % p.num_kv_heads;
+    int64_t const t = item / p.num_kv_heads % tokens;
+    int64_t const b = item / p.num_kv_heads / tokens % sequences;
+    int64_t const local_layer = item / p.num_kv_heads / tokens / sequences;
+    int64_t const layer = layer_base + local_layer;
+    PoolRows rows;
+    float const* cos_sin = nullptr;
+    if constexpr (C == Contract::kSlot) {
+      int64_t const start = p.delta_start_positions[position_index(p, layer, b)];
+      int64_t const length = p.delta_lengths[position_index(p, layer, b)];
+      int64_t const pos = written_position(start, length, t, slot_capacity(p));
+      rows = slot_rows(p, b, pos);
+      if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
+        cos_sin = p.rope_cos_sin + rope_row_offset(p, layer, b, pos);
+    } else {
+      if constexpr (C == Contract::kPaged) {
+        int32_t const owner = p.token_to_sequence[position_index(p, layer, t)];
+        int32_t const pos = p.delta_positions[position_index(p, layer, t)];
+        uint32_t row;
+        int64_t const entry =
+            page_table_entry(paged, layer_ring(paged, uint32_t(local_layer)), owner, pos, &row);
+        if (entry >= 0) {
+          int32_t const* table = p.page_table + layer * paged.table_layer;
+          rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
+        }
+      } else {
+        rows = mapped_rows(p, mapped_slot(p, position_index(p, layer, t)));
+      }
+      if (p.rotary_dim > 0) cos_sin = p.rope_cos_sin + rope_row_offset(p, layer, 0, t);
+    }
+    if (rows.k_row < 0) continue;
+    int64_t const src = delta_token_offset(p, layer, b, t) + h * p.head_dim;
+    int64_t const layer_elems = layer * pool_layer_elems(p);
+    int64_t const k_dst = layer_elems + rows.k_row * token_stride(p) + h * p.head_dim;
+    int64_t const v_dst = layer_elems + rows.v_row * token_stride(p) + h * p.head_dim;
+    auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
+    DBits const* weight =
+        p.k_norm ? static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) : nullptr;
+    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.k_delta) + src, p.k_norm, weight, cos_sin,
+                             pool + k_dst, p.scale_pool + scale_pool_index(p, k_dst));
+    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.v_delta) + src, p.v_norm, nullptr, nullptr,
+                             pool + v_dst, p.scale_pool + scale_pool_index(p, v_dst));
+  }
+}
+
+// The launch of a call with a scale pool; per-layer rings in launches of 64 layers (the ring bits
+// a PagedAddressing carries).
+template <Contract C, typename Delta, typename Pool>
+cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
+  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
+  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
+  int64_t const layers_per_launch =
+      C == Contract::kPaged && p.ring_layers != nullptr ? kRingMaskLayers : p.num_layers;
+  for (int64_t layer = 0; layer < p.num_layers; layer += layers_per_launch) {
+    int64_t const layers = std::min(layers_per_launch, p.num_layers - layer);
+    PagedAddressing paged;
+    if constexpr (C == Contract::kPaged) paged = paged_addressing(p, layer);
+    int64_t const items = layers * sequences * tokens * p.num_kv_heads;
+    int64_t const blocks =
+        std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, int64_t(multiprocessor_count()) * 64);
+    dynamic_scale_kernel<C, Delta, Pool>
+        <<<unsigned(blocks), dim3(32, kDynamicRows), 0, stream>>>(p, paged, layer, items);
+    if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
 // The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
 // divides the head and the rotary half and that every tensor's alignment allows.
 template <Contract C, typename Delta, typename Pool>
 cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
+  if (p.scale_pool != nullptr) {  // per-token-head dynamic scales: their own kernel
+    if constexpr (kScaledPool<Pool>) return launch_dynamic<C, Delta, Pool>(p, stream);
+    return cudaErrorInvalidValue;  // the checker admits no scale pool for this pool
+  }
   auto fits = [&](int vec) {
     auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
     int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);

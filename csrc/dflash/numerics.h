@@ -293,6 +293,40 @@ DFLASH_HOST_DEVICE uint8_t float_to_int8_bits(float q) {
 #endif
 }
 
+// ---- per-token-head dynamic scales (SPEC.md, "Dynamic scales") --------------------------------------
+
+// One row's magnitude a = max_j |y_j|, folded one element at a time; `finite` turns false at the
+// first non-finite element (whose row then stores a NaN scale).
+struct RowMax {
+  float max = 0.0f;
+  bool finite = true;
+  DFLASH_HOST_DEVICE void add(float y) {
+    uint32_t const magnitude = bits_of(y) & 0x7fffffffu;
+    finite = finite && magnitude < 0x7f800000u;  // false for inf and NaN
+    float const a = float_of(magnitude);
+    max = a > max ? a : max;
+  }
+  // Two partial maxima (of disjoint channels) into one: max is exact, so any order gives its bits.
+  DFLASH_HOST_DEVICE void merge(RowMax const& o) {
+    finite = finite && o.finite;
+    max = o.max > max ? o.max : max;
+  }
+};
+
+// The stored scale of a row: a / qmax (float32 division), the canonical NaN for a non-finite row.
+DFLASH_HOST_DEVICE float dynamic_scale(RowMax const& r, float qmax) {
+  if (!r.finite) return float_of(kFloat32NaN);
+  return div_rn(r.max, qmax);
+}
+
+// The quotient a row's element is stored as: y / s, rounded. A row whose scale is 0 (all zeros, or
+// a maximum that underflows) stores zeros; a non-finite row stores NaN (int8's conversion makes it
+// 0, FP8's the canonical NaN).
+DFLASH_HOST_DEVICE float dynamic_quotient(float y, float s) {
+  if (s == 0.0f) return 0.0f;
+  return div_rn(y, s);  // s NaN: NaN
+}
+
 // ---- fused norms --------------------------------------------------------------------------------
 
 inline constexpr int64_t kNormChunk = 8;  // channels summed left to right before the tree

@@ -29,10 +29,12 @@ std::string dims_text(TensorDesc const& t) {
   return text + "]";
 }
 
-// Whether the operands carry k_scale and v_scale: decided by the count (the pool's dtype must
-// then agree). -1 when the count fits no layout.
+// The scale operands the call carries: 2 (k_scale and v_scale, decided by the count; the pool's
+// dtype must then agree), 1 (scale_pool, decided by the call's attribute) or 0. -1 when the count
+// fits no layout.
 int32_t scale_operands(UpdateAttrs const& attrs, int32_t count) {
   int32_t const extras = count - base_operand_count(attrs.contract) - (attrs.k_norm ? 1 : 0);
+  if (attrs.scale_pool) return extras == 1 ? 1 : -1;
   return extras == 0 || extras == 2 ? extras : -1;
 }
 
@@ -213,7 +215,10 @@ char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count)
   if (index < form.base_count) return form.base[index].name;
   if (index == count) return kResultName;
   int32_t extra = index - form.base_count;
-  if (scale_operands(attrs, count) == 2) {
+  if (attrs.scale_pool) {
+    if (extra == 0) return kScalePoolName;
+    extra -= 1;
+  } else if (scale_operands(attrs, count) == 2) {
     if (extra < 2) return kScaleNames[extra];
     extra -= 2;
   }
@@ -233,6 +238,18 @@ std::string pool_dtype_list(bool tensorrt) {
   return text;
 }
 
+std::string scaled_dtype_list() {
+  std::string text;
+  size_t n = 0, listed = 0;
+  for (PoolFormat const& f : kPoolFormats) n += f.scales != ScaleGranularity::kNone;
+  for (PoolFormat const& f : kPoolFormats) {
+    if (f.scales == ScaleGranularity::kNone) continue;
+    text += std::string(listed == 0 ? "" : listed + 1 == n ? " or " : ", ") + dtype_name(f.element);
+    ++listed;
+  }
+  return text;
+}
+
 std::string base_operand_list(AddressingForm const& form) {
   std::string text;
   for (int32_t i = 0; i < form.base_count; ++i) text += std::string(i ? ", " : "") + form.base[i].name;
@@ -244,7 +261,7 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
   // The messages are built only on failure: this runs for every operand of every call.
   auto name = [&] { return std::string(operand_name(attrs, index, count)); };
   AddressingForm const& form = addressing_form(attrs.contract);
-  bool const scales_given = scale_operands(attrs, count) == 2;
+  bool const scales_given = scale_operands(attrs, count) > 0;
   auto expect = [&](DType wanted, char const* why) -> std::string {
     if (given == wanted) return {};
     return name() + ": expected dtype " + dtype_name(wanted) + why + ", got " + dtype_name(given);
@@ -266,7 +283,8 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
         if (takes_scales(given) && !scales_given)
           return name() + ": " + with_article(given) + " pool needs the k_scale and v_scale operands";
         if (!takes_scales(given) && scales_given)
-          return name() + ": k_scale and v_scale are given, so a pool format with scales is expected, got " +
+          return name() + ": " + (attrs.scale_pool ? "scale_pool is" : "k_scale and v_scale are") +
+                 " given, so a pool format with scales (" + scaled_dtype_list() + ") is expected, got " +
                  dtype_name(given);
         return {};
       case OperandRole::kRope: return expect(DType::kFloat32, "");
@@ -277,7 +295,8 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
         return name() + ": expected dtype int32 or int64, got " + dtype_name(given);
     }
   }
-  if (scales_given && index < form.base_count + 2) return expect(DType::kFloat32, "");
+  if (attrs.scale_pool && index == form.base_count) return expect(DType::kFloat32, "");
+  if (scales_given && !attrs.scale_pool && index < form.base_count + 2) return expect(DType::kFloat32, "");
   if (attrs.k_norm && index == count - 1) return expect(delta_dtype, " (k_delta's)");
   return name() + ": unexpected operand " + std::to_string(index) + " of " + std::to_string(count);
 }
@@ -365,6 +384,17 @@ std::string check_result(TensorDesc const& result, TensorDesc const& pool) {
   return {};
 }
 
+std::string check_scale_result(TensorDesc const& result, TensorDesc const& scale_pool) {
+  bool same_dims = result.rank == scale_pool.rank;
+  for (int32_t i = 0; same_dims && i < scale_pool.rank; ++i) same_dims = result.dims[i] == scale_pool.dims[i];
+  if (!same_dims || result.dtype != scale_pool.dtype)
+    return std::string(kScaleResultName) + ": expected scale_pool's shape " + dims_text(scale_pool) +
+           " and dtype " + dtype_name(scale_pool.dtype) +
+           " (the result is the scale pool, updated in place), got " + dims_text(result) + " " +
+           dtype_name(result.dtype);
+  return {};
+}
+
 std::string params_from_operands(TensorDesc const* operands, int32_t count, UpdateAttrs const& attrs,
                                  KVUpdateParams* out, bool need_data, bool allow_unknown, bool* type_error) {
   bool ignored;
@@ -378,12 +408,24 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   for (int32_t i = count; i < base; ++i)
     missing += std::string(missing.empty() ? "" : ", ") + operand_name(attrs, i, base);
   if (!missing.empty()) missing += count + 1 == base ? " is missing: " : " are missing: ";
+  if (attrs.scale_pool && count == base + 3 + (attrs.k_norm ? 1 : 0))
+    return is_type = true,
+           std::string(
+               "scale_pool: per-token-head scales replace the static k_scale and v_scale; expected "
+               "one or the other, got k_scale, v_scale and scale_pool");
   if (count < base || scales < 0)
-    return is_type = true, missing + "expected " + str(base) + " operands (" +
-                               base_operand_list(addressing_form(attrs.contract)) +
-                               "), then k_scale and v_scale for a pool format with scales" +
-                               (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " +
-                               str(count) + " operands";
+    return is_type = true,
+           missing + "expected " + str(base) + " operands (" +
+               base_operand_list(addressing_form(attrs.contract)) +
+               (attrs.scale_pool ? "), then scale_pool (per-token-head scales)"
+                                 : "), then k_scale and v_scale for a pool format with scales") +
+               (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) +
+               " operands";
+  // The profile decides before the operands do.
+  if (attrs.scale_pool && attrs.tensorrt)
+    return std::string(
+        "scale_pool: TensorRT's profile of the contract takes no scale pool (per-token-head "
+        "scales are JAX-only), got one");
   Checker c(operands, attrs, count);
   for (int32_t i = 0; i < count; ++i)
     if (!c.dims_valid(i)) return c.error();
@@ -424,7 +466,12 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   // dtypes, position by position (the rules TensorRT's supportsFormatCombination asks for too).
   DType const delta_dtype = c.op(kKDeltaOperand).dtype, pool_dtype = pool.dtype;
   // Whether the scales are there is a question of values, not dtypes: asked before the dtypes.
-  if (is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
+  if (scales == 1 && is_pool_dtype(pool_dtype) && !takes_scale_pool(pool_dtype))
+    return is_type = true,
+           "scale_pool: " + with_article(pool_dtype) +
+               " pool takes no scale pool (only pool formats with scales do: " + scaled_dtype_list() +
+               "), got scale_pool of shape " + dims_text(c.op(base));
+  if (scales != 1 && is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
     return scales == 2
                ? "past_key_value: " + with_article(pool_dtype) +
                      " pool takes no k_scale, v_scale (only pool formats with scales do), got k_scale of "
@@ -561,6 +608,21 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
     p.k_scale = static_cast<float const*>(ks.data);
     p.v_scale = static_cast<float const*>(vs.data);
     next += 2;
+  }
+  if (scales == 1) {  // scale_pool: the pool's dims without D
+    TensorDesc const& sp = c.op(next);
+    bool fits = sp.rank == pool.rank - 1;
+    for (int32_t i = 0; fits && i < sp.rank; ++i) fits = same(sp.dims[i], pool.dims[i]);
+    if (!fits) {
+      std::string expected = "[";
+      for (int32_t i = 0; i + 1 < pool.rank; ++i)
+        expected += (i ? ", " : "") + (known(pool.dims[i]) ? str(pool.dims[i]) : std::string("?"));
+      return c.fail_shape(next, expected + "] (" + (layered ? "[layers, 2, N, P, H]" : "[2, N, P, H]") +
+                                    ": past_key_value's dims without D)"),
+             c.error();
+    }
+    p.scale_pool = static_cast<float*>(const_cast<void*>(sp.data));
+    next += 1;
   }
   if (attrs.k_norm) {
     TensorDesc const& w = c.op(next);

@@ -38,6 +38,9 @@ struct UpdateAttrs {
   bool k_norm = false;         // k_norm_weight is an operand
   bool v_norm = false;
   float norm_eps = kDefaultNormEps;
+  // Per-token-head dynamic scales: the operand after the base ones is scale_pool (in place of
+  // k_scale and v_scale), and the call has a second result aliasing it.
+  bool scale_pool = false;
   // TensorRT's profile of the contract (the plugin, and the ONNX node that targets it): the
   // unbatched form only, pages of kTensorRTPageSize tokens, the pool formats TensorRT has
   // (kFP8 is e4m3), scales of shape [1] or [H].
@@ -76,5 +79,7 @@ std::string check_params(KVUpdateParams const& p);
 
 // The result of the call (the pool, aliased) must have exactly the pool's dims and dtype.
 std::string check_result(TensorDesc const& result, TensorDesc const& pool);
+// The second result of a call with scale_pool (aliased to it) must have exactly its dims and dtype.
+std::string check_scale_result(TensorDesc const& result, TensorDesc const& scale_pool);
 
 }  // namespace dflash

@@ -95,7 +95,8 @@ nb::dict params_dict(KVUpdateParams const& p) {
 }
 
 nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t pages_per_slot,
-                    nb::handle ring, bool k_norm, bool v_norm, double norm_eps, bool tensorrt) {
+                    nb::handle ring, bool k_norm, bool v_norm, double norm_eps, bool tensorrt,
+                    bool scale_pool) {
   AddressingForm const* form = addressing_form(form_name.c_str());
   if (form == nullptr)
     throw nb::value_error(("form: expected 'slot' or 'paged', got '" + form_name + "'").c_str());
@@ -109,11 +110,13 @@ nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t
   attrs.v_norm = v_norm;
   attrs.norm_eps = float(norm_eps);
   attrs.tensorrt = tensorrt;
+  attrs.scale_pool = scale_pool;
   size_t const count = nb::len(operands);
-  if (count > size_t(kMaxBaseOperands + kMaxExtraOperands))
-    throw nb::type_error(("expected at most " + std::to_string(kMaxBaseOperands + kMaxExtraOperands) +
-                          " operands, got " + std::to_string(count))
-                             .c_str());
+  // One more with scale_pool, so that the checker names a call that also gives static scales.
+  size_t const most = size_t(kMaxBaseOperands + kMaxExtraOperands + (scale_pool ? 1 : 0));
+  if (count > most)
+    throw nb::type_error(
+        ("expected at most " + std::to_string(most) + " operands, got " + std::to_string(count)).c_str());
   std::vector<TensorDesc> descs;
   bool any_unknown = false;
   for (size_t i = 0; i < count; ++i)
@@ -128,6 +131,7 @@ nb::dict check_call(std::string const& form_name, nb::sequence operands, int64_t
   }
   nb::dict params = params_dict(p);
   params["layered"] = descs[kPoolOperand].rank == 6;  // the layer-batched form, even of one layer
+  params["scale_pool"] = scale_pool;
   return params;
 }
 
@@ -178,12 +182,14 @@ void bind_contract(nb::module_& m) {
   using namespace nb::literals;
   m.def("check_call", &check_call, "form"_a, "operands"_a, nb::kw_only(), "pages_per_slot"_a = 0,
         "ring"_a = false, "k_norm"_a = false, "v_norm"_a = false, "norm_eps"_a, "tensorrt"_a = false,
+        "scale_pool"_a = false,
         "The contract's checker (docs/SPEC.md): the operands as (dtype name, dims) pairs in the FFI\n"
         "order, the attributes; returns the call's parameters, or raises TypeError (a dtype or the\n"
         "operand count) or ValueError (a shape or a value) naming the operand. A dim of None is not\n"
         "known yet: the rules between the known sizes are checked. With tensorrt, TensorRT's profile\n"
         "of the contract applies too (the plugin's and its ONNX node's rules). ring: a bool, or one\n"
-        "bool per layer of the layer-batched form.");
+        "bool per layer of the layer-batched form. scale_pool: the operand after the base ones is the\n"
+        "per-token-head scale pool.");
   m.def("check_norm_eps", [](double eps) {
     if (std::string e = check_norm_eps(eps); !e.empty()) throw nb::value_error(e.c_str());
   });
@@ -192,6 +198,8 @@ void bind_contract(nb::module_& m) {
   m.attr("RESULT_NAME") = kResultName;
   m.attr("SCALE_NAMES") = nb::make_tuple(kScaleNames[0], kScaleNames[1]);
   m.attr("NORM_WEIGHT_NAME") = kNormWeightName;
+  m.attr("SCALE_POOL_NAME") = kScalePoolName;
+  m.attr("SCALE_RESULT_NAME") = kScaleResultName;
 }
 
 }  // namespace dflash::jax

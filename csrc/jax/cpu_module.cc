@@ -13,12 +13,12 @@ namespace {
 ffi::Error run_cpu(Contract contract, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    ffi::Dictionary attrs) {
   KVUpdateParams p;
-  std::optional<ffi::AnyBuffer> pool, result;
-  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
-  // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked
-  // dims and dtype), start from the pool.
-  if (result->untyped_data() != pool->untyped_data())
-    std::memcpy(result->untyped_data(), pool->untyped_data(), pool->size_bytes());
+  InPlace pool, scales;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
+  for (InPlace const* buffers : {&pool, &scales})
+    if (!buffers->aliased())
+      std::memcpy(buffers->result->untyped_data(), buffers->operand->untyped_data(),
+                  buffers->operand->size_bytes());
   target_kv_cache_update_cpu(p);
   return ffi::Error::Success();
 }

@@ -24,13 +24,13 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
                                                           addressing_form(contract).name +
                                                           " form has no CUDA kernel yet (CPU only)");
   KVUpdateParams p;
-  std::optional<ffi::AnyBuffer> pool, result;
-  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &result); e.failure()) return e;
-  // The result aliases the pool; should XLA ever hand us two buffers (of the pool's checked dims
-  // and dtype), start from the pool.
-  if (result->untyped_data() != pool->untyped_data()) {
-    cudaError_t const copied = cudaMemcpyAsync(result->untyped_data(), pool->untyped_data(),
-                                               pool->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  InPlace pool, scales;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
+  for (InPlace const* buffers : {&pool, &scales}) {
+    if (buffers->aliased()) continue;
+    cudaError_t const copied =
+        cudaMemcpyAsync(buffers->result->untyped_data(), buffers->operand->untyped_data(),
+                        buffers->operand->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (copied != cudaSuccess) return cuda_error(contract, copied);
   }
   if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)

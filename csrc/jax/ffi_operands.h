@@ -91,6 +91,10 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
       auto v = attrs.get<bool>(name);
       if (!v.has_value()) return wrong_type("a bool");
       (name == "k_norm" ? out->k_norm : out->v_norm) = *v;
+    } else if (name == "scale_pool") {
+      auto v = attrs.get<bool>(name);
+      if (!v.has_value()) return wrong_type("a bool");
+      out->scale_pool = *v;
     } else if (name == "norm_eps") {
       auto v = attrs.get<float>(name);
       if (!v.has_value()) return wrong_type("a float32 scalar");
@@ -98,7 +102,7 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
     } else {
       return invalid(contract, "unknown attribute " + std::string(name) +
                                    " (known: " + (form.has_pages_per_slot ? "pages_per_slot, " : "") +
-                                   (form.has_ring ? "ring, " : "") + "k_norm, v_norm, norm_eps)");
+                                   (form.has_ring ? "ring, " : "") + "k_norm, v_norm, norm_eps, scale_pool)");
     }
   }
   if (form.has_pages_per_slot && !pages_per_slot_seen)
@@ -106,47 +110,73 @@ inline ffi::Error read_attrs(Contract contract, ffi::Dictionary const& attrs, Up
   return ffi::Error::Success();
 }
 
+// An updated operand and the result aliasing it: the pool, or the scale pool.
+struct InPlace {
+  std::optional<ffi::AnyBuffer> operand, result;
+  // The result starts as the operand; should XLA ever hand over two buffers (of the operand's
+  // checked dims and dtype), the caller copies the operand into the result first.
+  bool aliased() const { return !operand || result->untyped_data() == operand->untyped_data(); }
+};
+
 // Decodes one call: every operand and result (all bound as remaining arguments/results, so that a
 // wrong count is this target's own error naming what is expected) and the attributes. On success
-// *p describes the update with p->pool pointing at the result, *pool is the pool operand and
-// *result the result (the caller first copies the pool into it when XLA did not alias them).
+// *p describes the update with p->pool (and p->scale_pool, with the scale_pool attribute) pointing
+// at the results.
 inline ffi::Error decode_call(Contract contract, ffi::RemainingArgs const& args,
                               ffi::RemainingRets const& rets, ffi::Dictionary const& attrs, KVUpdateParams* p,
-                              std::optional<ffi::AnyBuffer>* pool, std::optional<ffi::AnyBuffer>* result) {
+                              InPlace* pool, InPlace* scales) {
   UpdateAttrs a;
   if (ffi::Error e = read_attrs(contract, attrs, &a); e.failure()) return e;
   int32_t const base = base_operand_count(contract);
-  if (args.size() < size_t(base) || args.size() > size_t(base + kMaxExtraOperands))
+  if (args.size() < size_t(base) || args.size() > size_t(base + kMaxExtraOperands + (a.scale_pool ? 1 : 0)))
     return invalid(contract,
                    "expected " + std::to_string(base) + " operands (" +
                        base_operand_list(addressing_form(contract)) +
                        "), then k_scale and v_scale for a pool format with scales, then k_norm_weight "
                        "with k_norm; got " +
                        std::to_string(args.size()) + " operands");
-  if (rets.size() != 1)
-    return invalid(contract, "expected 1 result (present_key_value, the pool updated in place), got " +
-                                 std::to_string(rets.size()) + " results");
-  std::array<TensorDesc, kMaxBaseOperands + kMaxExtraOperands> operands;  // the count is checked above
+  size_t const results = a.scale_pool ? 2 : 1;
+  if (rets.size() != results)
+    return invalid(contract, a.scale_pool ? "expected 2 results with scale_pool (present_key_value and "
+                                            "present_scale_pool, updated in place), got " +
+                                                std::to_string(rets.size()) + " results"
+                                          : "expected 1 result (present_key_value, the pool updated in "
+                                            "place), got " +
+                                                std::to_string(rets.size()) + " results");
+  // The count is checked above; one more than the extras' most lets the checker name a call with
+  // both static scales and scale_pool.
+  std::array<TensorDesc, kMaxBaseOperands + kMaxExtraOperands + 1> operands;
   for (size_t i = 0; i < args.size(); ++i) {
     auto buffer = args.get<ffi::AnyBuffer>(i);
     if (!buffer.has_value()) return invalid(contract, "operand " + std::to_string(i) + " is not an array");
-    if (i == size_t(kPoolOperand)) pool->emplace(*buffer);
+    if (i == size_t(kPoolOperand)) pool->operand.emplace(*buffer);
+    if (a.scale_pool && i == size_t(base)) scales->operand.emplace(*buffer);
     operands[i] = describe(*buffer);
   }
   auto out = rets.get<ffi::AnyBuffer>(0);
   if (!out.has_value()) return invalid(contract, "present_key_value: the result is not an array");
-  result->emplace(**out);
-  if (std::string e = check_result(describe(**result), operands[kPoolOperand]); !e.empty())
+  pool->result.emplace(**out);
+  if (std::string e = check_result(describe(*pool->result), operands[kPoolOperand]); !e.empty())
     return invalid(contract, e);
   if (std::string e = params_from_operands(operands.data(), int32_t(args.size()), a, p, /*need_data=*/true);
       !e.empty())
     return invalid(contract, e);
-  p->pool = (*result)->untyped_data();
+  p->pool = pool->result->untyped_data();
+  if (a.scale_pool) {
+    auto scale_out = rets.get<ffi::AnyBuffer>(1);
+    if (!scale_out.has_value())
+      return invalid(contract, std::string(kScaleResultName) + ": the result is not an array");
+    scales->result.emplace(**scale_out);
+    if (std::string e = check_scale_result(describe(*scales->result), operands[base]); !e.empty())
+      return invalid(contract, e);
+    p->scale_pool = static_cast<float*>(scales->result->untyped_data());
+  }
   return ffi::Error::Success();
 }
 
 // The binding of every target, after the platform context (if any): SPEC.md's operands in order
-// then the extras, one result (aliasing the pool), the attributes as a dictionary.
+// then the extras, the results (the pool's, then the scale pool's with scale_pool), the attributes
+// as a dictionary.
 template <typename Binding> auto bind_update_call(Binding binding) {
   return std::move(binding).RemainingArgs().RemainingRets().template Attrs<ffi::Dictionary>();
 }
