@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import jax_dflash
 from jax_dflash import reference
+from jax_dflash._ext import extension
 from jax_dflash._shapes import POOL_FORMATS, check_call
 from jax_dflash.testing import (
     DELTA_DTYPES,
@@ -34,6 +35,8 @@ from jax_dflash.testing import (
     make_paged_problem,
     make_problem,
 )
+
+SCALE_POOL_ON_CUDA = extension("cpu").SCALE_POOL_ON_CUDA
 
 FORMS = ("slot", "paged", "slot_mapping")
 OPS = {
@@ -442,8 +445,22 @@ def test_sharded_on_layers_and_heads_the_scale_pool_follows_the_pool():
 # ---- CUDA ------------------------------------------------------------------------------------
 
 _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
+_REFUSED_ON_CUDA = (
+    "the CUDA handler refuses scale_pool (SCALE_POOL_ON_CUDA is false until this test has passed "
+    "on a GPU): test_cuda_refuses_scale_pool_until_verified checks the refusal"
+)
 
 
+@pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
+@pytest.mark.skipif(SCALE_POOL_ON_CUDA, reason="the CUDA handler writes scale_pool")
+@pytest.mark.parametrize("form", FORMS)
+def test_cuda_refuses_scale_pool_until_verified(form):
+    args, kwargs = _problem(np.random.default_rng(0), form, np.dtype(np.int8))
+    with pytest.raises(Exception, match="per-token-head scales are written on the CPU only"):
+        _run(form, args, kwargs, backend="gpu")
+
+
+@pytest.mark.skipif(not SCALE_POOL_ON_CUDA, reason=_REFUSED_ON_CUDA)
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
