@@ -26,8 +26,11 @@ POOL_FORMATS = _core.POOL_FORMATS  # pool dtype name -> its scale granularity an
 
 DELTA_DTYPES = tuple(np.dtype(d) for d in (np.float16, ml_dtypes.bfloat16, np.float32))
 POOL_DTYPES = tuple(np.dtype(getattr(ml_dtypes, n, n)) for n in POOL_FORMATS)
-# Pool formats whose values are stored with k_scale and v_scale.
-SCALED_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] != "none")
+# Pool formats whose values are stored with k_scale and v_scale (each may take a scale pool
+# instead).
+SCALED_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] == "static")
+# Pool formats stored with a scale pool only: int4, uint8 bytes [.., D/2], two elements each.
+DYNAMIC_ONLY_DTYPES = tuple(d for d in POOL_DTYPES if POOL_FORMATS[str(d)]["scales"] == "dynamic")
 INDEX_DTYPE = np.dtype(np.int32)
 
 BASE_NAMES = {name: tuple(form["operands"]) for name, form in FORMS.items()}

@@ -19,6 +19,7 @@ _FLOAT32 = np.dtype(np.float32)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 _INT8 = np.dtype(np.int8)
+_INT4_BYTES = np.dtype(np.uint8)  # int4: two 4-bit elements per byte, dynamic scales only
 
 # Canonical quiet NaN bits of each pool dtype (SPEC.md, "NaN").
 CANONICAL_NAN = {
@@ -174,6 +175,22 @@ def round_int8(q: np.ndarray) -> np.ndarray:
     return np.rint(clamped).astype(np.int8)
 
 
+def round_int4(q: np.ndarray) -> np.ndarray:
+    """float32 ``q`` (already divided by the scale) to the int4 levels as int8: round half to
+    even, clamp to [-7, 7] (infinities too), NaN gives 0."""
+    q = np.asarray(q, np.float32)
+    with np.errstate(invalid="ignore"):
+        clamped = np.clip(np.where(np.isnan(q), np.float32(0), q), -7, 7)
+    return np.rint(clamped).astype(np.int8)
+
+
+def pack_int4(levels: np.ndarray) -> np.ndarray:
+    """int4 levels [..., D] (int8 in [-7, 7], D even) as the pool's bytes [..., D/2]: element 2j
+    in the low nibble, 2j + 1 in the high one, each in 4-bit two's complement."""
+    nibbles = np.asarray(levels).astype(np.uint8) & np.uint8(0x0F)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << np.uint8(4))
+
+
 def dynamic_store(y: np.ndarray, pool_dtype):
     """Per-token-head dynamic scales (SPEC.md, "Dynamic scales") of float32 rows y [..., D]:
     ``(elements, scales)``, with ``s = max_j |y_j| / qmax`` (the canonical NaN for a row with a
@@ -187,6 +204,8 @@ def dynamic_store(y: np.ndarray, pool_dtype):
         a = np.max(np.abs(y), axis=-1, initial=np.float32(0)).astype(np.float32)
         s = np.where(finite, a / qmax, _FLOAT32_NAN).astype(np.float32)
         q = np.where(s[..., None] == 0, np.float32(0), y / s[..., None]).astype(np.float32)
+    if pool_dtype == _INT4_BYTES:
+        return pack_int4(round_int4(q)), s
     elements = round_int8(q) if pool_dtype == _INT8 else round_fp8(q, pool_dtype)
     return elements, s
 

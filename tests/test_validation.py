@@ -164,7 +164,7 @@ def _slot_cases():
             _replace(p.args(), 2, pool.astype(np.int16)),
             {},
             TypeError,
-            ["past_key_value", "float8_e4m3fn, float8_e5m2 or int8", "int16"],
+            ["past_key_value", "float8_e4m3fn, float8_e5m2, int8 or uint8 (int4)", "int16"],
         ),
         (
             "pool-rank",

@@ -23,8 +23,9 @@ namespace dflash {
 // stored divided by s (SPEC.md, "Dynamic scales"). The format's row does not decide between the
 // two: the same pool may be written either way.
 enum class ScaleGranularity : int32_t {
-  kNone = 0,    // 16/32-bit pools: the value is rounded to the element type
-  kStatic = 1,  // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
+  kNone = 0,     // 16/32-bit pools: the value is rounded to the element type
+  kStatic = 1,   // k_scale and v_scale operands, [] / [1] per tensor or [H] per KV head
+  kDynamic = 2,  // the call's scale_pool only, never k_scale and v_scale (int4)
 };
 
 // How a float32 value y becomes a stored element (numerics.h).
@@ -43,15 +44,26 @@ struct PoolFormat {
   float max_finite;
   // Whether TensorRT has the element type (its kFP8 is e4m3): the plugin's pool formats.
   bool tensorrt;
+  // Elements one stored byte holds along D: 1, or 2 for 4-bit elements (element 2j in the low
+  // nibble, 2j + 1 in the high one); the pool's last dim is D / per_byte.
+  int32_t per_byte;
+  // Whether the CUDA kernel stores the format; the CUDA handler refuses the others (CPU only).
+  bool cuda;
+  // The format's name in messages and docs: the element type's, or "int4" for the packed bytes.
+  char const* name;
 };
 
 inline constexpr PoolFormat kPoolFormats[] = {
-    {DType::kFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
-    {DType::kBFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
-    {DType::kFloat32, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true},
-    {DType::kFloat8E4M3, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 448.0f, true},
-    {DType::kFloat8E5M2, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 57344.0f, false},
-    {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, false},
+    {DType::kFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true, 1, true, "float16"},
+    {DType::kBFloat16, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true, 1, true, "bfloat16"},
+    {DType::kFloat32, ScaleGranularity::kNone, Conversion::kRound, 0.0f, true, 1, true, "float32"},
+    {DType::kFloat8E4M3, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 448.0f, true, 1, true,
+     "float8_e4m3fn"},
+    {DType::kFloat8E5M2, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 57344.0f, false, 1, true,
+     "float8_e5m2"},
+    {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, false, 1, true, "int8"},
+    // int4: uint8 bytes [.., D / 2], two 4-bit two's-complement elements each.
+    {DType::kUInt8, ScaleGranularity::kDynamic, Conversion::kDivideByScale, 7.0f, false, 2, false, "int4"},
 };
 
 // The format of a pool of this dtype; null when no pool has it.
@@ -64,7 +76,17 @@ constexpr bool is_pool_dtype(DType d) { return pool_format(d) != nullptr; }
 // Whether a pool of this dtype takes k_scale and v_scale.
 constexpr bool takes_scales(DType pool) {
   PoolFormat const* f = pool_format(pool);
-  return f != nullptr && f->scales != ScaleGranularity::kNone;
+  return f != nullptr && f->scales == ScaleGranularity::kStatic;
+}
+// Whether a pool of this dtype is stored with a scale pool only (never static scales).
+constexpr bool needs_scale_pool(DType pool) {
+  PoolFormat const* f = pool_format(pool);
+  return f != nullptr && f->scales == ScaleGranularity::kDynamic;
+}
+// Elements per stored byte along D (1, or 2 for int4); 1 for a dtype no pool has.
+constexpr int32_t pool_per_byte(DType pool) {
+  PoolFormat const* f = pool_format(pool);
+  return f != nullptr ? f->per_byte : 1;
 }
 // Whether a pool of this dtype stores round(y / scale) rather than y times the scale's reciprocal.
 constexpr bool divides_by_scale(DType pool) {
@@ -74,8 +96,9 @@ constexpr bool divides_by_scale(DType pool) {
 // "float16, bfloat16, float32, float8_e4m3fn or float8_e5m2", for messages; TensorRT's only
 // with `tensorrt`.
 std::string pool_dtype_list(bool tensorrt = false);
-// "float8_e4m3fn, float8_e5m2 or int8": the formats with scales, for messages.
-std::string scaled_dtype_list();
+// "float8_e4m3fn, float8_e5m2 or int8": the formats with static scales, for messages; with
+// `dynamic`, also those with a scale pool only ("... or uint8 (int4)").
+std::string scaled_dtype_list(bool dynamic = false);
 
 // ---- addressing forms ----------------------------------------------------------------------------
 
@@ -194,7 +217,7 @@ inline AddressingForm const* addressing_form(char const* name) {
 
 // Whether a pool of this dtype can take a scale pool (per-token-head dynamic scales): every
 // format with scales can.
-constexpr bool takes_scale_pool(DType pool) { return takes_scales(pool); }
+constexpr bool takes_scale_pool(DType pool) { return takes_scales(pool) || needs_scale_pool(pool); }
 
 // Operands before the extras.
 constexpr int32_t base_operand_count(Contract contract) { return addressing_form(contract).base_count; }

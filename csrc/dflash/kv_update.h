@@ -126,6 +126,9 @@ struct KVUpdateParams {
 
   DType delta_dtype = DType::kFloat16;
   DType pool_dtype = DType::kFloat16;
+  // Pool elements per stored byte along D (contract.h's per_byte: 2 for int4). The layout math
+  // counts elements; pool_byte_offset turns them into bytes.
+  int32_t pool_per_byte = 1;
 
   int64_t num_layers = 1;
   int64_t batch = 0;         // B: slot sequences, or page-table rows (paged)
@@ -368,6 +371,14 @@ DFLASH_HOST_DEVICE int64_t scale_index(KVUpdateParams const& p, int64_t layer, i
 // at pool element offset `row_offset` (layer included): the scale pool is the pool without D.
 DFLASH_HOST_DEVICE int64_t scale_pool_index(KVUpdateParams const& p, int64_t row_offset) {
   return row_offset / p.head_dim;
+}
+
+// Offset (bytes) in the pool of head h of pool row `row` of layer `layer`: its element offset in
+// bytes. A packed format (int4, two elements per byte) has an even D, so every head row starts on
+// a byte of its own.
+inline int64_t pool_byte_offset(KVUpdateParams const& p, int64_t layer, int64_t row, int64_t h) {
+  int64_t const elements = layer * pool_layer_elems(p) + row * token_stride(p) + h * p.head_dim;
+  return elements / p.pool_per_byte * dtype_bytes(p.pool_dtype);
 }
 
 // Offset (elements) of the k-norm weight row of a layer.

@@ -322,6 +322,10 @@ void store_dynamic(DType dtype, float const* y, void* dst, int64_t n, float* sca
     case DType::kInt8:
       for (int64_t j = 0; j < n; ++j) out[j] = float_to_int8_bits(dynamic_quotient(y[j], s));
       return;
+    case DType::kUInt8:  // int4: n is even (the checker's rule), byte j holds elements 2j, 2j + 1
+      for (int64_t j = 0; j + 1 < n; j += 2)
+        out[j / 2] = pack_int4(dynamic_quotient(y[j], s), dynamic_quotient(y[j + 1], s));
+      return;
     default: return;
   }
 }
@@ -430,9 +434,9 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
                  PoolRows rows, float const* cos_sin) {
   int64_t const delta_elem = dtype_bytes(p.delta_dtype), pool_elem = dtype_bytes(p.pool_dtype);
   int64_t const stride = token_stride(p);
-  char* const layer_pool = static_cast<char*>(p.pool) + layer * pool_layer_elems(p) * pool_elem;
-  char* const k_dst = layer_pool + rows.k_row * stride * pool_elem;
-  char* const v_dst = layer_pool + rows.v_row * stride * pool_elem;
+  char* const pool = static_cast<char*>(p.pool);
+  char* const k_dst = pool + pool_byte_offset(p, layer, rows.k_row, 0);
+  char* const v_dst = pool + pool_byte_offset(p, layer, rows.v_row, 0);
   char const* const k_src = static_cast<char const*>(p.k_delta) + delta_offset * delta_elem;
   char const* const v_src = static_cast<char const*>(p.v_delta) + delta_offset * delta_elem;
   bool const same = p.delta_dtype == p.pool_dtype;
@@ -450,7 +454,7 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
 #endif
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
-      heads.write(k_src + h * head_bytes, k_dst + h * p.head_dim * pool_elem, p.k_norm, weight,
+      heads.write(k_src + h * head_bytes, pool + pool_byte_offset(p, layer, rows.k_row, h), p.k_norm, weight,
                   rotate ? cos_sin : nullptr, conversion_scale(p.k_scale, p, layer, h), same && !p.k_norm,
                   row_scale(p, layer, rows.k_row, h));
   }
@@ -458,8 +462,9 @@ void write_token(KVUpdateParams const& p, HeadWriter& heads, int64_t layer, int6
     std::memcpy(v_dst, v_src, size_t(stride * pool_elem));
   } else {
     for (int64_t h = 0; h < p.num_kv_heads; ++h)
-      heads.write(v_src + h * head_bytes, v_dst + h * p.head_dim * pool_elem, p.v_norm, nullptr, nullptr,
-                  conversion_scale(p.v_scale, p, layer, h), false, row_scale(p, layer, rows.v_row, h));
+      heads.write(v_src + h * head_bytes, pool + pool_byte_offset(p, layer, rows.v_row, h), p.v_norm, nullptr,
+                  nullptr, conversion_scale(p.v_scale, p, layer, h), false,
+                  row_scale(p, layer, rows.v_row, h));
   }
 }
 

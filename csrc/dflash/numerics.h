@@ -293,6 +293,26 @@ DFLASH_HOST_DEVICE uint8_t float_to_int8_bits(float q) {
 #endif
 }
 
+// ---- int4: round half to even, clamp to [-7, 7], NaN -> 0, two per byte ------------------------------
+
+// q = y / s, already divided: the 4-bit two's-complement code in the low nibble (as int8's
+// conversion, clamped to the 15 levels of SPEC.md's "int4 pools").
+DFLASH_HOST_DEVICE uint8_t float_to_int4_bits(float q) {
+  if (!(q == q)) return 0;
+  float const clamped = q < -7.0f ? -7.0f : (q > 7.0f ? 7.0f : q);
+#if defined(__CUDA_ARCH__)
+  return uint8_t(__float2int_rn(clamped)) & 0x0fu;
+#else
+  return uint8_t(int8_t(std::nearbyint(clamped))) & 0x0fu;  // the default rounding mode: nearest even
+#endif
+}
+
+// The byte of two neighbouring elements along D: element 2j (q_even) in the low nibble, 2j + 1
+// (q_odd) in the high one.
+DFLASH_HOST_DEVICE uint8_t pack_int4(float q_even, float q_odd) {
+  return uint8_t(float_to_int4_bits(q_even) | (float_to_int4_bits(q_odd) << 4));
+}
+
 // ---- per-token-head dynamic scales (SPEC.md, "Dynamic scales") --------------------------------------
 
 // One row's magnitude a = max_j |y_j|, folded one element at a time; `finite` turns false at the

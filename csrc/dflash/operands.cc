@@ -82,6 +82,13 @@ std::string with_article(DType d) {
   return std::string(dtype_name(d)[0] == 'i' ? "an " : "a ") + dtype_name(d);
 }
 
+// Why a pool format with a scale pool only (int4) was refused without one.
+std::string int4_needs_scale_pool(DType pool) {
+  return std::string("an ") + pool_format(pool)->name + " pool (" + dtype_name(pool) +
+         " [2, N, P, H, D/2]) is stored with per-token-head dynamic scales only: expected scale_pool "
+         "(float32 [2, N, P, H], past_key_value's dims without its last), got none";
+}
+
 // ceil(n / d) for n >= 0, d > 0, without forming n + d - 1 (which overflows for n near INT64_MAX).
 int64_t ceil_div(int64_t n, int64_t d) { return n / d + (n % d != 0 ? 1 : 0); }
 
@@ -167,8 +174,7 @@ std::string check_tensorrt_profile(Checker& c, int32_t count, bool* type_error) 
   if (PoolFormat const* format = pool_format(pool.dtype); format != nullptr && !format->tensorrt)
     return *type_error = true,
            c.fail(kPoolOperand, "expected dtype " + pool_dtype_list(true) + " (TensorRT's kFP8 is e4m3; " +
-                                    dtype_name(pool.dtype) + " pools are JAX-only), got " +
-                                    dtype_name(pool.dtype)),
+                                    format->name + " pools are JAX-only), got " + dtype_name(pool.dtype)),
            c.error();
   int32_t const base = base_operand_count(c.attrs().contract);
   if (scale_operands(c.attrs(), count) == 2)
@@ -232,19 +238,30 @@ std::string pool_dtype_list(bool tensorrt) {
   for (PoolFormat const& f : kPoolFormats) n += !tensorrt || f.tensorrt;
   for (PoolFormat const& f : kPoolFormats) {
     if (tensorrt && !f.tensorrt) continue;
-    text += std::string(listed == 0 ? "" : listed + 1 == n ? " or " : ", ") + dtype_name(f.element);
+    std::string const name = dtype_name(f.element);
+    text += std::string(listed == 0       ? ""
+                        : listed + 1 == n ? " or "
+                                          : ", ") +
+            name + (name != f.name ? std::string(" (") + f.name + ")" : "");
     ++listed;
   }
   return text;
 }
 
-std::string scaled_dtype_list() {
+std::string scaled_dtype_list(bool dynamic) {
+  auto listed_format = [dynamic](PoolFormat const& f) {
+    return f.scales == ScaleGranularity::kStatic || (dynamic && f.scales == ScaleGranularity::kDynamic);
+  };
   std::string text;
   size_t n = 0, listed = 0;
-  for (PoolFormat const& f : kPoolFormats) n += f.scales != ScaleGranularity::kNone;
+  for (PoolFormat const& f : kPoolFormats) n += listed_format(f);
   for (PoolFormat const& f : kPoolFormats) {
-    if (f.scales == ScaleGranularity::kNone) continue;
-    text += std::string(listed == 0 ? "" : listed + 1 == n ? " or " : ", ") + dtype_name(f.element);
+    if (!listed_format(f)) continue;
+    std::string const name = dtype_name(f.element);
+    text += std::string(listed == 0       ? ""
+                        : listed + 1 == n ? " or "
+                                          : ", ") +
+            name + (name != f.name ? std::string(" (") + f.name + ")" : "");
     ++listed;
   }
   return text;
@@ -280,12 +297,13 @@ std::string check_operand_dtype(UpdateAttrs const& attrs, int32_t index, int32_t
         if (!is_pool_dtype(given) || (attrs.tensorrt && !pool_format(given)->tensorrt))
           return name() + ": expected dtype " + pool_dtype_list(attrs.tensorrt) + ", got " +
                  dtype_name(given);
+        if (needs_scale_pool(given) && !attrs.scale_pool) return name() + ": " + int4_needs_scale_pool(given);
         if (takes_scales(given) && !scales_given)
           return name() + ": " + with_article(given) + " pool needs the k_scale and v_scale operands";
-        if (!takes_scales(given) && scales_given)
+        if (scales_given && !(attrs.scale_pool ? takes_scale_pool(given) : takes_scales(given)))
           return name() + ": " + (attrs.scale_pool ? "scale_pool is" : "k_scale and v_scale are") +
-                 " given, so a pool format with scales (" + scaled_dtype_list() + ") is expected, got " +
-                 dtype_name(given);
+                 " given, so a pool format with scales (" + scaled_dtype_list(attrs.scale_pool) +
+                 ") is expected, got " + dtype_name(given);
         return {};
       case OperandRole::kRope: return expect(DType::kFloat32, "");
       case OperandRole::kIndex:
@@ -469,8 +487,15 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (scales == 1 && is_pool_dtype(pool_dtype) && !takes_scale_pool(pool_dtype))
     return is_type = true,
            "scale_pool: " + with_article(pool_dtype) +
-               " pool takes no scale pool (only pool formats with scales do: " + scaled_dtype_list() +
+               " pool takes no scale pool (only pool formats with scales do: " + scaled_dtype_list(true) +
                "), got scale_pool of shape " + dims_text(c.op(base));
+  if (needs_scale_pool(pool_dtype) && scales == 2)
+    return "past_key_value: an " + std::string(pool_format(pool_dtype)->name) +
+           " pool takes no static k_scale, v_scale (per-token-head dynamic scales only): expected scale_pool "
+           "(float32 [2, N, P, H]) in their place, got k_scale of shape " +
+           dims_text(c.op(base));
+  if (needs_scale_pool(pool_dtype) && scales == 0)
+    return "past_key_value: " + int4_needs_scale_pool(pool_dtype);
   if (scales != 1 && is_pool_dtype(pool_dtype) && takes_scales(pool_dtype) != (scales == 2))
     return scales == 2
                ? "past_key_value: " + with_article(pool_dtype) +
@@ -500,6 +525,23 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
   if (!v_same) return c.fail_shape(kVDeltaOperand, "k_delta's shape " + dims_text(k)), c.error();
   if (layered && !same(k.dims[0], layers))
     return c.fail_shape(kKDeltaOperand, str(layers) + " layers (past_key_value dim 0)"), c.error();
+  // A packed pool's last dim counts bytes: D / per_byte (int4: D / 2), so D must divide.
+  p.pool_per_byte = pool_per_byte(pool_dtype);
+  if (int64_t const per = p.pool_per_byte; per > 1) {
+    int64_t const d = first_known({k.dims[k.rank - 1], v.dims[k.rank - 1]});
+    std::string const format = pool_format(pool_dtype)->name;
+    std::string const packing = "an " + format + " pool packs " + str(per) + " elements per byte along D";
+    if (known(d) && d % per != 0)
+      return c.fail(kPoolOperand, packing + ", so the head dim D must be " +
+                                      (per == 2 ? std::string("even") : "a multiple of " + str(per)) +
+                                      ", got k_delta's D = " + str(d)),
+             c.error();
+    if (known(d) && !same(p.head_dim, d / per))
+      return c.fail_shape(kPoolOperand, "last dim D/" + str(per) + " = " + str(d / per) + " (" + packing +
+                                            "; k_delta's D = " + str(d) + ")"),
+             c.error();
+    p.head_dim = known(p.head_dim) ? p.head_dim * per : d;
+  }
   if (!same(k.dims[k.rank - 2], p.num_kv_heads) || !same(k.dims[k.rank - 1], p.head_dim))
     return c.fail_shape(kKDeltaOperand, "H, D = " + str(p.num_kv_heads) + ", " + str(p.head_dim) +
                                             " (from past_key_value " + dims_text(pool) + ")"),

@@ -168,9 +168,14 @@ nb::dict formats_dict() {
   nb::dict formats;
   for (PoolFormat const& f : kPoolFormats) {
     nb::dict d;
-    d["scales"] = f.scales == ScaleGranularity::kNone ? "none" : "static";
+    d["scales"] = f.scales == ScaleGranularity::kNone     ? "none"
+                  : f.scales == ScaleGranularity::kStatic ? "static"
+                                                          : "dynamic";
     d["max_finite"] = f.max_finite;
     d["tensorrt"] = f.tensorrt;
+    d["per_byte"] = f.per_byte;
+    d["cuda"] = f.cuda;
+    d["name"] = f.name;
     formats[dtype_name(f.element)] = d;
   }
   return formats;

@@ -17,6 +17,16 @@ ffi::Error cuda_error(Contract contract, cudaError_t status) {
                               ": CUDA error: " + cudaGetErrorString(status));
 }
 
+// Why the CUDA kernel does not store the pool's format (contract.h's row says which do); empty
+// when it does.
+std::string cpu_only_format(KVUpdateParams const& p) {
+  PoolFormat const* format = pool_format(p.pool_dtype);
+  if (format == nullptr || format->cuda) return {};
+  return std::string("past_key_value: ") + format->name + " pools (" + dtype_name(p.pool_dtype) +
+         ") are written on the CPU only so far (no CUDA kernel stores them); run this call on "
+         "jax.devices('cpu')";
+}
+
 ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     ffi::Dictionary attrs) {
   if (!addressing_form(contract).cuda)
@@ -26,6 +36,8 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   KVUpdateParams p;
   InPlace pool, scales;
   if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
+  if (std::string const refused = cpu_only_format(p); !refused.empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(target_name(contract)) + ": " + refused);
   if (p.scale_pool != nullptr && !kScalePoolOnCuda)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string(target_name(contract)) + ": " + kScalePoolName +
@@ -63,6 +75,7 @@ template <Contract C> struct CudaHandler {
 namespace {
 
 void enqueue(KVUpdateParams const& p, uintptr_t stream) {
+  if (std::string const refused = cpu_only_format(p); !refused.empty()) throw nb::type_error(refused.c_str());
   if (!addressing_form(p.contract).cuda)
     throw nb::type_error((std::string("form: the ") + addressing_form(p.contract).name +
                           " form has no CUDA kernel yet (CPU only)")
