@@ -300,6 +300,25 @@ def test_tensorrt_refuses_int4_pools():
         check_call("paged", [*args, kwargs["scale_pool"]], tensorrt=True, scale_pool=True)
 
 
+def test_the_tensorrt_plugin_refuses_int4_pools(tmp_path):
+    """The plugin's own verdict (the contract harness's ``--check-shapes``) on a uint8 pool
+    ``[2, N, 128, H, D/2]``, with and without a fourth extra operand."""
+    from helpers.trt_harness import _built, _harness_path, _run_harness
+
+    harness = _built(_harness_path)
+    delta = "float16:8,2,64"
+    tensors = [delta, delta, "uint8:2,8,128,2,32", "float32:8,64", "int32:8", "int32:8"]
+    line = "paged_int4||" + ";".join([*tensors, "int32:3,2,4"])
+    path = tmp_path / "cases.txt"
+    path.write_text(line + "\n")
+    report = _run_harness(harness, "--check-shapes", str(path), report=tmp_path / "report.json")
+    (verdict,) = report["shape_cases"]
+    assert verdict["accepted"] is False, verdict
+    message = verdict["message"]
+    assert "past_key_value" in message and "int4 pools are JAX-only" in message, message
+    assert "got uint8" in message, message
+
+
 # ---- jit with donation, vmap --------------------------------------------------------------
 
 
