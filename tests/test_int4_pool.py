@@ -226,6 +226,23 @@ def test_non_finite_rows_store_a_nan_scale_and_zero_elements(bad):
     assert (elements == 0).all()
 
 
+def test_of_tokens_with_one_slot_the_cpu_stores_the_last_ones_row_and_scale():
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((3, 1, 4)).astype(np.float32)
+    v = rng.standard_normal((3, 1, 4)).astype(np.float32)
+    pool = np.full((2, 2, 2, 1, 2), 0x55, np.uint8)
+    scale_pool = np.full((2, 2, 2, 1), 3.0, np.float32)
+    args = [k, v, pool, np.zeros((3, 0), np.float32), np.array([2, 2, -1], np.int32)]
+    got = _run("slot_mapping", args, dict(scale_pool=scale_pool))
+    want = reference.target_kv_cache_update_slots(*args, scale_pool=scale_pool)
+    assert_bits_equal(got[0], want[0])
+    assert_bits_equal(got[1], want[1])
+    for plane, y in ((0, k[1, 0]), (1, v[1, 0])):  # token 1 is the last with slot 2 (page 1, row 0)
+        row_bytes, s = _spec_bytes(y)
+        assert_bits_equal(got[0][plane, 1, 0, 0], row_bytes)
+        assert_bits_equal(got[1][plane, 1, 0], np.atleast_1d(s))
+
+
 # ---- errors: the one checker --------------------------------------------------------------
 
 
