@@ -234,7 +234,10 @@ def target_kv_cache_update(
         (no RoPE yet), row-major.
       v_delta: ``[B, L, H, D]``, the values, same dtype as ``k_delta``.
       past_key_value: ``[2, numPages, P, H, D]`` pool, plane 0 = K, plane 1 = V; float16,
-        bfloat16, float32, float8_e4m3fn or float8_e5m2 (any delta dtype with any pool dtype).
+        bfloat16, float32, float8_e4m3fn, float8_e5m2 or int8 (any delta dtype with any pool
+        dtype); or an int4 pool, uint8 ``[2, numPages, P, H, D/2]`` with two 4-bit elements per
+        byte (element ``2j`` in the low nibble), which takes ``scale_pool`` only (SPEC.md, "int4
+        pools").
         Slot ``b`` owns pages ``[b * pages_per_slot, (b + 1) * pages_per_slot)``.
       rope_cos_sin: ``[Rb, S, R]`` float32, ``Rb`` 1 or B; row ``pos`` holds ``R/2`` cosines then
         ``R/2`` sines (rotate-half RoPE on the first ``R`` channels; ``R`` even, ``<= D``).
@@ -251,8 +254,9 @@ def target_kv_cache_update(
       norm_eps: static float > 0, the norms' epsilon (used as float32).
       v_norm: static bool: a weightless RMS norm of each value head.
       scale_pool: float32 ``[2, numPages, P, H]`` (the pool's dims without ``D``): per-token-head
-        dynamic scales of an int8, float8_e4m3fn or float8_e5m2 pool, in place of ``k_scale``
-        and ``v_scale`` (giving both is an error). Each written row (plane, token, head) gets
+        dynamic scales of an int8, float8_e4m3fn or float8_e5m2 pool (required for an int4
+        pool, ``qmax = 7``), in place of ``k_scale`` and ``v_scale`` (giving both is an
+        error). Each written row (plane, token, head) gets
         ``s = max_j |y_j| / qmax`` at its place in ``scale_pool``, its elements stored as
         ``y / s`` in the pool's conversion (SPEC.md, "Dynamic scales"); rows not written keep
         their scales. Updated in place like the pool (donate both).
@@ -324,7 +328,8 @@ def target_kv_cache_update_paged(
       k_delta: ``[T, H, D]`` float16, bfloat16 or float32 keys, one row per token (no RoPE yet).
       v_delta: ``[T, H, D]``, the values, same dtype as ``k_delta``.
       past_key_value: ``[2, N, P, H, D]`` pool, plane 0 = K, plane 1 = V; float16, bfloat16,
-        float32, float8_e4m3fn or float8_e5m2.
+        float32, float8_e4m3fn, float8_e5m2 or int8; or int4, uint8 ``[2, N, P, H, D/2]`` (with
+        ``scale_pool``), as in :func:`target_kv_cache_update`.
       rope_cos_sin: ``[T, R]`` float32, token-aligned: row ``t`` (``R/2`` cosines then ``R/2``
         sines) always rotates token ``t``'s key (``R`` even, ``<= D``). ``jax_dflash.gather_rope``
         builds it from a ``[Rb, S, R]`` table.
@@ -398,7 +403,8 @@ def target_kv_cache_update_slots(
     Args:
       k_delta, v_delta: ``[T, H, D]`` float16, bfloat16 or float32 (the same dtype).
       past_key_value: ``[2, N, P, H, D]`` pool; ``pool[0]`` and ``pool[1]`` are vLLM's
-        ``[num_blocks, block_size, H, D]`` K and V caches.
+        ``[num_blocks, block_size, H, D]`` K and V caches (an int4 pool: uint8
+        ``[2, N, P, H, D/2]`` with ``scale_pool``, as in :func:`target_kv_cache_update`).
       rope_cos_sin: ``[T, R]`` float32, token-aligned (row ``t`` rotates token ``t``'s key).
       slot_mapping: ``[T]`` int32 or int64 (int64 with ``jax_enable_x64`` on): token ``t``
         lands at ``pool[:, s // P, s % P]`` with ``s = slot_mapping[t]``; ``s < 0`` or
