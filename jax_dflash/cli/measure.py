@@ -157,7 +157,10 @@ def run_impl(
     collector = StepCollector() if check else None
     bar = ProgressBar(plan.steps, f"{label}, checked pass", enabled=progress)
     pools, seconds = _timed_run(steps, compiled, collector, bar)
-    actual = np.array(pools) if check else None  # a host copy: the read-back reads the device's
+    # A host copy: the read-back reads the device's (a dynamic format's scale pool too).
+    actual = None
+    if check:
+        actual = tuple(np.array(a) for a in pools) if plan.dynamic else np.array(pools)
     rb = checks.readback(pools) if check_readback else None
     del pools  # the reference check needs no device pool: let it go before it runs
     result = ImplResult(
@@ -203,14 +206,25 @@ def _reference_check(checks: Checks, collector: StepCollector, actual, result: I
     collector.flush()
     expected = checks.reference_pools(collector.steps, result.impl)
     collector.steps.clear()  # the deltas are spent: free them before the comparison
+    scales_mismatched = scales_checked = 0
+    if isinstance(expected, tuple):  # a dynamic format: the scale pool is checked too
+        (actual, actual_scales), (expected, expected_scales) = actual, expected
+        scales_mismatched = compare_bits(actual_scales, expected_scales)[0]
+        scales_checked = expected_scales.size
     mismatches, max_ulp = compare_bits(actual, expected)
+    mismatches += scales_mismatched
     result.check = "bit-exact" if mismatches == 0 else "differs"
     result.mismatched_elements, result.max_ulp = mismatches, max_ulp
-    result.checked_elements = expected.size
+    result.checked_elements = expected.size + scales_checked
     # Layer by layer: layers differ in their kind of pages and ring (a mixed draft).
     result.mismatched_by_layer = [
         mismatches and compare_bits(a, e)[0] for a, e in zip(actual, expected)
     ]
+    if scales_mismatched:
+        result.mismatched_by_layer = [
+            n + compare_bits(a, e)[0]
+            for n, a, e in zip(result.mismatched_by_layer, actual_scales, expected_scales)
+        ]
     if mismatches:
         result.differences = differences(actual, expected)
 

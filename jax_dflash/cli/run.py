@@ -164,9 +164,11 @@ def _add_workload_flags(parser) -> None:
         "--kv-dtype",
         type=named("kv-dtype", POOL_DTYPE_NAMES, DTYPE_ALIASES),
         metavar="NAME",
-        help="pool dtype: float16, bfloat16, float32, or FP8 float8_e4m3fn / float8_e5m2 with "
-        "per-head k/v scales calibrated once (or fp16, bf16, fp32, e4m3, e5m2; default: the "
-        "delta dtype)",
+        help="pool format: float16, bfloat16, float32; float8_e4m3fn, float8_e5m2, int8 with "
+        "per-head k/v scales calibrated once; int8-dynamic, float8_e4m3fn-dynamic, "
+        "float8_e5m2-dynamic with a float32 scale per token, head and plane (CPU backend "
+        "only for now) (or fp16, bf16, fp32, e4m3, e5m2, e4m3-dynamic, e5m2-dynamic; default: "
+        "the delta dtype)",
     )
     parser.add_argument(
         "--fused-norm",
