@@ -124,10 +124,13 @@ class RunPlan:
         )
         rng = np.random.default_rng(seed)
         self.schedule, self.plan, self.pool_shape = self._addressing(rng)
-        self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
+        # The initial pool from a stream of its own: the weights and features drawn after it
+        # are then the same for every pool format (run --compare-formats writes one workload).
+        pool_rng = np.random.default_rng([seed, 3])
+        self.initial_pool = random_pool(pool_rng, self.pool_shape, self.pool_dtype)
         # Rows nobody writes keep these scales; positive and finite, as a reader expects.
         self.initial_scale_pool = (
-            rng.uniform(1e-3, 1e-2, self.pool_shape[:-1]).astype(np.float32)
+            pool_rng.uniform(1e-3, 1e-2, self.pool_shape[:-1]).astype(np.float32)
             if self.dynamic
             else None
         )
