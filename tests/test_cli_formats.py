@@ -74,7 +74,8 @@ def test_the_memory_estimate_counts_the_scale_pool():
     assert dynamic > static and (dynamic - static) % scale_bytes == 0
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int8-dynamic", "e4m3-dynamic"])
+# One full run (its timing replays included); --compare-formats checks every other format.
+@pytest.mark.parametrize("kv_dtype", ["int8-dynamic"])
 def test_a_scaled_format_runs_bit_exact_and_reads_back(capsys, kv_dtype):
     status, out, err = run_cli(capsys, *TINY, "--kv-dtype", kv_dtype, "--json", "-")
     assert status == 0, err
@@ -110,8 +111,15 @@ def test_compare_formats_skips_dynamic_formats_off_the_cpu_with_the_reason(capsy
     assert "int8-dynamic: skipped: dynamic scales (scale_pool) run on the CPU backend" in table
 
 
-def test_compare_formats_table_and_json(capsys):
-    status, out, err = run_cli(capsys, *TINY, "--compare-formats", "--json", "-")
+def test_compare_formats_table_json_and_png(capsys, tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+
+        png = tmp_path / "formats.png"
+    except ImportError:  # the table and the summary still run
+        png = None
+    flag = ("--compare-formats",) + (() if png is None else (str(png),))
+    status, out, err = run_cli(capsys, *TINY, *flag, "--json", "-")
     assert status == 0, err
     summary = json.loads(out)
     rows = {r["name"]: r for r in summary["formats"]}
@@ -137,17 +145,11 @@ def test_compare_formats_table_and_json(capsys):
     assert all(errors["bfloat16"] < e for n, e in errors.items() if n != "bfloat16")
     assert errors["int8-dynamic"] < errors["int8"]
     assert errors["float8_e4m3fn"] < errors["float8_e5m2"]
-    assert summary["check_passed"] is True and summary["formats_plot"] is None
+    assert summary["check_passed"] is True
     assert "pool format" in err and "read-back error" in err
-
-
-def test_compare_formats_writes_the_png(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "formats.png"
-    status, out, err = run_cli(capsys, *TINY, "--compare-formats", str(path))
-    assert status == 0, err
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {path}" in out
+    if png is not None:
+        assert summary["formats_plot"] == str(png) and f"plot: {png}" in err
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_formats_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
