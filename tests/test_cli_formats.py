@@ -182,3 +182,18 @@ def test_compare_formats_refuses_a_missing_folder(capsys, tmp_path):
     path = tmp_path / "gone" / "f.png"
     status, _, err = run_cli(capsys, *TINY, "--compare-formats", str(path))
     assert status == 2 and "does not exist" in err
+
+
+def test_the_read_back_applies_the_dynamic_scales(capsys, monkeypatch):
+    """Doubled scales double every key and value read: the read-back must fail."""
+    from jax_dflash.cli import readback
+
+    real = readback.check_sequences
+
+    def doubled(pools, *args, scale_pool=None, **kwargs):
+        return real(pools, *args, scale_pool=2 * scale_pool, **kwargs)
+
+    monkeypatch.setattr(readback, "check_sequences", doubled)
+    status, _, err = run_cli(capsys, *TINY, "--kv-dtype", "int8-dynamic")
+    assert status == 1
+    assert "check FAILED: read-back" in err and "beyond the rounding bound" in err

@@ -191,12 +191,15 @@ class RunPlan:
     @property
     def update_bytes(self) -> int:
         """Bytes the update must move in the decode steps: per written token and layer, read
-        its key and value, write both into the pool, and read its RoPE row (float32)."""
+        its key and value, write both into the pool (with a dynamic format, their scales too),
+        and read its RoPE row (float32)."""
         p = self.preset
         per_token = (
             2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + self.pool_dtype.itemsize)
             + 4 * p.rope_dim
         )
+        if self.dynamic:  # and its float32 scale per head and plane
+            per_token += 2 * p.num_kv_heads * 4
         return self.written_tokens * p.num_layers * per_token
 
     def pool_bytes(self, dtype: np.dtype | str | None = None) -> int:

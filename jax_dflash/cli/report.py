@@ -342,7 +342,7 @@ def readback_lines(results) -> list[str]:
             f"read-back ({r.label}): {rb.sequences} sequences, {rb.tokens} tokens, "
             f"{rb.queries} queries; worst score / output difference "
             f"{rb.worst_score_ratio:.3g} / {rb.worst_output_ratio:.3g} of the rounding "
-            f"bound: {verdict}"
+            f"bound (output error {rb.output_error:.3g} of the largest output): {verdict}"
         )
     return lines
 
