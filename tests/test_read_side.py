@@ -280,3 +280,5 @@ def test_plain_pool_refuses_scales_and_bad_operands():
         jax_dflash.gather_kv_paged(
             pool, jnp.zeros((2, 2, 2), jnp.int32), jnp.zeros((3, 2), jnp.int32)
         )
+    with pytest.raises(TypeError, match="slot_mapping: expected int32 .* jax_enable_x64 off"):
+        jax_dflash.gather_kv_slots(pool, np.zeros(2, np.int64))
