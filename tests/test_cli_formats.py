@@ -197,3 +197,21 @@ def test_the_read_back_applies_the_dynamic_scales(capsys, monkeypatch):
     status, _, err = run_cli(capsys, *TINY, "--kv-dtype", "int8-dynamic")
     assert status == 1
     assert "check FAILED: read-back" in err and "beyond the rounding bound" in err
+
+
+def test_a_wrong_dynamic_scale_fails_the_reference_check(capsys, monkeypatch):
+    """The scale pool is checked bit for bit beside the pool: one changed scale fails the run."""
+    from jax_dflash.cli import verify
+
+    real = verify.Checks.reference_pools
+
+    def one_scale_off(self, deltas, impl="kernel"):
+        pool, scales = real(self, deltas, impl)
+        scales = scales.copy()
+        scales.reshape(-1)[0] *= 2  # an unwritten row's scale: only the bits check sees it
+        return pool, scales
+
+    monkeypatch.setattr(verify.Checks, "reference_pools", one_scale_off)
+    status, _, err = run_cli(capsys, *TINY, "--kv-dtype", "int8-dynamic", "--json", "-")
+    assert status == 1
+    assert "0 of 65536 elements and 1 of 2048 dynamic scales" in err

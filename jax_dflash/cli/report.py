@@ -179,6 +179,7 @@ def _check_text(r) -> str:
     return (
         f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
         f"(max {r.max_ulp} ulp)"
+        + (f", {r.mismatched_scales} dynamic scales" if r.mismatched_scales else "")
     )
 
 
@@ -356,6 +357,11 @@ def failure_lines(results) -> list[str]:
             lines.append(
                 f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
                 f"{r.mismatched_elements} of {r.checked_elements} elements"
+                + (
+                    f" and {r.mismatched_scales} of {r.checked_scales} dynamic scales"
+                    if r.mismatched_scales
+                    else ""
+                )
                 + (f" (layers {', '.join(layers)})" if layers else "")
             )
         if r.readback is not None and not r.readback.passed:
