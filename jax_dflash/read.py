@@ -308,10 +308,10 @@ def gather_kv_slots(
     """The slot-mapping form's rows: ``slot_mapping`` int32 or int64 ``[T]`` (any shape for an
     unbatched pool; layer-batched, ``[layers, T]`` is per layer and ``[T]`` shared), K and V from
     ``pool[plane, s // P, s % P]``. Valid where ``0 <= s < N * P``."""
-    dtype = getattr(slot_mapping, "dtype", None)
-    if dtype is None or np.dtype(dtype) not in (np.int32, np.int64):
-        raise TypeError(f"slot_mapping: expected an int32 or int64 array, got {dtype}")
-    if np.dtype(dtype) == np.int64 and not jax.config.jax_enable_x64:
+    index_dtype = getattr(slot_mapping, "dtype", None)
+    if index_dtype is None or np.dtype(index_dtype) not in (np.int32, np.int64):
+        raise TypeError(f"slot_mapping: expected an int32 or int64 array, got {index_dtype}")
+    if np.dtype(index_dtype) == np.int64 and not jax.config.jax_enable_x64:
         # Converting would narrow it: a slot past 2^31 would read another row.
         raise TypeError(
             "slot_mapping: expected int32 (or int64 with jax_enable_x64 on), got int64 with "
