@@ -8,11 +8,16 @@ import importlib
 # installed before it) does not wait for jax to import.
 _EXPORTS = {
     "gather_kv": "jax_dflash.paged",
+    "gather_kv_paged": "jax_dflash.read",
+    "gather_kv_rows": "jax_dflash.read",
+    "gather_kv_slot": "jax_dflash.read",
+    "gather_kv_slots": "jax_dflash.read",
     "gather_rope": "jax_dflash.paged",
     "identity_page_table": "jax_dflash.paged",
     "onnx": None,  # the module jax_dflash.onnx: jax_dflash.interop.onnx under its short name
     "reference": None,  # the module jax_dflash.reference itself
     "rope_cos_sin": "jax_dflash.rope",
+    "sequence_positions": "jax_dflash.read",
     "slots_from_pages": "jax_dflash.paged",
     "target_kv_cache_update": "jax_dflash.ops",
     "target_kv_cache_update_p": "jax_dflash.ops",

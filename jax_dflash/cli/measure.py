@@ -49,6 +49,10 @@ class ImplResult:
     readback: readback.ReadbackResult | None = None
     differences: Differences | None = None
     mismatched_by_layer: list[int] | None = None  # differing elements of each layer's pool
+    # A dynamic format's scale pool, checked bit for bit beside the pool: its differing and
+    # checked scales (None: a format without one).
+    mismatched_scales: int | None = None
+    checked_scales: int | None = None
     times: replays.StepTimes | None = None
     update: replays.UpdateTime | None = None
 
@@ -110,6 +114,8 @@ class ImplResult:
             mismatched_elements_by_layer=self.mismatched_by_layer,
             max_ulp=self.max_ulp,
             checked_elements=self.checked_elements,
+            mismatched_scales=self.mismatched_scales,
+            checked_scales=self.checked_scales,
             differences=None if self.differences is None else self.differences.as_dict(),
             readback=None if self.readback is None else self.readback.as_dict(),
         )
@@ -157,7 +163,10 @@ def run_impl(
     collector = StepCollector() if check else None
     bar = ProgressBar(plan.steps, f"{label}, checked pass", enabled=progress)
     pools, seconds = _timed_run(steps, compiled, collector, bar)
-    actual = np.array(pools) if check else None  # a host copy: the read-back reads the device's
+    # A host copy: the read-back reads the device's (a dynamic format's scale pool too).
+    actual = None
+    if check:
+        actual = tuple(np.array(a) for a in pools) if plan.dynamic else np.array(pools)
     rb = checks.readback(pools) if check_readback else None
     del pools  # the reference check needs no device pool: let it go before it runs
     result = ImplResult(
@@ -203,14 +212,25 @@ def _reference_check(checks: Checks, collector: StepCollector, actual, result: I
     collector.flush()
     expected = checks.reference_pools(collector.steps, result.impl)
     collector.steps.clear()  # the deltas are spent: free them before the comparison
+    scales_mismatched = 0
+    if isinstance(expected, tuple):  # a dynamic format: the scale pool is checked too
+        (actual, actual_scales), (expected, expected_scales) = actual, expected
+        scales_mismatched = compare_bits(actual_scales, expected_scales)[0]
+        result.mismatched_scales = scales_mismatched
+        result.checked_scales = expected_scales.size
     mismatches, max_ulp = compare_bits(actual, expected)
-    result.check = "bit-exact" if mismatches == 0 else "differs"
+    result.check = "bit-exact" if mismatches + scales_mismatched == 0 else "differs"
     result.mismatched_elements, result.max_ulp = mismatches, max_ulp
     result.checked_elements = expected.size
     # Layer by layer: layers differ in their kind of pages and ring (a mixed draft).
     result.mismatched_by_layer = [
         mismatches and compare_bits(a, e)[0] for a, e in zip(actual, expected)
     ]
+    if scales_mismatched:  # a layer's differing scales count with its elements
+        result.mismatched_by_layer = [
+            n + compare_bits(a, e)[0]
+            for n, a, e in zip(result.mismatched_by_layer, actual_scales, expected_scales)
+        ]
     if mismatches:
         result.differences = differences(actual, expected)
 

@@ -124,11 +124,12 @@ def collected_steps(preset, settings) -> int:
 def estimate(preset, settings, *, check: bool, compare: bool, host_device: bool, runtime: int):
     """The parts of the run's peak host memory (see the module docstring). ``host_device``:
     the device's memory is the host's (a CPU backend); ``runtime``: the process's memory now."""
+    from jax_dflash.cli.formats import bytes_per_element
     from jax_dflash.cli.presets import dtype_from_name
 
     p, s = preset, settings
     elements = pool_elements(p, s)
-    pool = elements * dtype_from_name(s.pool_dtype).itemsize
+    pool = int(round(elements * bytes_per_element(s.pool_dtype, p.head_dim)))  # scales included
     delta_itemsize = dtype_from_name(s.delta_dtype).itemsize
     tokens = s.batch * p.block_size
     running = (1 + host_device + check) * pool  # initial, the device's, the checked copy

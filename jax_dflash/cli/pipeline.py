@@ -29,7 +29,7 @@ from jax_dflash.contract import DEFAULT_NORM_EPS
 FP8_HEADROOM = 2.0
 CALIBRATION_TOKENS = 256
 CALIBRATION_STREAM = 2**30  # a feature stream no sequence or prompt uses
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
 
 
 class DraftWeights(NamedTuple):
@@ -166,7 +166,8 @@ class StepSpec:
     pages_per_slot: int | None = None  # slot
     ring: bool | tuple[bool, ...] = False  # paged: the op's ring, or one per layer (mixed)
     fused_norm: bool = True
-    fp8: bool = False
+    fp8: bool = False  # static per-head scales (FP8 and int8 pools)
+    dynamic: bool = False  # a scale pool: the step's pools are (pool, scale_pool)
 
 
 def _row(x, i):
@@ -192,6 +193,8 @@ def kernel_update(spec: StepSpec) -> Callable:
 
     def update(consts: Constants, pools, k, v, addr):
         extra = _scale_kwargs(spec, consts)
+        if spec.dynamic:
+            pools, extra["scale_pool"] = pools
         if spec.fused_norm:
             extra.update(k_norm_weight=consts.weights.k_norm, norm_eps=spec.geometry.norm_eps)
         if spec.contract == "slot":
@@ -217,9 +220,12 @@ def kernel_update(spec: StepSpec) -> Callable:
 
 
 def _quantize(y, pool_dtype, inv_scale):
-    """What a JAX user writes for an FP8 cache: scale, saturate in jnp, ``astype``."""
+    """What a JAX user writes for an FP8 cache: scale, saturate in jnp, ``astype``; for an
+    int8 one: scale, round, clip to +-127."""
     if inv_scale is None:
         return y.astype(pool_dtype)
+    if jnp.dtype(pool_dtype) == jnp.int8:
+        return jnp.clip(jnp.round(y * inv_scale), -127, 127).astype(pool_dtype)
     top = float(jnp.finfo(pool_dtype).max)
     return jnp.clip(y * inv_scale, -top, top).astype(pool_dtype)
 

@@ -14,7 +14,8 @@ import numpy as np
 
 from jax_dflash.cli import allocator, pipeline
 from jax_dflash.cli.accept import AcceptDistribution
-from jax_dflash.cli.presets import FP8_NAMES, Preset, dtype_from_name
+from jax_dflash.cli.formats import STATIC_SCALED_NAMES, bytes_per_element, is_dynamic
+from jax_dflash.cli.presets import Preset, dtype_from_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,9 @@ class RunPlan:
         self.dtype_name = self.pool_dtype_name
         self.delta_dtype = dtype_from_name(self.delta_dtype_name)
         self.dtype = self.pool_dtype = dtype_from_name(self.pool_dtype_name)
-        self.fp8 = self.pool_dtype_name in FP8_NAMES
+        # Static per-head scales (FP8, int8), calibrated once; or a scale pool beside the pool.
+        self.fp8 = self.pool_dtype_name in STATIC_SCALED_NAMES
+        self.dynamic = is_dynamic(self.pool_dtype_name)
         p = preset
         self.geometry = pipeline.Geometry(
             p.num_layers,
@@ -121,7 +124,16 @@ class RunPlan:
         )
         rng = np.random.default_rng(seed)
         self.schedule, self.plan, self.pool_shape = self._addressing(rng)
-        self.initial_pool = random_pool(rng, self.pool_shape, self.pool_dtype)
+        # The initial pool from a stream of its own: the weights and features drawn after it
+        # are then the same for every pool format (run --compare-formats writes one workload).
+        pool_rng = np.random.default_rng([seed, 3])
+        self.initial_pool = random_pool(pool_rng, self.pool_shape, self.pool_dtype)
+        # Rows nobody writes keep these scales; positive and finite, as a reader expects.
+        self.initial_scale_pool = (
+            pool_rng.uniform(1e-3, 1e-2, self.pool_shape[:-1]).astype(np.float32)
+            if self.dynamic
+            else None
+        )
         self.rope = rope_table(p.slot_capacity, p.rope_dim, p.rope_theta, p.rope_scaling)
         self.host_weights = pipeline.random_weights(rng, self.geometry, self.delta_dtype)
         self.spec = pipeline.StepSpec(
@@ -133,6 +145,7 @@ class RunPlan:
             ring=False if self.plan is None else self.plan.ring,
             fused_norm=fused_norm,
             fp8=self.fp8,
+            dynamic=self.dynamic,
         )
 
     def _addressing(self, rng):
@@ -178,17 +191,27 @@ class RunPlan:
     @property
     def update_bytes(self) -> int:
         """Bytes the update must move in the decode steps: per written token and layer, read
-        its key and value, write both into the pool, and read its RoPE row (float32)."""
+        its key and value, write both into the pool (with a dynamic format, their scales too),
+        and read its RoPE row (float32)."""
         p = self.preset
         per_token = (
             2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + self.pool_dtype.itemsize)
             + 4 * p.rope_dim
         )
+        if self.dynamic:  # and its float32 scale per head and plane
+            per_token += 2 * p.num_kv_heads * 4
         return self.written_tokens * p.num_layers * per_token
 
-    def pool_bytes(self, dtype: np.dtype | None = None) -> int:
-        itemsize = (self.pool_dtype if dtype is None else np.dtype(dtype)).itemsize
-        return int(np.prod(self.pool_shape)) * itemsize
+    def pool_bytes(self, dtype: np.dtype | str | None = None) -> int:
+        """The pool's bytes in ``dtype`` (a dtype, or a format's name: a dynamic format counts
+        its scale pool); the run's format by default."""
+        if dtype is None:
+            dtype = self.pool_dtype_name
+        if isinstance(dtype, str):
+            per = bytes_per_element(dtype, self.preset.head_dim)
+        else:
+            per = np.dtype(dtype).itemsize
+        return int(round(int(np.prod(self.pool_shape)) * per))
 
     def pool_by_layer_kind(self) -> dict | None:
         """With sliding-window layers (paged): the pool the draft's layers need, each layer
@@ -201,7 +224,8 @@ class RunPlan:
         if self.plan is None or self.window is None:
             return None
         p, plan = self.preset, self.plan
-        page = 2 * p.page_size * p.num_kv_heads * p.head_dim * self.pool_dtype.itemsize
+        per = bytes_per_element(self.pool_dtype_name, p.head_dim)
+        page = int(round(2 * p.page_size * p.num_kv_heads * p.head_dim * per))
         layers = [plan.kinds[plan.kind_of(n)].num_pages for n in range(p.num_layers)]
         windowed = [n for n in range(p.num_layers) if plan.kinds[plan.kind_of(n)].ring]
         mixed_bytes = sum(layers) * page

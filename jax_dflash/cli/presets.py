@@ -174,8 +174,11 @@ class Preset:
         )
 
     def pool_bytes(self, dtype: str | None = None) -> int:
-        itemsize = dtype_from_name(dtype or self.dtype).itemsize
-        return int(np.prod(self.pool_shape())) * itemsize
+        """The pool's bytes in a format (a dynamic one's scales included)."""
+        from jax_dflash.cli.formats import bytes_per_element
+
+        per = bytes_per_element(dtype or self.dtype, self.head_dim)
+        return int(round(int(np.prod(self.pool_shape())) * per))
 
     def describe(self) -> str:
         """One line: the shape a reader needs to judge the workload."""

@@ -1,7 +1,8 @@
 """The read-back check: does attention over the cache equal attention without one?
 
 For a sample of sequences, plain-jnp attention of draft queries over the keys and values read
-from the pool (through the slot layout or the page table, dequantized with the scales) is
+from the pool (``jax_dflash.gather_kv_rows`` at the pages and rows the slot layout or the page
+table gives, dequantized with the static or dynamic scales) is
 compared with the same attention over keys and values recomputed from the sequence's features
 (norm, RoPE, no cache, float32). The two differ only by roundings, bounded per element:
 
@@ -9,7 +10,8 @@ compared with the same attention over keys and values recomputed from the sequen
   SPEC.md "Fused norms"; one more for recomputing the projection), doubled through RoPE's
   channel pairs (``|cos|, |sin| <= 1``); then the store: half an ulp of the pool dtype
   (relative), half its smallest subnormal times the scale (absolute), and any saturation
-  past the FP8 format's largest value;
+  past the format's largest value; for int8, half a step times the scale (the row's own scale
+  for a dynamic format);
 - a value channel: 1 ulp of the delta dtype (recomputation), then the same store error.
 
 With ``e`` those bounds, a score ``s_j = q . k_j / sqrt(D)`` is off by at most
@@ -128,20 +130,25 @@ class ReadbackResult:
     worst_score_ratio: float  # largest |score difference| / its bound
     worst_output_ratio: float
     failure: str | None = None
+    # Largest |output over the pool - output recomputed in float32|, relative to the largest
+    # recomputed output magnitude: the format's error as attention sees it.
+    output_error: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def _stored_error(y, y_err, pool_dtype, scale):
-    """Bound on |dequantized stored - y| given |kernel's y - y| <= y_err (float32 arrays)."""
-    u = unit_roundoff(pool_dtype)
-    tiny = half_smallest_subnormal(pool_dtype)
+    """Bound on |dequantized stored - y| given |kernel's y - y| <= y_err (float32 arrays);
+    ``scale`` broadcasts against ``y`` (per head, or per token and head)."""
+    integer = jnp.issubdtype(pool_dtype, jnp.integer)
+    u = 0.0 if integer else unit_roundoff(pool_dtype)
+    tiny = 0.5 if integer else half_smallest_subnormal(pool_dtype)  # int8: half a step
     scale = 1.0 if scale is None else scale
     reach = jnp.abs(y) + y_err
     err = y_err + u * reach + tiny * jnp.abs(scale)
-    if jnp.issubdtype(pool_dtype, jnp.floating) and jnp.finfo(pool_dtype).bits == 8:
-        top = float(jnp.finfo(pool_dtype).max) * jnp.abs(scale)
+    if integer or jnp.finfo(pool_dtype).bits == 8:
+        top = (127.0 if integer else float(jnp.finfo(pool_dtype).max)) * jnp.abs(scale)
         err = err + jnp.maximum(reach - top, 0.0)  # saturation
     return err
 
@@ -168,6 +175,7 @@ def check_sequences(
     rotary_dim: int,
     k_scale=None,
     v_scale=None,
+    scale_pool=None,
     rng: np.random.Generator,
     random_queries: int = 4,
     probes: int = 8,
@@ -176,13 +184,15 @@ def check_sequences(
 
     ``recompute(streams, positions, at_least)`` returns float32 ``(normed_keys, keys, values)``, each
     ``[layers, n_padded, H, D]`` with ``n_padded >= n`` (padding to a few sizes keeps the
-    compilations few): the k-normed keys before RoPE, after RoPE, and the values."""
+    compilations few): the k-normed keys before RoPE, after RoPE, and the values.
+    ``scale_pool``: a dynamic format's scales (in place of ``k_scale``/``v_scale``)."""
     device = next(iter(pools.devices()))  # everything the check reads goes where the pool is
 
     def put(x):
         return jax.device_put(x, device)
 
     worst_s = worst_o = 0.0
+    error = magnitude = 0.0
     tokens = queries = 0
     failure = None
     longest = max((len(v.positions) for v in views), default=0)  # one padded size: one compile
@@ -211,8 +221,9 @@ def check_sequences(
             put(np.pad(a, (0, pad)).astype(np.int32)) for a in (view.rows, view.positions)
         )
         scales = None if k_scale is None else (put(k_scale), put(v_scale))
-        rs, ro, where_s, where_o = _check_view(
+        rs, ro, where_s, where_o, err, mag = _check_view(
             pools,
+            scale_pool,
             kp,
             vp,
             rows,
@@ -250,9 +261,19 @@ def check_sequences(
                     f"{max(rs[layer], ro[layer]):.3g} x the bound)"
                 )
         worst_s, worst_o = max(worst_s, float(rs.max())), max(worst_o, float(ro.max()))
+        error, magnitude = max(error, float(np.max(err))), max(magnitude, float(np.max(mag)))
         queries += layers * (random_queries + picks.shape[1])
         tokens += n
-    return ReadbackResult(failure is None, len(views), tokens, queries, worst_s, worst_o, failure)
+    return ReadbackResult(
+        failure is None,
+        len(views),
+        tokens,
+        queries,
+        worst_s,
+        worst_o,
+        failure,
+        error / magnitude if magnitude > 0 else error,
+    )
 
 
 def _probed(view: SequenceView, layer: int, rng, probes: int) -> np.ndarray:
@@ -264,6 +285,7 @@ def _probed(view: SequenceView, layer: int, rng, probes: int) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames=("rotary_dim", "u_delta", "pool_dtype"))
 def _check_view(
     pools,
+    scale_pool,
     kp,
     vp,
     rows,
@@ -283,15 +305,23 @@ def _check_view(
     u_delta,
     pool_dtype,
 ):
-    """Per layer: the worst score and output differences relative to their bounds, and where
-    the worst ones are (``[query, head, token]`` / ``[query, head]``)."""
-    layers = jnp.arange(pools.shape[0])[:, None]
-    k_stored = pools[layers, 0, kp, rows[None]].astype(jnp.float32)  # [layers, n, H, D]
-    v_stored = pools[layers, 1, vp, rows[None]].astype(jnp.float32)
+    """Per layer: the worst score and output differences relative to their bounds, where
+    the worst ones are (``[query, head, token]`` / ``[query, head]``), and the largest output
+    difference and output magnitude."""
+    from jax_dflash.read import gather_kv_rows
+
+    rows = jnp.broadcast_to(rows[None], kp.shape)
+    static = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+    k_stored, v_stored, _ = gather_kv_rows(
+        pools, kp, vp, rows, scale_pool=scale_pool, **static
+    )  # [layers, n, H, D] float32
     ks = vs = None
     if scales is not None:
         ks, vs = scales[0][:, None, :, None], scales[1][:, None, :, None]
-        k_stored, v_stored = k_stored * ks, v_stored * vs
+    if scale_pool is not None:  # each row's own scale bounds its rounding
+        layers = jnp.arange(pools.shape[0])[:, None]
+        ks = scale_pool[layers, 0, kp, rows][..., None]
+        vs = scale_pool[layers, 1, vp, rows][..., None]
     # Error bounds of the cached keys and values (see the module docstring).
     half = rotary_dim // 2
     ex = 4 * u_delta * jnp.abs(x)
@@ -357,4 +387,4 @@ def _check_layer(
     ro = jnp.where(jnp.isnan(o), jnp.inf, jnp.abs(o - o_ref) / jnp.maximum(tol, 1e-30))
     where_s = jnp.stack(jnp.unravel_index(jnp.argmax(rs), rs.shape))
     where_o = jnp.stack(jnp.unravel_index(jnp.argmax(ro), ro.shape))[:2]
-    return rs.max(), ro.max(), where_s, where_o
+    return rs.max(), ro.max(), where_s, where_o, jnp.abs(o - o_ref).max(), jnp.abs(o_ref).max()

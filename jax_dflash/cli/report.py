@@ -9,13 +9,29 @@ from jax_dflash.cli.common import PROG
 
 
 def pool_memory(w) -> dict[str, int]:
-    """The pool's bytes in every pool dtype (the run's first)."""
-    from jax_dflash.cli.presets import POOL_DTYPE_NAMES, dtype_from_name
+    """The pool's bytes in every pool format, a dynamic one's scales included (the run's
+    first)."""
+    from jax_dflash.cli.presets import POOL_DTYPE_NAMES
 
     sizes = {w.pool_dtype_name: w.pool_bytes()}
     for name in POOL_DTYPE_NAMES:
-        sizes.setdefault(name, w.pool_bytes(dtype_from_name(name)))
+        sizes.setdefault(name, w.pool_bytes(name))
     return sizes
+
+
+def bytes_per_token(w, name: str | None = None) -> float:
+    """Pool bytes one token takes in every layer (keys and values; a dynamic format's float32
+    scale per head and plane included)."""
+    from jax_dflash.cli.formats import bytes_per_element
+
+    p = w.preset
+    return (
+        2
+        * p.num_layers
+        * p.num_kv_heads
+        * p.head_dim
+        * bytes_per_element(name or w.pool_dtype_name, p.head_dim)
+    )
 
 
 def run_header(w, device) -> str:
@@ -29,10 +45,13 @@ def run_header(w, device) -> str:
         f"  device {device.platform}:{device.id} ({device.device_kind}); deltas "
         f"{w.delta_dtype_name}, pool {w.pool_dtype_name}"
         + (" (per-head scales calibrated once)" if w.fp8 else "")
+        + (" (a float32 scale per token, head and plane)" if w.dynamic else "")
         + f"; k-norm {'fused into the op' if w.fused_norm else 'in jnp, then the op'}",
         f"  {p.num_layers} draft layers, pool [layers, 2, numPages, P, H, D] = "
         f"{list(w.pool_shape)}: {human_bytes(w.pool_bytes())} ({others}), block "
         f"{p.block_size}",
+        "  pool bytes per token (all layers, K and V, scales included): "
+        + ", ".join(f"{n} {bytes_per_token(w, n):g}" for n in memory),
     ]
     lines += _layer_kind_lines(w)
     lines += _slot_lines(w) if w.plan is None else _paged_lines(w)
@@ -160,6 +179,7 @@ def _check_text(r) -> str:
     return (
         f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
         f"(max {r.max_ulp} ulp)"
+        + (f", {r.mismatched_scales} dynamic scales" if r.mismatched_scales else "")
     )
 
 
@@ -323,7 +343,7 @@ def readback_lines(results) -> list[str]:
             f"read-back ({r.label}): {rb.sequences} sequences, {rb.tokens} tokens, "
             f"{rb.queries} queries; worst score / output difference "
             f"{rb.worst_score_ratio:.3g} / {rb.worst_output_ratio:.3g} of the rounding "
-            f"bound: {verdict}"
+            f"bound (output error {rb.output_error:.3g} of the largest output): {verdict}"
         )
     return lines
 
@@ -337,6 +357,11 @@ def failure_lines(results) -> list[str]:
             lines.append(
                 f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
                 f"{r.mismatched_elements} of {r.checked_elements} elements"
+                + (
+                    f" and {r.mismatched_scales} of {r.checked_scales} dynamic scales"
+                    if r.mismatched_scales
+                    else ""
+                )
                 + (f" (layers {', '.join(layers)})" if layers else "")
             )
         if r.readback is not None and not r.readback.passed:

@@ -164,9 +164,11 @@ def _add_workload_flags(parser) -> None:
         "--kv-dtype",
         type=named("kv-dtype", POOL_DTYPE_NAMES, DTYPE_ALIASES),
         metavar="NAME",
-        help="pool dtype: float16, bfloat16, float32, or FP8 float8_e4m3fn / float8_e5m2 with "
-        "per-head k/v scales calibrated once (or fp16, bf16, fp32, e4m3, e5m2; default: the "
-        "delta dtype)",
+        help="pool format: float16, bfloat16, float32; float8_e4m3fn, float8_e5m2, int8 with "
+        "per-head k/v scales calibrated once; int8-dynamic, float8_e4m3fn-dynamic, "
+        "float8_e5m2-dynamic with a float32 scale per token, head and plane (CPU backend "
+        "only for now) (or fp16, bf16, fp32, e4m3, e5m2, e4m3-dynamic, e5m2-dynamic; default: "
+        "the delta dtype)",
     )
     parser.add_argument(
         "--fused-norm",
@@ -185,6 +187,17 @@ def _add_output_flags(parser) -> None:
         "RoPE, .at[].set per layer, FP8 by astype after a jnp saturation) "
         "and print both; only the kernel must be bit-exact. Says how long "
         "it will take before starting it",
+    )
+    parser.add_argument(
+        "--compare-formats",
+        nargs="?",
+        const="",
+        metavar="PNG",
+        help="write the same workload into every pool format (16-bit, e4m3, e5m2, int8, "
+        "int8-dynamic, e4m3-dynamic, e5m2-dynamic), check each, and print pool bytes per "
+        "token and in total against the read-back attention error relative to a float32 "
+        "recompute; with PNG, plot memory against error there (needs matplotlib: "
+        'pip install -e ".[plot]"). Dynamic formats need --backend cpu for now',
     )
     parser.add_argument(
         "--no-check",
@@ -222,6 +235,8 @@ def execute(args) -> int:
         PRESETS[args.preset] if args.draft_config is None else read_draft_config(args.draft_config)
     )
     settings = run_settings.validate(args, preset)
+    if args.compare_formats is not None:
+        _check_compare_formats(args)
     destination = json_output.open_summary(args.json)
     try:
         device = run_settings.select_device(args.backend)
@@ -229,7 +244,10 @@ def execute(args) -> int:
         estimate = memory.check_host_memory(
             preset, settings, device, check=args.check, compare=args.compare
         )
-        summary, failed = _run(args, preset, settings, device, fused)
+        if args.compare_formats is not None:
+            summary, failed = _compare_formats(args, preset, settings, device, fused)
+        else:
+            summary, failed = _run(args, preset, settings, device, fused)
         status = EXIT_CHECK_FAILED if failed else EXIT_OK
         if destination is not None:
             summary["host_memory"] = {
@@ -285,6 +303,74 @@ def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
         print(line, file=sys.stderr)
     summary = report.run_summary(w, device, results) if args.json is not None else {}
     return summary, any(r.failed for r in results)
+
+
+def _check_compare_formats(args) -> None:
+    """Before the run: --compare-formats runs every format, checked, without the replays."""
+    from jax_dflash.cli import compare_formats
+    from jax_dflash.cli.common import UsageError
+
+    for flag, given in (("--kv-dtype", args.kv_dtype), ("--compare", args.compare)):
+        if given:
+            raise UsageError(
+                f"--compare-formats writes every pool format with the kernel; expected no "
+                f"{flag}, got {flag}" + (f" {given}" if isinstance(given, str) else "")
+            )
+    if not args.check:
+        raise UsageError(
+            "--compare-formats measures each format's read-back error; expected no --no-check"
+        )
+    compare_formats.check_plot_destination(args.compare_formats or None)
+
+
+def _compare_formats(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
+    """Every pool format's checked pass of one workload: the table, the plot, the summary."""
+    from jax_dflash.cli import compare_formats, report, workload
+
+    out = sys.stderr if args.json == "-" else sys.stdout
+
+    def make_workload(kv_dtype: str):
+        return workload.Workload(
+            preset,
+            batch=settings.batch,
+            steps=settings.steps,
+            seed=args.seed,
+            accept=settings.accept,
+            device=device,
+            dtype=settings.delta_dtype,
+            kv_dtype=kv_dtype,
+            contract=settings.contract,
+            window=settings.window,
+            window_layers=settings.window_layers,
+            fused_norm=fused,
+        )
+
+    formats = compare_formats.compared_formats(settings.delta_dtype)
+    first = make_workload(formats[0])
+    print(report.run_header(first, device), file=out)
+    print(f"comparing pool formats: {', '.join(formats)}", file=out, flush=True)
+    rows = compare_formats.run_formats(make_workload, formats, device, out=out)
+    print(file=out)
+    print(compare_formats.table(rows), file=out)
+    if args.compare_formats:
+        title = f"{preset.name}: pool memory against read-back error ({settings.contract})"
+        compare_formats.plot(rows, args.compare_formats, title)
+        print(f"plot: {args.compare_formats}", file=out)
+    failed = any(r.failed for r in rows)
+    for r in rows:
+        if r.failed:
+            print(
+                f"{PROG}: check FAILED: pool format {r.name}: kernel {r.check}, read-back "
+                + ("passed" if r.readback_passed else "failed"),
+                file=sys.stderr,
+            )
+    summary = {}
+    if args.json is not None:
+        summary = report.run_summary(first, device, [])
+        summary["formats"] = [r.as_dict() for r in rows]
+        summary["formats_plot"] = args.compare_formats or None
+        summary["check_passed"] = not failed
+    return summary, failed
 
 
 def _write_summary(destination, text: str) -> bool:

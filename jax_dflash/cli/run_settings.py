@@ -132,15 +132,33 @@ def op_supports(name: str) -> bool:
     return name in inspect.signature(jax_dflash.target_kv_cache_update).parameters
 
 
+def dynamic_format_runs(what: str, device) -> None:
+    """UsageError naming ``what`` unless the device can write scale pools (the op's CUDA
+    handler refuses them until its kernel has matched the reference on a GPU)."""
+    if device.platform != "cpu":
+        raise UsageError(
+            f"{what}: dynamic scales (scale_pool) run on the CPU backend only for now; expected "
+            f"--backend cpu, got a {device.platform} device"
+        )
+
+
 def check_runtime(args, settings: RunSettings, preset, device) -> bool:
     """The checks that need JAX: FP8 support, the fused norm, GPU-sized presets on a CPU.
     Returns whether the norm is fused."""
     import jax
     import jax.numpy as jnp
 
+    from jax_dflash.cli.formats import is_dynamic
     from jax_dflash.cli.presets import FP8_NAMES, human_bytes
 
     pool = settings.pool_dtype
+    if is_dynamic(pool):
+        dynamic_format_runs(f"--kv-dtype {args.kv_dtype}", device)
+        if args.compare:
+            raise UsageError(
+                f"--compare: the jnp baseline has no dynamic scales; expected a --kv-dtype "
+                f"without them, got --kv-dtype {args.kv_dtype}"
+            )
     if pool in FP8_NAMES:
         if not hasattr(jnp, pool):
             raise UsageError(

@@ -157,7 +157,10 @@ class DeviceSteps:
             return None, None
         return np.asarray(c.k_scale), np.asarray(c.v_scale)
 
-    def fresh_pools(self) -> jax.Array:
+    def fresh_pools(self):
+        """The initial pool on the device; with dynamic scales, ``(pool, scale_pool)``."""
+        if self.plan.dynamic:
+            return (self.put(self.plan.initial_pool), self.put(self.plan.initial_scale_pool))
         return self.put(self.plan.initial_pool)
 
     def state(self, pools, step_index: int):
@@ -172,11 +175,15 @@ class DeviceSteps:
         key = (impl, with_update)
         if key not in self._compiled:
             step = pipeline.make_step(self.plan.spec, impl, with_update=with_update)
+            sharding = jax.sharding.SingleDeviceSharding(self.device)
             pools = jax.ShapeDtypeStruct(
-                self.plan.pool_shape,
-                self.plan.pool_dtype,
-                sharding=jax.sharding.SingleDeviceSharding(self.device),
+                self.plan.pool_shape, self.plan.pool_dtype, sharding=sharding
             )
+            if self.plan.dynamic:
+                scales = jax.ShapeDtypeStruct(
+                    self.plan.pool_shape[:-1], np.float32, sharding=sharding
+                )
+                pools = (pools, scales)
             start = time.perf_counter()
             lowered = jax.jit(step, donate_argnums=0).lower(self.state(pools, 0), self.consts())
             compiled = lowered.compile()

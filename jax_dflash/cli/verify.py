@@ -154,6 +154,8 @@ class Checks:
         extras = {}
         if self.plan.fp8:
             extras["k_scale"], extras["v_scale"] = self.steps.scales_host()
+        if self.plan.dynamic:
+            extras["scale_pool"] = self.plan.initial_scale_pool
         if not pipeline.norms_in_step(self.plan.spec, impl):
             extras["k_norm_weight"] = self.plan.host_weights["k_norm"]
             extras["norm_eps"] = self.plan.geometry.norm_eps
@@ -178,7 +180,9 @@ class Checks:
         pool = w.initial_pool
         for group in paged_replay_groups(w.plan, range(w.prefill_steps + w.steps)):
             pool = self._replay_group(pool, group, deltas, extras)
-        return pool
+            if w.dynamic:  # the next group starts from this one's scales
+                pool, extras["scale_pool"] = pool
+        return (pool, extras["scale_pool"]) if w.dynamic else pool
 
     def _replay_group(self, pool, group: list[int], deltas: dict, extras: dict) -> np.ndarray:
         """One reference call for steps in which no pool row is written twice: their tokens
@@ -279,6 +283,9 @@ class Checks:
 
     def readback(self, pools) -> readback.ReadbackResult:
         k_scale, v_scale = self.steps.scales_host()
+        scale_pool = None
+        if self.plan.dynamic:
+            pools, scale_pool = pools
         return readback.check_sequences(
             pools,
             self.readback_views(),
@@ -287,5 +294,6 @@ class Checks:
             rotary_dim=self.plan.geometry.rotary_dim,
             k_scale=k_scale,
             v_scale=v_scale,
+            scale_pool=scale_pool,
             rng=np.random.default_rng([self.plan.seed, 2]),
         )
