@@ -492,6 +492,8 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
     kernel through the OpRun) and the JAX op on CUDA, on the harness's hostile inputs of both
     contracts (every pool dtype, FP8 scales, norms, ring)."""
     trt_harness, harness = _harness_or_skip()
+    from helpers.ops import FORM_OPS as form_ops
+
     report = trt_harness._run_harness(
         harness,
         "--gpu",
@@ -513,11 +515,7 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
         model = dflash_onnx.make_node_model(node, operands)
         (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
         args, kwargs = trt_harness._op_arguments(meta, arrays)
-        op = {
-            "slot": jax_dflash.target_kv_cache_update,
-            "paged": jax_dflash.target_kv_cache_update_paged,
-            "slot_mapping": jax_dflash.target_kv_cache_update_slots,
-        }[meta["contract"]]
+        op = form_ops[meta["contract"]][0]
         on_gpu = {
             k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
         }

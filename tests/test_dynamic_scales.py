@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_dflash
+from helpers.ops import FORM_OPS, FORMS
 from jax_dflash import reference
 from jax_dflash._ext import extension
 from jax_dflash._shapes import POOL_FORMATS, check_call
@@ -38,15 +39,7 @@ from jax_dflash.testing import (
 
 SCALE_POOL_ON_CUDA = extension("cpu").SCALE_POOL_ON_CUDA
 
-FORMS = ("slot", "paged", "slot_mapping")
-OPS = {
-    "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
-    "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
-    "slot_mapping": (
-        jax_dflash.target_kv_cache_update_slots,
-        reference.target_kv_cache_update_slots,
-    ),
-}
+OPS = FORM_OPS
 # A NaN whose payload no store produces (stores write the canonical NaN 0x7FC00000): marks the
 # float32 pool's rows that were not written.
 _UNWRITTEN = np.uint32(0x7FBADBAD)

@@ -16,8 +16,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-import jax_dflash
-from jax_dflash import _dflash_cpu, reference
+from helpers.ops import FORM_OPS
+from jax_dflash import _dflash_cpu
 from jax_dflash.testing import (
     DELTA_DTYPES,
     FP8_DTYPES,
@@ -300,14 +300,7 @@ def run_raw(contract, problem):
     return pool
 
 
-OPS = {
-    "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
-    "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
-    "slot_mapping": (
-        jax_dflash.target_kv_cache_update_slots,
-        reference.target_kv_cache_update_slots,
-    ),
-}
+OPS = FORM_OPS
 
 
 def run_op(contract, problem):

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.ops import FORM_OPS
 from helpers.trt_harness import (  # noqa: F401
     DELTA_TYPED,
     DTYPES,
@@ -39,7 +40,7 @@ from helpers.trt_harness import (  # noqa: F401
     _run_harness,
     jax_mode,
 )
-from jax_dflash import _shapes, reference
+from jax_dflash import _shapes
 from jax_dflash.interop import trt
 from jax_dflash.testing import assert_bits_equal, gpu_devices
 
@@ -507,8 +508,6 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
     _gpu_or_skip()
     import jax
 
-    import jax_dflash
-
     report = _run_harness(
         harness,
         "--gpu",
@@ -532,20 +531,12 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
     assert any(d["ring"] for d in dumps if d["contract"] == "paged")
     slot_dtypes = {d["slot_dtype"] for d in dumps if d["contract"] == "slot_mapping"}
     assert slot_dtypes == {"int32", "int64"}
-    ops = {
-        "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
-        "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
-        "slot_mapping": (
-            jax_dflash.target_kv_cache_update_slots,
-            reference.target_kv_cache_update_slots,
-        ),
-    }
 
     gpu = gpu_devices()[0]
     for entry in dumps:
         arrays, plugin_pool = _load_dump(entry)
         args, kwargs = _op_arguments(entry, arrays)
-        op, ref = ops[entry["contract"]]
+        op, ref = FORM_OPS[entry["contract"]]
         on_gpu = {
             k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
         }

@@ -232,26 +232,11 @@ char const* operand_name(UpdateAttrs const& attrs, int32_t index, int32_t count)
   return "operand";
 }
 
-std::string pool_dtype_list(bool tensorrt) {
-  std::string text;
-  size_t n = 0, listed = 0;
-  for (PoolFormat const& f : kPoolFormats) n += !tensorrt || f.tensorrt;
-  for (PoolFormat const& f : kPoolFormats) {
-    if (tensorrt && !f.tensorrt) continue;
-    std::string const name = dtype_name(f.element);
-    text += std::string(listed == 0       ? ""
-                        : listed + 1 == n ? " or "
-                                          : ", ") +
-            name + (name != f.name ? std::string(" (") + f.name + ")" : "");
-    ++listed;
-  }
-  return text;
-}
+namespace {
 
-std::string scaled_dtype_list(bool dynamic) {
-  auto listed_format = [dynamic](PoolFormat const& f) {
-    return f.scales == ScaleGranularity::kStatic || (dynamic && f.scales == ScaleGranularity::kDynamic);
-  };
+// "a, b or c" of the pool formats `listed` takes, by element dtype (with the format's name where
+// the two differ).
+template <typename Listed> std::string format_list(Listed listed_format) {
   std::string text;
   size_t n = 0, listed = 0;
   for (PoolFormat const& f : kPoolFormats) n += listed_format(f);
@@ -265,6 +250,18 @@ std::string scaled_dtype_list(bool dynamic) {
     ++listed;
   }
   return text;
+}
+
+}  // namespace
+
+std::string pool_dtype_list(bool tensorrt) {
+  return format_list([tensorrt](PoolFormat const& f) { return !tensorrt || f.tensorrt; });
+}
+
+std::string scaled_dtype_list(bool dynamic) {
+  return format_list([dynamic](PoolFormat const& f) {
+    return f.scales == ScaleGranularity::kStatic || (dynamic && f.scales == ScaleGranularity::kDynamic);
+  });
 }
 
 std::string base_operand_list(AddressingForm const& form) {

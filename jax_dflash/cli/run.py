@@ -262,13 +262,11 @@ def execute(args) -> int:
     return status
 
 
-def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
-    """Builds and runs the workload, prints the tables: (the --json summary, whether a check
-    failed)."""
-    from jax_dflash.cli import report, workload
+def _workload(args, preset, settings, device, fused: bool, kv_dtype: str):
+    """The run's workload with its pool in ``kv_dtype``."""
+    from jax_dflash.cli import workload
 
-    out = sys.stderr if args.json == "-" else sys.stdout
-    w = workload.Workload(
+    return workload.Workload(
         preset,
         batch=settings.batch,
         steps=settings.steps,
@@ -276,12 +274,21 @@ def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
         accept=settings.accept,
         device=device,
         dtype=settings.delta_dtype,
-        kv_dtype=settings.pool_dtype,
+        kv_dtype=kv_dtype,
         contract=settings.contract,
         window=settings.window,
         window_layers=settings.window_layers,
         fused_norm=fused,
     )
+
+
+def _run(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
+    """Builds and runs the workload, prints the tables: (the --json summary, whether a check
+    failed)."""
+    from jax_dflash.cli import report
+
+    out = sys.stderr if args.json == "-" else sys.stdout
+    w = _workload(args, preset, settings, device, fused, settings.pool_dtype)
     print(report.run_header(w, device), file=out, flush=True)
     checks = dict(check=args.check, check_readback=args.check, progress=args.progress)
     results = [w.run("kernel", **checks)]
@@ -325,25 +332,12 @@ def _check_compare_formats(args) -> None:
 
 def _compare_formats(args, preset, settings, device, fused: bool) -> tuple[dict, bool]:
     """Every pool format's checked pass of one workload: the table, the plot, the summary."""
-    from jax_dflash.cli import compare_formats, report, workload
+    from jax_dflash.cli import compare_formats, report
 
     out = sys.stderr if args.json == "-" else sys.stdout
 
     def make_workload(kv_dtype: str):
-        return workload.Workload(
-            preset,
-            batch=settings.batch,
-            steps=settings.steps,
-            seed=args.seed,
-            accept=settings.accept,
-            device=device,
-            dtype=settings.delta_dtype,
-            kv_dtype=kv_dtype,
-            contract=settings.contract,
-            window=settings.window,
-            window_layers=settings.window_layers,
-            fused_norm=fused,
-        )
+        return _workload(args, preset, settings, device, fused, kv_dtype)
 
     formats = compare_formats.compared_formats(settings.delta_dtype)
     first = make_workload(formats[0])

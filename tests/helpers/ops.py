@@ -11,6 +11,17 @@ import jax_dflash
 from jax_dflash import reference
 from jax_dflash.testing import PagedProblem, Problem
 
+# Each addressing form's (JAX op, NumPy reference).
+FORM_OPS = {
+    "slot": (jax_dflash.target_kv_cache_update, reference.target_kv_cache_update),
+    "paged": (jax_dflash.target_kv_cache_update_paged, reference.target_kv_cache_update_paged),
+    "slot_mapping": (
+        jax_dflash.target_kv_cache_update_slots,
+        reference.target_kv_cache_update_slots,
+    ),
+}
+FORMS = tuple(FORM_OPS)
+
 
 def device_of(backend: str):
     return jax.devices(backend)[0]
