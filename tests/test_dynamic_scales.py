@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 import jax_dflash
 from helpers.ops import FORM_OPS, FORMS
 from jax_dflash import reference
-from jax_dflash._ext import extension
 from jax_dflash._shapes import POOL_FORMATS, check_call
 from jax_dflash.testing import (
     DELTA_DTYPES,
@@ -36,8 +35,6 @@ from jax_dflash.testing import (
     make_paged_problem,
     make_problem,
 )
-
-SCALE_POOL_ON_CUDA = extension("cpu").SCALE_POOL_ON_CUDA
 
 OPS = FORM_OPS
 # A NaN whose payload no store produces (stores write the canonical NaN 0x7FC00000): marks the
@@ -438,22 +435,24 @@ def test_sharded_on_layers_and_heads_the_scale_pool_follows_the_pool():
 # ---- CUDA ------------------------------------------------------------------------------------
 
 _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
-_REFUSED_ON_CUDA = (
-    "the CUDA handler refuses scale_pool (SCALE_POOL_ON_CUDA is false until this test has passed "
-    "on a GPU): test_cuda_refuses_scale_pool_until_verified checks the refusal"
-)
 
 
-@pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
-@pytest.mark.skipif(SCALE_POOL_ON_CUDA, reason="the CUDA handler writes scale_pool")
-@pytest.mark.parametrize("form", FORMS)
-def test_cuda_refuses_scale_pool_until_verified(form):
-    args, kwargs = _problem(np.random.default_rng(0), form, np.dtype(np.int8))
-    with pytest.raises(Exception, match="per-token-head scales are written on the CPU only"):
-        _run(form, args, kwargs, backend="gpu")
+def _with_special_rows(args, rng):
+    """args with some (token, head) rows of both deltas made special: all zeros, one NaN, one
+    +inf or -inf, and tiny values whose scale is subnormal (SPEC.md "Dynamic scales")."""
+    k, v = (np.array(a) for a in args[:2])
+    for delta in (k, v):
+        rows = delta.reshape(-1, delta.shape[-1])
+        picks = rng.choice(len(rows), size=min(len(rows), 4), replace=False)
+        specials = [0.0, np.nan, rng.choice([np.inf, -np.inf]), 1e-40]
+        for row, special in zip(picks, specials):
+            if special == 0.0 or special == 1e-40:
+                rows[row] = np.float32(special) * rng.choice([-1, 1], size=rows.shape[-1])
+            else:
+                rows[row, rng.integers(rows.shape[-1])] = special
+    return [k, v, *args[2:]]
 
 
-@pytest.mark.skipif(not SCALE_POOL_ON_CUDA, reason=_REFUSED_ON_CUDA)
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
@@ -473,6 +472,7 @@ def test_cuda_matches_the_reference(form, pool_dtype, layers, norms, head_dim, r
             head_dim=head_dim,
             rotary_dim=rotary_dim,
         )
+        args = _with_special_rows(args, np.random.default_rng(100 + seed))
         pool, scales = _run(form, args, kwargs, backend="gpu")
         want = OPS[form][1](*args, **kwargs)
         assert_bits_equal(pool, want[0])

@@ -127,9 +127,6 @@ inline constexpr char const* kResultName = "present_key_value";
 // Per-token-head dynamic scales (UpdateAttrs::scale_pool): one operand in place of k_scale and
 // v_scale, and the call's second result, aliasing it.
 inline constexpr char const* kScalePoolName = "scale_pool";
-// Whether the CUDA handler writes per-token-head scales. Its kernel is compiled, but until it has
-// matched the reference on a GPU the handler refuses scale_pool (the CPU serves it).
-inline constexpr bool kScalePoolOnCuda = false;
 inline constexpr char const* kScaleResultName = "present_scale_pool";
 inline constexpr int32_t kMaxExtraOperands = 3;
 // Operand indices every form shares.

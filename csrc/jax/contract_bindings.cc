@@ -204,7 +204,6 @@ void bind_contract(nb::module_& m) {
   m.attr("SCALE_NAMES") = nb::make_tuple(kScaleNames[0], kScaleNames[1]);
   m.attr("NORM_WEIGHT_NAME") = kNormWeightName;
   m.attr("SCALE_POOL_NAME") = kScalePoolName;
-  m.attr("SCALE_POOL_ON_CUDA") = kScalePoolOnCuda;
   m.attr("SCALE_RESULT_NAME") = kScaleResultName;
 }
 

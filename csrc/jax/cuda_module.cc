@@ -38,12 +38,6 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
   if (std::string const refused = cpu_only_format(p); !refused.empty())
     return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(target_name(contract)) + ": " + refused);
-  if (p.scale_pool != nullptr && !kScalePoolOnCuda)
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(target_name(contract)) + ": " + kScalePoolName +
-                          ": per-token-head scales are written on the CPU only so far (their CUDA kernel "
-                          "has not yet matched the reference on a GPU); run this call on "
-                          "jax.devices('cpu'), or use static k_scale and v_scale");
   for (InPlace const* buffers : {&pool, &scales}) {
     if (buffers->aliased()) continue;
     cudaError_t const copied =
