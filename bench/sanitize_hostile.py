@@ -47,7 +47,7 @@ import numpy as np
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
-INT8 = np.dtype(np.int8)
+INT8, UINT8 = np.dtype(np.int8), np.dtype(np.uint8)
 
 # Slot contract: P=16, 2 pages per slot (capacity 32), 13 slots of which B=11 are in use, so
 # writes into the unused slots 11, 12 would show as mismatches. Rope covers S=24 < capacity
@@ -285,6 +285,37 @@ def slot_mapping_cases(rng) -> list[Case]:
     return cases
 
 
+def scale_pool_cases(rng) -> list[Case]:
+    """Per-token-head dynamic scales (int8, FP8 and int4 pools) on the hostile cases of every
+    form: the scale pool of random bits (NaN payloads included) must keep the unwritten rows'
+    scales; every fourth case's deltas carry zero and non-finite rows."""
+    cases = []
+    sources = slot_cases(rng)[-3:] + paged_cases(rng)[-3:] + slot_mapping_cases(rng)[-3:]
+    formats = (INT8, E4M3, UINT8, E5M2)
+    for i, case in enumerate(sources):
+        pool_dtype = formats[i % len(formats)]
+        args = [np.array(a) for a in case.args]
+        pool = args[2]
+        rows = pool.shape[:-1]
+        if pool_dtype == UINT8:  # int4: two elements per byte
+            args[2] = rng.integers(0, 256, (*rows, pool.shape[-1] // 2), dtype=np.uint8)
+        else:
+            args[2] = rng.integers(0, 256, pool.shape, dtype=np.uint8).view(pool_dtype)
+        if i % 4 == 0:
+            for delta in (args[0], args[1]):
+                flat = delta.reshape(-1, delta.shape[-1])
+                flat[0] = 0
+                flat[1, 3] = np.nan
+                flat[2, 1] = np.inf
+        scale_bits = rng.integers(0, 2**32, rows, dtype=np.uint64).astype(np.uint32)
+        kwargs = {k: v for k, v in case.kwargs.items() if k not in ("k_scale", "v_scale")}
+        kwargs["scale_pool"] = scale_bits.view(np.float32)
+        name = "int4" if pool_dtype == UINT8 else pool_dtype.name
+        label = f"{case.label.split(' -> ')[0]}, {name} pool with a scale pool"
+        cases.append(Case(label, case.contract, tuple(args), kwargs))
+    return cases
+
+
 # The JAX op and the NumPy reference of each form.
 OPS = {
     "slot": ("target_kv_cache_update", "target_kv_cache_update"),
@@ -352,12 +383,18 @@ def run_jax(case: Case, expected, platform="gpu") -> list[bool]:
             args = [jax.device_put(a, device) for a in case.args]
             extras = {k: jax.device_put(v, device) for k, v in arrays.items()}
             jitted = jax.jit(lambda *a, **kw: op(*a, **kw), donate_argnums=(2,) if donate else ())
-            out = np.asarray(jitted(*args, **extras))
+            out = jitted(*args, **extras)
         except Exception as e:  # noqa: BLE001 - report the case, run the others
             print(f"  ERROR    {label}: {_one_line(e)}")
             results.append(False)
             continue
-        results.append(same_bits(out, expected, label))
+        if isinstance(expected, tuple):  # (pool, scale_pool)
+            results.append(
+                same_bits(out[0], expected[0], label)
+                and same_bits(out[1], expected[1], f"{label}: scale_pool")
+            )
+        else:
+            results.append(same_bits(out, expected, label))
     return results
 
 
@@ -394,6 +431,9 @@ def run_raw(case: Case, expected) -> bool | None:
     from jax_dflash import _ext
 
     label = f"{case.label}: raw launcher"
+    if "scale_pool" in case.kwargs:
+        print(f"  skipped  {label}: the raw launchers take no scale pool (JAX runs cover it)")
+        return None
     if not cuda_serves(case.contract):
         print(f"  skipped  {label}: the {case.contract} form has no CUDA kernel yet")
         return None
@@ -443,6 +483,9 @@ def run_raw_cpu(case: Case, expected) -> bool:
     from jax_dflash import _ext
 
     label = f"{case.label}: CPU NumPy entry"
+    if "scale_pool" in case.kwargs:
+        print(f"  skipped  {label}: the raw entries take no scale pool (JAX runs cover it)")
+        return None
     try:
         cpu = _ext.extension("cpu")
         views = [np.ascontiguousarray(a) for a in case.args]
@@ -493,9 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(2026)
     summary = {"matched": 0, "mismatched": 0, "skipped": 0}
     per_contract = {}
-    for case in slot_cases(rng) + paged_cases(rng) + slot_mapping_cases(rng):
+    cases = slot_cases(rng) + paged_cases(rng) + slot_mapping_cases(rng) + scale_pool_cases(rng)
+    for case in cases:
         expected = expected_of(case)
-        assert not np.array_equal(bits(expected), bits(case.args[2])), (
+        written = expected[0] if isinstance(expected, tuple) else expected
+        assert not np.array_equal(bits(written), bits(case.args[2])), (
             f"{case.label}: the case writes nothing"
         )
         results = run_jax(case, expected, platform)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_dflash
-from helpers.ops import FORM_OPS, FORMS
+from helpers.ops import FORM_OPS, FORMS, with_special_rows
 from jax_dflash import reference
 from jax_dflash._shapes import POOL_FORMATS, check_call
 from jax_dflash.testing import (
@@ -437,22 +437,6 @@ def test_sharded_on_layers_and_heads_the_scale_pool_follows_the_pool():
 _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 
 
-def _with_special_rows(args, rng):
-    """args with some (token, head) rows of both deltas made special: all zeros, one NaN, one
-    +inf or -inf, and tiny values whose scale is subnormal (SPEC.md "Dynamic scales")."""
-    k, v = (np.array(a) for a in args[:2])
-    for delta in (k, v):
-        rows = delta.reshape(-1, delta.shape[-1])
-        picks = rng.choice(len(rows), size=min(len(rows), 4), replace=False)
-        specials = [0.0, np.nan, rng.choice([np.inf, -np.inf]), 1e-40]
-        for row, special in zip(picks, specials):
-            if special == 0.0 or special == 1e-40:
-                rows[row] = np.float32(special) * rng.choice([-1, 1], size=rows.shape[-1])
-            else:
-                rows[row, rng.integers(rows.shape[-1])] = special
-    return [k, v, *args[2:]]
-
-
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
@@ -472,7 +456,7 @@ def test_cuda_matches_the_reference(form, pool_dtype, layers, norms, head_dim, r
             head_dim=head_dim,
             rotary_dim=rotary_dim,
         )
-        args = _with_special_rows(args, np.random.default_rng(100 + seed))
+        args = with_special_rows(args, np.random.default_rng(100 + seed))
         pool, scales = _run(form, args, kwargs, backend="gpu")
         want = OPS[form][1](*args, **kwargs)
         assert_bits_equal(pool, want[0])

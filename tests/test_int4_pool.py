@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_dflash
-from helpers.ops import FORM_OPS, FORMS
+from helpers.ops import FORM_OPS, FORMS, with_special_rows
 from jax_dflash import reference
 from jax_dflash._shapes import POOL_FORMATS, check_call
 from jax_dflash.testing import (
@@ -377,12 +377,28 @@ def test_vmap_over_layers_is_the_layered_call(form):
 
 # ---- CUDA ---------------------------------------------------------------------------------
 
-_NO_GPU = "no GPU backend in this JAX: the CUDA refusal of int4 pools is checked on a GPU only"
+_NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 
 
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
-def test_cuda_refuses_int4_pools(form):
-    args, kwargs, _ = _problem(np.random.default_rng(0), form)
-    with pytest.raises(Exception, match="past_key_value: int4 pools .* CPU only so far"):
-        _run(form, args, kwargs, backend="gpu")
+@pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (128, 128), (40, 8), (6, 0), (96, 64)])
+def test_cuda_matches_the_reference(form, layers, norms, head_dim, rotary_dim):
+    for seed in range(3):
+        args, kwargs, _ = _problem(
+            np.random.default_rng(seed),
+            form,
+            layers=layers,
+            k_norm=norms,
+            v_norm=norms,
+            delta=DELTA_DTYPES[seed % 3],
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+        )
+        args = with_special_rows(args, np.random.default_rng(100 + seed))
+        pool, scales = _run(form, args, kwargs, backend="gpu")
+        want = OPS[form][1](*args, **kwargs)
+        assert_bits_equal(pool, want[0])
+        assert_bits_equal(scales, want[1])

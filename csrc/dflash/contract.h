@@ -63,7 +63,7 @@ inline constexpr PoolFormat kPoolFormats[] = {
      "float8_e5m2"},
     {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, false, 1, true, "int8"},
     // int4: uint8 bytes [.., D / 2], two 4-bit two's-complement elements each.
-    {DType::kUInt8, ScaleGranularity::kDynamic, Conversion::kDivideByScale, 7.0f, false, 2, false, "int4"},
+    {DType::kUInt8, ScaleGranularity::kDynamic, Conversion::kDivideByScale, 7.0f, false, 2, true, "int4"},
 };
 
 // The format of a pool of this dtype; null when no pool has it.

@@ -15,6 +15,7 @@ DFLASH_DECLARE_POOL(F32)
 DFLASH_DECLARE_POOL(E4M3)
 DFLASH_DECLARE_POOL(E5M2)
 DFLASH_DECLARE_POOL(I8)
+DFLASH_DECLARE_POOL(I4)
 
 namespace dflash {
 namespace {
@@ -38,6 +39,7 @@ template <Contract C> cudaError_t for_pool(KVUpdateParams const& p, cudaStream_t
     case DType::kFloat8E4M3: return for_delta<C, E4M3>(p, stream);
     case DType::kFloat8E5M2: return for_delta<C, E5M2>(p, stream);
     case DType::kInt8: return for_delta<C, I8>(p, stream);
+    case DType::kUInt8: return for_delta<C, I4>(p, stream);  // int4
     default: return cudaErrorInvalidValue;
   }
 }

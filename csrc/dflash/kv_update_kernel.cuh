@@ -119,6 +119,12 @@ struct I8 {
   static constexpr DType kDType = DType::kInt8;
   static __device__ __forceinline__ Bits encode(float q) { return float_to_int8_bits(q); }
 };
+// int4: bytes of two elements (numerics.h's pack_int4), stored with a scale pool only, by the
+// dynamic-scale kernel (no per-element encode).
+struct I4 {
+  using Bits = uint8_t;
+  static constexpr DType kDType = DType::kUInt8;
+};
 template <typename T> inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
 // A pool element type whose format stores values times the reciprocal of k_scale / v_scale
 // (contract.h): the kernels load the scales and pass their reciprocals to the stores.
@@ -126,6 +132,10 @@ template <typename T> inline constexpr bool kScaledPool = takes_scales(T::kDType
 // A scaled pool whose stores divide by the scale (contract.h's Conversion): they get the scale
 // itself where the others get its reciprocal.
 template <typename T> inline constexpr bool kDividingPool = divides_by_scale(T::kDType);
+// A pool element type a scale pool can scale (static-scale formats and the dynamic-only ones).
+template <typename T> inline constexpr bool kScalePoolFormat = takes_scales(T::kDType) || needs_scale_pool(T::kDType);
+// Elements per stored byte along D: 2 for int4.
+template <typename T> inline constexpr int64_t kPerByte = pool_per_byte(T::kDType);
 
 // Widening a delta vector, and the fused norms' round trips through the delta dtype, two channels
 // per packed conversion (on values: no reinterpreted memory). The round trips skip the canonical
@@ -894,9 +904,14 @@ __device__ __forceinline__ void dynamic_row(KVUpdateParams const& p, typename De
   }
   float const s = dynamic_scale(r, kMaxFinite<Pool>);
   if (lane == 0) *scale = s;
-  for (int64_t j = lane; j < p.head_dim; j += 32)
-    dst[j] =
-        Pool::encode(dynamic_quotient(dynamic_channel<Delta>(p, row, j, norm, inv_rms, weight, cos_sin), s));
+  auto quotient = [&](int64_t j) {
+    return dynamic_quotient(dynamic_channel<Delta>(p, row, j, norm, inv_rms, weight, cos_sin), s);
+  };
+  if constexpr (kPerByte<Pool> == 2) {  // int4: byte j holds elements 2j (low nibble) and 2j + 1
+    for (int64_t j = lane; j < p.head_dim / 2; j += 32) dst[j] = pack_int4(quotient(2 * j), quotient(2 * j + 1));
+  } else {
+    for (int64_t j = lane; j < p.head_dim; j += 32) dst[j] = Pool::encode(quotient(j));
+  }
 }
 
 // Rows [0, items) of the launch's layers, item = ((layer * sequences + b) * tokens + t) * H + h;
@@ -946,10 +961,11 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
     auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
     DBits const* weight =
         p.k_norm ? static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) : nullptr;
+    // Element offsets; a packed pool's head rows start on whole bytes (D is even).
     dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.k_delta) + src, p.k_norm, weight, cos_sin,
-                             pool + k_dst, p.scale_pool + scale_pool_index(p, k_dst));
+                             pool + k_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, k_dst));
     dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.v_delta) + src, p.v_norm, nullptr, nullptr,
-                             pool + v_dst, p.scale_pool + scale_pool_index(p, v_dst));
+                             pool + v_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, v_dst));
   }
 }
 
@@ -978,11 +994,7 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
 // The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
 // divides the head and the rotary half and that every tensor's alignment allows.
 template <Contract C, typename Delta, typename Pool>
-cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
-  if (p.scale_pool != nullptr) {  // per-token-head dynamic scales: their own kernel
-    if constexpr (kScaledPool<Pool>) return launch_dynamic<C, Delta, Pool>(p, stream);
-    return cudaErrorInvalidValue;  // the checker admits no scale pool for this pool
-  }
+cudaError_t launch_widest_dense(KVUpdateParams const& p, cudaStream_t stream) {
   auto fits = [&](int vec) {
     auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
     int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
@@ -993,6 +1005,20 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
   if (fits(8)) return launch<C, Delta, Pool, 8>(p, stream);
   if (fits(2)) return launch<C, Delta, Pool, 2>(p, stream);
   return launch<C, Delta, Pool, 1>(p, stream);
+}
+
+// The launch of one call: the dynamic-scale kernel with a scale pool, else the widest dense one.
+template <Contract C, typename Delta, typename Pool>
+cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
+  if (p.scale_pool != nullptr) {  // per-token-head dynamic scales: their own kernel
+    if constexpr (kScalePoolFormat<Pool>) return launch_dynamic<C, Delta, Pool>(p, stream);
+    return cudaErrorInvalidValue;  // the checker admits no scale pool for this pool
+  }
+  if constexpr (needs_scale_pool(Pool::kDType)) {
+    return cudaErrorInvalidValue;  // the checker admits no such call
+  } else {
+    return launch_widest_dense<C, Delta, Pool>(p, stream);
+  }
 }
 
 }  // namespace kernel

@@ -68,3 +68,19 @@ def expected(problem: Problem | PagedProblem):
     if isinstance(problem, PagedProblem):
         return reference.target_kv_cache_update_paged(*problem.args(), **problem.kwargs())
     return reference.target_kv_cache_update(*problem.args(), **problem.kwargs())
+
+
+def with_special_rows(args, rng):
+    """args with some (token, head) rows of both deltas made special: all zeros, one NaN, one
+    +inf or -inf, and tiny values whose scale is subnormal (SPEC.md "Dynamic scales")."""
+    k, v = (np.array(a) for a in args[:2])
+    for delta in (k, v):
+        rows = delta.reshape(-1, delta.shape[-1])
+        picks = rng.choice(len(rows), size=min(len(rows), 4), replace=False)
+        specials = [0.0, np.nan, rng.choice([np.inf, -np.inf]), 1e-40]
+        for row, special in zip(picks, specials):
+            if special == 0.0 or special == 1e-40:
+                rows[row] = np.float32(special) * rng.choice([-1, 1], size=rows.shape[-1])
+            else:
+                rows[row, rng.integers(rows.shape[-1])] = special
+    return [k, v, *args[2:]]
