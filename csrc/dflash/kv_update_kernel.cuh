@@ -133,7 +133,8 @@ template <typename T> inline constexpr bool kScaledPool = takes_scales(T::kDType
 // itself where the others get its reciprocal.
 template <typename T> inline constexpr bool kDividingPool = divides_by_scale(T::kDType);
 // A pool element type a scale pool can scale (static-scale formats and the dynamic-only ones).
-template <typename T> inline constexpr bool kScalePoolFormat = takes_scales(T::kDType) || needs_scale_pool(T::kDType);
+template <typename T> inline constexpr bool kScalePoolFormat =
+    takes_scales(T::kDType) || needs_scale_pool(T::kDType);
 // Elements per stored byte along D: 2 for int4.
 template <typename T> inline constexpr int64_t kPerByte = pool_per_byte(T::kDType);
 
@@ -908,7 +909,8 @@ __device__ __forceinline__ void dynamic_row(KVUpdateParams const& p, typename De
     return dynamic_quotient(dynamic_channel<Delta>(p, row, j, norm, inv_rms, weight, cos_sin), s);
   };
   if constexpr (kPerByte<Pool> == 2) {  // int4: byte j holds elements 2j (low nibble) and 2j + 1
-    for (int64_t j = lane; j < p.head_dim / 2; j += 32) dst[j] = pack_int4(quotient(2 * j), quotient(2 * j + 1));
+    for (int64_t j = lane; j < p.head_dim / 2; j += 32)
+      dst[j] = pack_int4(quotient(2 * j), quotient(2 * j + 1));
   } else {
     for (int64_t j = lane; j < p.head_dim; j += 32) dst[j] = Pool::encode(quotient(j));
   }
