@@ -301,12 +301,12 @@ def scale_pool_cases(rng) -> list[Case]:
             args[2] = rng.integers(0, 256, (*rows, pool.shape[-1] // 2), dtype=np.uint8)
         else:
             args[2] = rng.integers(0, 256, pool.shape, dtype=np.uint8).view(pool_dtype)
-        if i % 4 == 0:
+        if i % 4 == 0:  # tokens past the slot-mapping cases' shared pair (tokens 0 and 1)
             for delta in (args[0], args[1]):
-                flat = delta.reshape(-1, delta.shape[-1])
-                flat[0] = 0
-                flat[1, 3] = np.nan
-                flat[2, 1] = np.inf
+                tokens = delta.shape[-3]
+                delta[..., 9 % tokens, 0, :] = 0
+                delta[..., 10 % tokens, 1, 3] = np.nan
+                delta[..., 11 % tokens, 0, 1] = np.inf
         scale_bits = rng.integers(0, 2**32, rows, dtype=np.uint64).astype(np.uint32)
         kwargs = {k: v for k, v in case.kwargs.items() if k not in ("k_scale", "v_scale")}
         kwargs["scale_pool"] = scale_bits.view(np.float32)
