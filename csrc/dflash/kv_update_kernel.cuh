@@ -916,59 +916,216 @@ __device__ __forceinline__ void dynamic_row(KVUpdateParams const& p, typename De
   }
 }
 
-// Rows [0, items) of the launch's layers, item = ((layer * sequences + b) * tokens + t) * H + h;
-// a warp's lanes share the item, so every branch below is uniform in the warp.
+// Where row `item` of a launch comes from and lands, item = ((layer * sequences + b) * tokens + t) *
+// H + h over the launch's layers.
+struct DynamicItem {
+  PoolRows rows;                   // k_row < 0: nothing is written
+  float const* cos_sin = nullptr;  // null: not rotated
+  int64_t src = 0;                 // element offset of the head's delta row
+  int64_t layer = 0;
+};
+
+template <Contract C> __device__ __forceinline__ DynamicItem dynamic_item(KVUpdateParams const& p,
+                                                                          PagedAddressing const& paged,
+                                                                          int64_t layer_base, int64_t item) {
+  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
+  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
+  int64_t const h = item % p.num_kv_heads;
+  int64_t const t = item / p.num_kv_heads % tokens;
+  int64_t const b = item / p.num_kv_heads / tokens % sequences;
+  int64_t const local_layer = item / p.num_kv_heads / tokens / sequences;
+  DynamicItem it;
+  it.layer = layer_base + local_layer;
+  if constexpr (C == Contract::kSlot) {
+    int64_t const start = p.delta_start_positions[position_index(p, it.layer, b)];
+    int64_t const length = p.delta_lengths[position_index(p, it.layer, b)];
+    int64_t const pos = written_position(start, length, t, slot_capacity(p));
+    it.rows = slot_rows(p, b, pos);
+    if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
+      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, b, pos);
+  } else {
+    if constexpr (C == Contract::kPaged) {
+      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, t)];
+      int32_t const pos = p.delta_positions[position_index(p, it.layer, t)];
+      uint32_t row;
+      int64_t const entry =
+          page_table_entry(paged, layer_ring(paged, uint32_t(local_layer)), owner, pos, &row);
+      if (entry >= 0) {
+        int32_t const* table = p.page_table + it.layer * paged.table_layer;
+        it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
+      }
+    } else {
+      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, t)));
+    }
+    if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, t);
+  }
+  it.src = delta_token_offset(p, it.layer, b, t) + h * p.head_dim;
+  return it;
+}
+
+// Element offset in the pool of item's head row in plane 0 (K) or 1 (V); a packed pool's head rows
+// start on whole bytes (D is even).
+__device__ __forceinline__ int64_t dynamic_dst(KVUpdateParams const& p, DynamicItem const& it, int64_t row,
+                                               int64_t h) {
+  return it.layer * pool_layer_elems(p) + row * token_stride(p) + h * p.head_dim;
+}
+
+// Any head: one warp per row, lanes strided over the channels (dynamic_row).
 template <Contract C, typename Delta, typename Pool> __global__ void __launch_bounds__(32 * kDynamicRows)
     dynamic_scale_kernel(KVUpdateParams p, PagedAddressing paged, int64_t layer_base, int64_t items) {
   using DBits = typename Delta::Bits;
-  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
-  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
   int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
   for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
+    DynamicItem const it = dynamic_item<C>(p, paged, layer_base, item);
+    if (it.rows.k_row < 0) continue;
     int64_t const h = item % p.num_kv_heads;
-    int64_t const t = item / p.num_kv_heads % tokens;
-    int64_t const b = item / p.num_kv_heads / tokens % sequences;
-    int64_t const local_layer = item / p.num_kv_heads / tokens / sequences;
-    int64_t const layer = layer_base + local_layer;
-    PoolRows rows;
-    float const* cos_sin = nullptr;
-    if constexpr (C == Contract::kSlot) {
-      int64_t const start = p.delta_start_positions[position_index(p, layer, b)];
-      int64_t const length = p.delta_lengths[position_index(p, layer, b)];
-      int64_t const pos = written_position(start, length, t, slot_capacity(p));
-      rows = slot_rows(p, b, pos);
-      if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-        cos_sin = p.rope_cos_sin + rope_row_offset(p, layer, b, pos);
-    } else {
-      if constexpr (C == Contract::kPaged) {
-        int32_t const owner = p.token_to_sequence[position_index(p, layer, t)];
-        int32_t const pos = p.delta_positions[position_index(p, layer, t)];
-        uint32_t row;
-        int64_t const entry =
-            page_table_entry(paged, layer_ring(paged, uint32_t(local_layer)), owner, pos, &row);
-        if (entry >= 0) {
-          int32_t const* table = p.page_table + layer * paged.table_layer;
-          rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
-        }
-      } else {
-        rows = mapped_rows(p, mapped_slot(p, position_index(p, layer, t)));
-      }
-      if (p.rotary_dim > 0) cos_sin = p.rope_cos_sin + rope_row_offset(p, layer, 0, t);
-    }
-    if (rows.k_row < 0) continue;
-    int64_t const src = delta_token_offset(p, layer, b, t) + h * p.head_dim;
-    int64_t const layer_elems = layer * pool_layer_elems(p);
-    int64_t const k_dst = layer_elems + rows.k_row * token_stride(p) + h * p.head_dim;
-    int64_t const v_dst = layer_elems + rows.v_row * token_stride(p) + h * p.head_dim;
+    int64_t const k_dst = dynamic_dst(p, it, it.rows.k_row, h);
+    int64_t const v_dst = dynamic_dst(p, it, it.rows.v_row, h);
     auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
     DBits const* weight =
-        p.k_norm ? static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) : nullptr;
-    // Element offsets; a packed pool's head rows start on whole bytes (D is even).
-    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.k_delta) + src, p.k_norm, weight, cos_sin,
+        p.k_norm ? static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, it.layer) : nullptr;
+    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.k_delta) + it.src, p.k_norm, weight, it.cos_sin,
                              pool + k_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, k_dst));
-    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.v_delta) + src, p.v_norm, nullptr, nullptr,
+    dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.v_delta) + it.src, p.v_norm, nullptr, nullptr,
                              pool + v_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, v_dst));
   }
+}
+
+// The common heads (D a multiple of 8, at most 4 G channels; the rotary half a multiple of 8; the
+// tensors aligned for vector access): a group of G lanes per row, lane c holding channels
+// [8c, 8c + 8), which is the norm's chunk c (numerics.h, kNormChunk). Every value is loaded once and
+// held in registers: the norm's chunk sums are the lanes' own, its halving tree a shuffle down the
+// group (a G wider than the tree's leaves only adds zeros first, which changes no bits); the rotary
+// partner of a chunk is the chunk half / 8 lanes away; the row maximum a butterfly; each lane
+// stores its 8 (int4: 4 bytes of) elements with one vector store. Every lane runs every shuffle
+// (rows not written, lanes past D included): only loads and stores are guarded.
+inline constexpr int kGroupThreads = 128;
+inline constexpr int kGroupChunk = 8;
+static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
+
+template <typename Delta, int G>
+__device__ __forceinline__ void group_norm(float (&x)[kGroupChunk], bool has, float eps, int64_t head_dim) {
+  float s = 0.0f;
+  if (has) {
+    s = mul_rn(x[0], x[0]);
+#pragma unroll
+    for (int i = 1; i < kGroupChunk; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
+  }
+#pragma unroll
+  for (int h = G / 2; h >= 1; h /= 2) s = add_rn(s, __shfl_down_sync(0xffffffffu, s, h, G));
+  float const inv_rms = inverse_rms(__shfl_sync(0xffffffffu, s, 0, G), head_dim, eps);
+#pragma unroll
+  for (int i = 0; i < kGroupChunk; ++i) x[i] = round_to(Delta::kDType, mul_rn(x[i], inv_rms));
+}
+
+template <Contract C, typename Delta, typename Pool, int G> __global__ void __launch_bounds__(kGroupThreads)
+    dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, int64_t layer_base, int64_t items,
+                         bool rope_float4) {
+  using DBits = typename Delta::Bits;
+  using DeltaPack = Pack<DBits, kGroupChunk>;
+  constexpr int kRowsPerWarp = 32 / G;
+  constexpr unsigned kAll = 0xffffffffu;
+  unsigned const lane = threadIdx.x % 32;
+  int const chunk = int(lane % G);
+  int64_t const warp = (int64_t(blockIdx.x) * kGroupThreads + threadIdx.x) / 32;
+  int64_t const warps = int64_t(gridDim.x) * (kGroupThreads / 32);
+  bool const has = int64_t(chunk) * kGroupChunk < p.head_dim;
+  int64_t const half = p.rotary_dim / 2;
+  int64_t const channel = int64_t(chunk) * kGroupChunk;
+  bool const first = channel < half;
+  bool const rotary = channel < p.rotary_dim;
+  int const partner_lane = first    ? chunk + int(half / kGroupChunk)
+                           : rotary ? chunk - int(half / kGroupChunk)
+                                    : chunk;
+  int64_t const rope_index = first ? channel : channel - half;
+  auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
+  for (int64_t base = warp * kRowsPerWarp; base < items;
+       base += warps * kRowsPerWarp) {  // uniform in the warp
+    int64_t const item = base + lane / G;
+    bool const live = item < items;
+    DynamicItem it;
+    if (live) it = dynamic_item<C>(p, paged, layer_base, item);
+    bool const write = live && it.rows.k_row >= 0;
+    int64_t const h = item % p.num_kv_heads;
+#pragma unroll
+    for (int plane = 0; plane < 2; ++plane) {
+      DBits const* src = static_cast<DBits const*>(plane == 0 ? p.k_delta : p.v_delta) + it.src + channel;
+      float x[kGroupChunk];
+      if (live && has) {
+        DeltaPack const d = load_pack<DeltaPack>(src);
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) x[i] = Delta::decode(d.v[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) x[i] = 0.0f;
+      }
+      if (plane == 0 ? p.k_norm : p.v_norm) {  // uniform in the launch
+        group_norm<Delta, G>(x, has, p.norm_eps, p.head_dim);
+        if (plane == 0 && p.k_norm_weight != nullptr && has) {
+          DeltaPack const w = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
+                                                   weight_offset(p, it.layer) + channel);
+#pragma unroll
+          for (int i = 0; i < kGroupChunk; ++i)
+            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(w.v[i])));
+        }
+      }
+      if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch; the shuffles run in every lane
+        float partner[kGroupChunk];
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[i], partner_lane, G);
+        if (live && has && rotary && it.cos_sin != nullptr) {
+          float c[kGroupChunk], s[kGroupChunk];
+          load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c,
+                                    s);
+#pragma unroll
+          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], s[i], first);
+        }
+      }
+      RowMax r;
+#pragma unroll
+      for (int i = 0; i < kGroupChunk; ++i) r.add(x[i]);
+#pragma unroll
+      for (int offset = G / 2; offset > 0; offset /= 2) {
+        RowMax other;
+        other.max = __shfl_xor_sync(kAll, r.max, offset, G);
+        other.finite = __shfl_xor_sync(kAll, int(r.finite), offset, G) != 0;
+        r.merge(other);
+      }
+      float const scale = dynamic_scale(r, kMaxFinite<Pool>);
+      if (!write) continue;
+      int64_t const dst = dynamic_dst(p, it, plane == 0 ? it.rows.k_row : it.rows.v_row, h);
+      if (chunk == 0) p.scale_pool[scale_pool_index(p, dst)] = scale;
+      if (!has) continue;
+      float q[kGroupChunk];
+#pragma unroll
+      for (int i = 0; i < kGroupChunk; ++i) q[i] = dynamic_quotient(x[i], scale);
+      if constexpr (kPerByte<Pool> == 2) {
+        Pack<uint8_t, kGroupChunk / 2> out;
+#pragma unroll
+        for (int i = 0; i < kGroupChunk / 2; ++i) out.v[i] = pack_int4(q[2 * i], q[2 * i + 1]);
+        store_pack(pool + (dst + channel) / 2, out);
+      } else {
+        Pack<uint8_t, kGroupChunk> out;
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) out.v[i] = Pool::encode(q[i]);
+        store_pack(pool + dst + channel, out);
+      }
+    }
+  }
+}
+
+// Whether a call takes dynamic_group_kernel (its comment's conditions), and the group width.
+template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams const& p) {
+  int64_t const delta_bytes = kGroupChunk * sizeof(typename Delta::Bits);
+  int64_t const pool_bytes = kGroupChunk / kPerByte<Pool>;
+  bool const fits = p.head_dim % kGroupChunk == 0 && p.head_dim <= 32 * kGroupChunk &&
+                    p.rotary_dim % (2 * kGroupChunk) == 0 &&
+                    aligned(p.k_delta, std::min<int64_t>(16, delta_bytes)) &&
+                    aligned(p.v_delta, std::min<int64_t>(16, delta_bytes)) && aligned(p.pool, pool_bytes) &&
+                    (!p.k_norm || p.k_norm_weight == nullptr ||
+                     aligned(p.k_norm_weight, std::min<int64_t>(16, delta_bytes)));
+  if (!fits) return 0;
+  return p.head_dim <= 16 * kGroupChunk ? 16 : 32;
 }
 
 // The launch of a call with a scale pool; per-layer rings in launches of 64 layers (the ring bits
@@ -984,10 +1141,22 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     PagedAddressing paged;
     if constexpr (C == Contract::kPaged) paged = paged_addressing(p, layer);
     int64_t const items = layers * sequences * tokens * p.num_kv_heads;
-    int64_t const blocks =
-        std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, int64_t(multiprocessor_count()) * 64);
-    dynamic_scale_kernel<C, Delta, Pool>
-        <<<unsigned(blocks), dim3(32, kDynamicRows), 0, stream>>>(p, paged, layer, items);
+    int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
+    if (int const g = dynamic_group_width<Delta, Pool>(p); g != 0) {
+      int64_t const rows_per_block = kGroupThreads / g;
+      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, max_blocks);
+      bool const rope_float4 = aligned(p.rope_cos_sin, 16);
+      if (g == 16)
+        dynamic_group_kernel<C, Delta, Pool, 16>
+            <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
+      else
+        dynamic_group_kernel<C, Delta, Pool, 32>
+            <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
+    } else {
+      int64_t const blocks = std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, 2 * max_blocks);
+      dynamic_scale_kernel<C, Delta, Pool>
+          <<<unsigned(blocks), dim3(32, kDynamicRows), 0, stream>>>(p, paged, layer, items);
+    }
     if (cudaError_t const status = cudaGetLastError(); status != cudaSuccess) return status;
   }
   return cudaSuccess;
