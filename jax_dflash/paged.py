@@ -126,7 +126,7 @@ def gather_kv(
     written tokens is the caller's to know (its lengths, or the ring's window). A pool format
     with scales is read as ``float32(stored) * scale`` (``k_scale``/``v_scale`` as the op took
     them: ``[]``/``[1]`` per tensor or ``[H]`` per KV head), then cast to ``dtype``."""
-    from jax_dflash._shapes import takes_scales
+    from jax_dflash._shapes import DYNAMIC_ONLY_DTYPES, takes_scales
 
     pool = jnp.asarray(past_key_value)
     if pool.ndim != 5 or pool.shape[0] != 2:
@@ -136,6 +136,12 @@ def gather_kv(
     table = _int32_array("kv_page_table", kv_page_table, 3)
     if table.shape[1] != 2:
         raise ValueError(f"kv_page_table: expected [B, 2, M], got shape {tuple(table.shape)}")
+    if np.dtype(pool.dtype) in DYNAMIC_ONLY_DTYPES:
+        raise ValueError(
+            "past_key_value: gather_kv reads pools with static scales or none, got an int4 "
+            "pool (uint8), which is read with its scale pool: use gather_kv_paged(pool, "
+            "kv_page_table, positions, scale_pool=...)"
+        )
     _, num_pages, page_size, heads, head_dim = pool.shape
     scaled = takes_scales(pool.dtype)
     if scaled != (k_scale is not None) or (k_scale is None) != (v_scale is None):

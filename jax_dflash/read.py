@@ -2,8 +2,11 @@
 layer-batched ``[layers, 2, N, P, H, D]``) through any of the three addressing forms, and
 dequantized as SPEC.md says a reader does: ``float32(stored) * scale``, with the head's static
 scale (``k_scale``/``v_scale``) or the row's own dynamic one (``scale_pool[plane, page, row,
-head]``); a 16/32-bit pool is read as ``float32(stored)``. The product is one float32
-multiplication, so the result is bit for bit what NumPy computes from the stored bytes.
+head]``); a 16/32-bit pool is read as ``float32(stored)``. An int4 pool (uint8 bytes ``[..., H,
+D/2]``, dynamic scales only) is unpacked first: element ``2j`` from the low nibble of byte ``j``,
+``2j + 1`` from the high one, each sign-extended from 4-bit two's complement, so it reads as
+``[..., H, D]`` too. The product is one float32 multiplication, so the result is bit for bit what
+NumPy computes from the stored bytes.
 
 Every function returns ``(k, v, valid)``: ``k`` and ``v`` ``[..., H, D]`` in ``dtype``, ``valid``
 a bool mask over the tokens, true where the addressing names a row the writer of that form would
@@ -37,7 +40,18 @@ import numpy as np
 
 from jax_dflash.paged import _int32_array, _static_int
 
-_DYNAMIC_FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+def _format(pool_dtype) -> dict:
+    """The pool format's row of the contract (``scales``: none, static or dynamic only)."""
+    from jax_dflash._shapes import POOL_FORMATS
+
+    name = str(np.dtype(pool_dtype))
+    if name not in POOL_FORMATS:
+        raise TypeError(
+            f"past_key_value: expected a pool dtype of {', '.join(POOL_FORMATS)} (uint8: int4), "
+            f"got {name}"
+        )
+    return POOL_FORMATS[name]
 
 
 class KV(NamedTuple):
@@ -59,8 +73,6 @@ def sequence_positions(lengths, width: int) -> jax.Array:
 
 def _scales(pool, k_scale, v_scale, scale_pool):
     """Checks that the pool's format is read with the scales it was written with."""
-    from jax_dflash._shapes import takes_scales
-
     given = (k_scale is not None) + (v_scale is not None)
     if given == 1:
         raise ValueError(
@@ -68,8 +80,9 @@ def _scales(pool, k_scale, v_scale, scale_pool):
             f"k_scale {'None' if k_scale is None else 'given'} and "
             f"v_scale {'None' if v_scale is None else 'given'}"
         )
-    name = str(np.dtype(pool.dtype))
-    if not takes_scales(pool.dtype):
+    row = _format(pool.dtype)
+    name = row["name"]
+    if row["scales"] == "none":
         if given or scale_pool is not None:
             raise ValueError(
                 f"k_scale, v_scale, scale_pool: a {name} pool is read without scales, got "
@@ -80,23 +93,39 @@ def _scales(pool, k_scale, v_scale, scale_pool):
         raise ValueError(
             "k_scale, v_scale, scale_pool: expected static scales or a scale pool, got both"
         )
-    if not given and scale_pool is None:
+    if row["scales"] == "dynamic" and given:
         raise ValueError(
-            f"k_scale, v_scale, scale_pool: a {name} pool is read with its scales (k_scale and "
-            "v_scale, or scale_pool), got none"
+            f"k_scale, v_scale: a {name} pool (uint8 bytes, two elements each) is read with its "
+            "scale pool only, expected scale_pool, got k_scale and v_scale"
+        )
+    if not given and scale_pool is None:
+        expected = (
+            "scale_pool" if row["scales"] == "dynamic" else "k_scale and v_scale, or scale_pool"
+        )
+        raise ValueError(
+            f"k_scale, v_scale, scale_pool: a {name} pool is read with its scales ({expected}), "
+            "got none"
         )
     if scale_pool is not None:
-        if name not in _DYNAMIC_FORMATS:
-            raise ValueError(
-                f"scale_pool: expected a pool of {', '.join(_DYNAMIC_FORMATS)}, got {name}"
-            )
         if np.dtype(scale_pool.dtype) != np.float32:
             raise TypeError(f"scale_pool: expected dtype float32, got {scale_pool.dtype}")
         if tuple(scale_pool.shape) != tuple(pool.shape[:-1]):
             raise ValueError(
-                f"scale_pool: expected the pool's dims without D {tuple(pool.shape[:-1])}, got "
-                f"{tuple(scale_pool.shape)}"
+                f"scale_pool: expected the pool's dims without D (its last) {tuple(pool.shape[:-1])}, "
+                f"got {tuple(scale_pool.shape)}"
             )
+
+
+def _unpacked(stored, per_byte: int):
+    """float32 elements ``[..., D]`` of stored rows: a packed int4 row ``[..., D/2]`` of bytes
+    unpacked (element ``2j`` the low nibble of byte ``j``, sign-extended), else converted."""
+    if per_byte == 1:
+        return stored.astype(jnp.float32)
+    low = (stored & 0x0F).astype(jnp.int8)
+    high = (stored >> 4).astype(jnp.int8)
+    # 4-bit two's complement: nibble n is n - 16 when its sign bit (8) is set.
+    levels = jnp.stack([(low ^ 8) - 8, (high ^ 8) - 8], axis=-1)
+    return levels.reshape(*stored.shape[:-1], 2 * stored.shape[-1]).astype(jnp.float32)
 
 
 def _check_pool(pool):
@@ -124,8 +153,10 @@ def _read_layer(pool, k_pages, v_pages, rows, valid, k_scale, v_scale, scale_poo
     k_pages, v_pages = jnp.where(valid, k_pages, 0), jnp.where(valid, v_pages, 0)
     rows = jnp.where(valid, rows, 0)
 
+    per_byte = int(_format(pool.dtype)["per_byte"])
+
     def plane(index, pages, scale):
-        x = pool[index, pages, rows].astype(jnp.float32)  # [..., H, D]
+        x = _unpacked(pool[index, pages, rows], per_byte)  # [..., H, D]
         if scale is not None:
             x = x * jnp.asarray(scale, jnp.float32).reshape(-1)[:, None]  # [1] or [H]
         if scale_pool is not None:

@@ -54,6 +54,8 @@ def _estimate_and_peak(tmp_path, *argv) -> tuple[int, int, dict]:
         pytest.param(
             (*FP32, "--contract", "paged", "--steps", "150", "--compare"), id="paged-compare"
         ),
+        # int4: half a byte per element and a float32 scale per head and plane.
+        pytest.param((*FP32, "--steps", "20", "--kv-dtype", "int4"), id="slot-int4"),
         # bfloat16: the baseline's scatters run in float32 on a CPU (copies of the whole pool).
         pytest.param(("--steps", "4", "--compare"), id="slot-bf16-compare"),
     ],

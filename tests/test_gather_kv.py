@@ -93,3 +93,10 @@ def test_reading_a_pool_needs_its_scales_exactly():
         pool, table, k_scale=problem.k_scale, v_scale=problem.v_scale, dtype=jnp.bfloat16
     )
     assert got[0].dtype == jnp.bfloat16
+
+
+def test_an_int4_pool_is_sent_to_the_reader_with_a_scale_pool():
+    pool = np.zeros((2, 4, 4, 2, 8), np.uint8)
+    table = np.array([[[0, 1], [4, 5]]], np.int32)
+    with pytest.raises(ValueError, match=r"past_key_value: .* int4 .* use gather_kv_paged"):
+        jax_dflash.gather_kv(pool, table)

@@ -1,8 +1,8 @@
 """The read side (``jax_dflash.read``): write with the op, read back with the helpers, and compare
 with the NumPy reference's stored values dequantized by hand (``float32(stored) * scale``), bit
-for bit, for every addressing form, pool format (16-bit, FP8 and int8 with static scales, int8
-and FP8 with dynamic ones), unbatched and layer-batched; out-of-range ids read as zeros and
-are masked."""
+for bit, for every addressing form, pool format (16-bit, FP8 and int8 with static scales, int8, FP8 and
+int4 with dynamic ones; int4's nibbles unpacked here with plain integer arithmetic), unbatched
+and layer-batched; out-of-range ids read as zeros and are masked."""
 
 from __future__ import annotations
 
@@ -31,17 +31,22 @@ FORMATS = (
     (np.int8, "dynamic"),
     (ml_dtypes.float8_e4m3fn, "dynamic"),
     (ml_dtypes.float8_e5m2, "dynamic"),
+    (np.uint8, "dynamic"),  # int4: two elements per byte
 )
 
 
 def _format_id(fmt):
-    return f"{np.dtype(fmt[0]).name}-{fmt[1] or 'plain'}"
+    name = "int4" if np.dtype(fmt[0]) == np.uint8 else np.dtype(fmt[0]).name
+    return f"{name}-{fmt[1] or 'plain'}"
 
 
 def _pool(rng, shape, dtype):
-    """Random finite bits: rows nobody writes must read as what they hold."""
+    """Random finite bits: rows nobody writes must read as what they hold (an int4 pool: every
+    byte, -8 nibbles included)."""
     if np.dtype(dtype) == np.int8:
         return rng.integers(-127, 128, shape).astype(np.int8)
+    if np.dtype(dtype) == np.uint8:
+        return rng.integers(0, 256, (*shape[:-1], shape[-1] // 2)).astype(np.uint8)
     return (rng.standard_normal(shape) * 0.5).astype(dtype)
 
 
@@ -106,10 +111,22 @@ def _written(rng, form, pool_dtype, scales, layers):
     return pool_out, scale_pool, static, addressing
 
 
+def _int4_levels(row_bytes):
+    """By hand: a packed row ``[H, D/2]`` as its ``D`` int4 levels, element ``2j`` from byte
+    ``j``'s low nibble, ``2j + 1`` from its high one, nibbles of 8 or more being negative."""
+    levels = np.empty((*row_bytes.shape[:-1], 2 * row_bytes.shape[-1]), np.int64)
+    for j in range(row_bytes.shape[-1]):
+        for half, nibble in enumerate((row_bytes[..., j] % 16, row_bytes[..., j] // 16)):
+            nibble = nibble.astype(np.int64)
+            levels[..., 2 * j + half] = np.where(nibble >= 8, nibble - 16, nibble)
+    return levels
+
+
 def _dequantized(pool, scale_pool, static, layer, plane, page, row):
     """By hand: one stored row ``[H, D]`` of layer ``layer`` (None: unbatched) times its scale."""
     at = () if layer is None else (layer,)
-    x = pool[(*at, plane, page, row)].astype(np.float32)
+    x = pool[(*at, plane, page, row)]
+    x = (_int4_levels(x) if pool.dtype == np.uint8 else x).astype(np.float32)
     if static is not None:
         s = static[plane][at] if layer is not None else static[plane]
         x = x * np.asarray(s, np.float32)[:, None]
@@ -186,8 +203,9 @@ def _assert_bits(actual, expected):
     np.testing.assert_array_equal(actual.view(np.uint32), expected.view(np.uint32))
 
 
-# Layer-batched: a 16-bit pool, FP8 and int8 with static scales, int8 and e4m3 with dynamic ones.
-LAYERED = tuple(FORMATS[i] for i in (0, 2, 4, 5, 6))
+# Layer-batched: a 16-bit pool, FP8 and int8 with static scales, int8, e4m3 and int4 with
+# dynamic ones.
+LAYERED = tuple(FORMATS[i] for i in (0, 2, 4, 5, 6, 8))
 CASES = [(fmt, None) for fmt in FORMATS] + [(fmt, 2) for fmt in LAYERED]
 
 
@@ -282,3 +300,44 @@ def test_plain_pool_refuses_scales_and_bad_operands():
         )
     with pytest.raises(TypeError, match="slot_mapping: expected int32 .* jax_enable_x64 off"):
         jax_dflash.gather_kv_slots(pool, np.zeros(2, np.int64))
+
+
+def test_int4_bytes_unpack_low_nibble_first_with_sign():
+    """Known bytes through ``gather_kv_rows``: 0x8F holds -1 (low) then -8 (high), 0x71 holds 1
+    then 7, 0x00 zeros; unbatched and layer-batched, each row times its own scale."""
+    pool = np.zeros((2, 2, 1, 1, 2), np.uint8)  # [2, N=2, P=1, H=1, D/2=2]: D = 4
+    pool[0, 1, 0, 0] = [0x8F, 0x71]
+    pool[1, 0, 0, 0] = [0x10, 0xF9]  # 0 then 1; -7 then -1
+    scale_pool = np.array([[[[0.5]], [[0.25]]], [[[3.0]], [[1.0]]]], np.float32)
+    ids = jnp.array([1], jnp.int32), jnp.array([0], jnp.int32), jnp.array([0], jnp.int32)
+    k, v, valid = jax_dflash.gather_kv_rows(pool, *ids, scale_pool=scale_pool)
+    assert k.shape == v.shape == (1, 1, 4) and np.asarray(valid).tolist() == [True]
+    np.testing.assert_array_equal(np.asarray(k[0, 0]), np.float32([-1, -8, 1, 7]) * 0.25)
+    np.testing.assert_array_equal(np.asarray(v[0, 0]), np.float32([0, 1, -7, -1]) * 3.0)
+    layered = np.stack([pool, pool ^ 0xFF])  # a second layer with every bit flipped
+    k, v, _ = jax_dflash.gather_kv_rows(
+        layered, *ids, scale_pool=np.stack([scale_pool, scale_pool])
+    )
+    assert k.shape == (2, 1, 1, 4)
+    # 0x70 holds 0 then 7; 0x8E holds -2 then -8 (0xFF ^ 0x8F, 0xFF ^ 0x71).
+    np.testing.assert_array_equal(np.asarray(k[1, 0, 0]), np.float32([0, 7, -2, -8]) * 0.25)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(), ValueError, r"int4 pool is read with its scales \(scale_pool\), got none"),
+        (dict(k_scale=0.1, v_scale=0.1), ValueError, "int4 pool .* expected scale_pool"),
+        (dict(scale_pool=np.zeros((2, N, P, H, D // 2), np.float32)), ValueError, "without D"),
+        (dict(scale_pool=np.zeros((2, N, P, H), np.float16)), TypeError, "float32, got float16"),
+    ],
+)
+def test_int4_pool_refuses_static_or_missing_scales(kwargs, error, match):
+    pool = jnp.zeros((2, N, P, H, D // 2), jnp.uint8)
+    with pytest.raises(error, match=match):
+        jax_dflash.gather_kv_slots(pool, jnp.zeros(2, jnp.int32), **kwargs)
+
+
+def test_a_pool_dtype_without_a_format_is_refused():
+    with pytest.raises(TypeError, match="past_key_value: expected a pool dtype of .* got int16"):
+        jax_dflash.gather_kv_slots(jnp.zeros((2, N, P, H, D), jnp.int16), jnp.zeros(2, jnp.int32))

@@ -7,8 +7,8 @@ x, error on y, one labelled point per format (matplotlib, the ``[plot]`` extra).
 
 Every format runs the run's plan (the seed draws the same schedule, weights and features for
 each: only the pool's format differs); the timing replays are left out, as the comparison is
-about memory and error. Dynamic formats need the CPU backend for now (the op's CUDA handler
-refuses scale pools); on another device they are skipped with the reason printed.
+about memory and error. A format the op's CUDA handler does not write (its contract row's
+``cuda`` field) is skipped on a GPU with the reason printed.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import dataclasses
 import os
 
 from jax_dflash.cli.common import UsageError
-from jax_dflash.cli.formats import FP8_NAMES, INT8_NAMES, is_dynamic
+from jax_dflash.cli.formats import FP8_NAMES, INT4_NAMES, INT8_NAMES, is_dynamic
 
 PLOT_INSTALL = 'pip install -e ".[plot]"'
 
 
 def compared_formats(delta_dtype: str) -> tuple[str, ...]:
     """The 16-bit pool of the run's deltas (float16 for float32 deltas), FP8 and int8 with
-    static scales, and the dynamic formats."""
+    static scales, and the dynamic formats (int4 last)."""
     sixteen = "float16" if delta_dtype == "float32" else delta_dtype
     return (
         sixteen,
@@ -33,6 +33,7 @@ def compared_formats(delta_dtype: str) -> tuple[str, ...]:
         "int8-dynamic",
         "float8_e4m3fn-dynamic",
         "float8_e5m2-dynamic",
+        *INT4_NAMES,
     )
 
 
@@ -79,15 +80,16 @@ def check_plot_destination(path: str | None) -> None:
 def run_formats(make_workload, formats, device, *, out) -> list[FormatRow]:
     """Each format's checked pass (no replays): ``make_workload(kv_dtype)`` builds the plan."""
     from jax_dflash.cli import report
+    from jax_dflash.cli.run_settings import format_runs_on
 
     rows = []
     for name in formats:
         row = FormatRow(name)
         rows.append(row)
-        if is_dynamic(name) and device.platform != "cpu":
+        if not format_runs_on(name, device):
             row.skipped = (
-                "dynamic scales (scale_pool) run on the CPU backend only for now: rerun with "
-                "--backend cpu to compare them"
+                f"the op's CUDA handler does not write {name} pools yet: rerun with "
+                "--backend cpu to compare it"
             )
             print(f"  {name}: skipped ({row.skipped})", file=out, flush=True)
             continue
@@ -129,7 +131,8 @@ def table(rows: list[FormatRow]) -> str:
     out = [fmt(header), fmt(["-" * w for w in widths]), *(fmt(x) for x in lines)]
     out.append(
         "(bytes/token: every layer's key and value of one token, a dynamic format's float32 "
-        "scale per head and plane included; read-back error: the largest difference of "
+        "scale per head and plane included, int4 two elements per byte; read-back error"
+        ": the largest difference of "
         "attention outputs over the pool from those over keys and values recomputed in "
         "float32, relative to the largest output)"
     )

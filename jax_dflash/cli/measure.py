@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from jax_dflash.cli import readback, replays
+from jax_dflash.cli.formats import elements_per_byte
 from jax_dflash.cli.steps import DeviceSteps, ProgressBar, StepCollector
 from jax_dflash.cli.verify import Checks, Differences, differences
 from jax_dflash.testing import compare_bits
@@ -53,6 +54,8 @@ class ImplResult:
     # checked scales (None: a format without one).
     mismatched_scales: int | None = None
     checked_scales: int | None = None
+    # What the element counts count: the pool's stored entries (an int4 pool's: its bytes).
+    checked_unit: str = "elements"
     times: replays.StepTimes | None = None
     update: replays.UpdateTime | None = None
 
@@ -114,6 +117,7 @@ class ImplResult:
             mismatched_elements_by_layer=self.mismatched_by_layer,
             max_ulp=self.max_ulp,
             checked_elements=self.checked_elements,
+            checked_unit=self.checked_unit,
             mismatched_scales=self.mismatched_scales,
             checked_scales=self.checked_scales,
             differences=None if self.differences is None else self.differences.as_dict(),
@@ -219,6 +223,8 @@ def _reference_check(checks: Checks, collector: StepCollector, actual, result: I
         result.mismatched_scales = scales_mismatched
         result.checked_scales = expected_scales.size
     mismatches, max_ulp = compare_bits(actual, expected)
+    if elements_per_byte(checks.plan.pool_dtype_name) > 1:
+        result.checked_unit = "bytes (two int4 elements each)"
     result.check = "bit-exact" if mismatches + scales_mismatched == 0 else "differs"
     result.mismatched_elements, result.max_ulp = mismatches, max_ulp
     result.checked_elements = expected.size

@@ -14,7 +14,14 @@ import numpy as np
 
 from jax_dflash.cli import allocator, pipeline
 from jax_dflash.cli.accept import AcceptDistribution
-from jax_dflash.cli.formats import STATIC_SCALED_NAMES, bytes_per_element, is_dynamic
+from jax_dflash.cli.formats import (
+    STATIC_SCALED_NAMES,
+    bytes_per_element,
+    element_bytes,
+    elements_per_byte,
+    is_dynamic,
+    stored_shape,
+)
 from jax_dflash.cli.presets import Preset, dtype_from_name
 
 
@@ -64,6 +71,14 @@ def random_pool(rng, shape, dtype: np.dtype) -> np.ndarray:
     raw = raw.view(bits)[:count].reshape(shape)
     raw &= bits.type(np.iinfo(bits).max ^ (1 << (8 * dtype.itemsize - 2)))
     return raw.view(dtype)
+
+
+def random_int4_pool(rng, shape) -> np.ndarray:
+    """Random int4 levels in ``[-7, 7]`` (what the writer stores), packed two per byte: the uint8
+    pool ``[..., D/2]`` of the element shape ``shape`` ``[..., D]``."""
+    from jax_dflash.reference import pack_int4
+
+    return pack_int4(rng.integers(-7, 8, shape, dtype=np.int8))
 
 
 def rope_table(capacity: int, rotary_dim: int, theta: float, scaling=None) -> np.ndarray:
@@ -123,11 +138,16 @@ class RunPlan:
             p.norm_eps,
         )
         rng = np.random.default_rng(seed)
-        self.schedule, self.plan, self.pool_shape = self._addressing(rng)
+        # The pool's elements [layers, 2, N, P, H, D]; the array's shape (int4: D/2 bytes).
+        self.schedule, self.plan, self.element_shape = self._addressing(rng)
+        self.pool_shape = stored_shape(self.pool_dtype_name, self.element_shape)
         # The initial pool from a stream of its own: the weights and features drawn after it
         # are then the same for every pool format (run --compare-formats writes one workload).
         pool_rng = np.random.default_rng([seed, 3])
-        self.initial_pool = random_pool(pool_rng, self.pool_shape, self.pool_dtype)
+        if elements_per_byte(self.pool_dtype_name) == 2:
+            self.initial_pool = random_int4_pool(pool_rng, self.element_shape)
+        else:
+            self.initial_pool = random_pool(pool_rng, self.pool_shape, self.pool_dtype)
         # Rows nobody writes keep these scales; positive and finite, as a reader expects.
         self.initial_scale_pool = (
             pool_rng.uniform(1e-3, 1e-2, self.pool_shape[:-1]).astype(np.float32)
@@ -194,9 +214,9 @@ class RunPlan:
         its key and value, write both into the pool (with a dynamic format, their scales too),
         and read its RoPE row (float32)."""
         p = self.preset
-        per_token = (
-            2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + self.pool_dtype.itemsize)
-            + 4 * p.rope_dim
+        stored = element_bytes(self.pool_dtype_name)  # int4: half a byte
+        per_token = int(
+            2 * p.num_kv_heads * p.head_dim * (self.delta_dtype.itemsize + stored) + 4 * p.rope_dim
         )
         if self.dynamic:  # and its float32 scale per head and plane
             per_token += 2 * p.num_kv_heads * 4
@@ -211,7 +231,7 @@ class RunPlan:
             per = bytes_per_element(dtype, self.preset.head_dim)
         else:
             per = np.dtype(dtype).itemsize
-        return int(round(int(np.prod(self.pool_shape)) * per))
+        return int(round(int(np.prod(self.element_shape)) * per))
 
     def pool_by_layer_kind(self) -> dict | None:
         """With sliding-window layers (paged): the pool the draft's layers need, each layer

@@ -10,8 +10,8 @@ compared with the same attention over keys and values recomputed from the sequen
   SPEC.md "Fused norms"; one more for recomputing the projection), doubled through RoPE's
   channel pairs (``|cos|, |sin| <= 1``); then the store: half an ulp of the pool dtype
   (relative), half its smallest subnormal times the scale (absolute), and any saturation
-  past the format's largest value; for int8, half a step times the scale (the row's own scale
-  for a dynamic format);
+  past the format's largest value; for int8 and int4, half a step times the scale (the row's own
+  scale for a dynamic format), and any saturation past 127 or 7 steps;
 - a value channel: 1 ulp of the delta dtype (recomputation), then the same store error.
 
 With ``e`` those bounds, a score ``s_j = q . k_j / sqrt(D)`` is off by at most
@@ -141,14 +141,17 @@ class ReadbackResult:
 def _stored_error(y, y_err, pool_dtype, scale):
     """Bound on |dequantized stored - y| given |kernel's y - y| <= y_err (float32 arrays);
     ``scale`` broadcasts against ``y`` (per head, or per token and head)."""
-    integer = jnp.issubdtype(pool_dtype, jnp.integer)
+    from jax_dflash._shapes import POOL_FORMATS
+
+    integer = jnp.issubdtype(pool_dtype, jnp.integer)  # int8, int4 (uint8 bytes)
     u = 0.0 if integer else unit_roundoff(pool_dtype)
-    tiny = 0.5 if integer else half_smallest_subnormal(pool_dtype)  # int8: half a step
+    tiny = 0.5 if integer else half_smallest_subnormal(pool_dtype)  # int8, int4: half a step
     scale = 1.0 if scale is None else scale
     reach = jnp.abs(y) + y_err
     err = y_err + u * reach + tiny * jnp.abs(scale)
-    if integer or jnp.finfo(pool_dtype).bits == 8:
-        top = (127.0 if integer else float(jnp.finfo(pool_dtype).max)) * jnp.abs(scale)
+    row = POOL_FORMATS[str(jnp.dtype(pool_dtype))]
+    if row["scales"] != "none":  # the format's largest magnitude: 127, 7, FP8's largest finite
+        top = float(row["max_finite"]) * jnp.abs(scale)
         err = err + jnp.maximum(reach - top, 0.0)  # saturation
     return err
 

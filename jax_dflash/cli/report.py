@@ -35,11 +35,13 @@ def bytes_per_token(w, name: str | None = None) -> float:
 
 
 def run_header(w, device) -> str:
+    from jax_dflash.cli.formats import elements_per_byte
     from jax_dflash.cli.presets import human_bytes
 
     p = w.preset
     memory = pool_memory(w)
     others = ", ".join(f"{n} {human_bytes(b)}" for n, b in list(memory.items())[1:])
+    packed = elements_per_byte(w.pool_dtype_name) > 1
     lines = [
         f"{PROG} run: {p.origin}" + ("" if p.config_path else f" ({p.summary})"),
         f"  device {device.platform}:{device.id} ({device.device_kind}); deltas "
@@ -47,8 +49,9 @@ def run_header(w, device) -> str:
         + (" (per-head scales calibrated once)" if w.fp8 else "")
         + (" (a float32 scale per token, head and plane)" if w.dynamic else "")
         + f"; k-norm {'fused into the op' if w.fused_norm else 'in jnp, then the op'}",
-        f"  {p.num_layers} draft layers, pool [layers, 2, numPages, P, H, D] = "
-        f"{list(w.pool_shape)}: {human_bytes(w.pool_bytes())} ({others}), block "
+        f"  {p.num_layers} draft layers, pool [layers, 2, numPages, P, H, "
+        + ("D/2] uint8 (two int4 elements per byte) = " if packed else "D] = ")
+        + f"{list(w.pool_shape)}: {human_bytes(w.pool_bytes())} ({others}), block "
         f"{p.block_size}",
         "  pool bytes per token (all layers, K and V, scales included): "
         + ", ".join(f"{n} {bytes_per_token(w, n):g}" for n in memory),
@@ -177,8 +180,8 @@ def _check_text(r) -> str:
         return "bit-exact vs reference"
     prefix = "FAILED: " if (r.check == "differs" and r.bit_exact_required) else ""
     return (
-        f"{prefix}{r.mismatched_elements} of {r.checked_elements} elements differ "
-        f"(max {r.max_ulp} ulp)"
+        f"{prefix}{r.mismatched_elements} of {r.checked_elements} {r.checked_unit} differ"
+        + (f" (max {r.max_ulp} ulp)" if r.checked_unit == "elements" else "")
         + (f", {r.mismatched_scales} dynamic scales" if r.mismatched_scales else "")
     )
 
@@ -356,7 +359,7 @@ def failure_lines(results) -> list[str]:
             layers = [str(n) for n, count in enumerate(r.mismatched_by_layer or ()) if count]
             lines.append(
                 f"{PROG}: check FAILED: the kernel's pools differ from the NumPy reference in "
-                f"{r.mismatched_elements} of {r.checked_elements} elements"
+                f"{r.mismatched_elements} of {r.checked_elements} {r.checked_unit}"
                 + (
                     f" and {r.mismatched_scales} of {r.checked_scales} dynamic scales"
                     if r.mismatched_scales

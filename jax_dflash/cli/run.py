@@ -166,9 +166,10 @@ def _add_workload_flags(parser) -> None:
         metavar="NAME",
         help="pool format: float16, bfloat16, float32; float8_e4m3fn, float8_e5m2, int8 with "
         "per-head k/v scales calibrated once; int8-dynamic, float8_e4m3fn-dynamic, "
-        "float8_e5m2-dynamic with a float32 scale per token, head and plane (CPU backend "
-        "only for now) (or fp16, bf16, fp32, e4m3, e5m2, e4m3-dynamic, e5m2-dynamic; default: "
-        "the delta dtype)",
+        "float8_e5m2-dynamic with a float32 scale per token, head and plane; int4 (two "
+        "elements per byte) with such scales only, on the CPU backend until the op's CUDA "
+        "handler writes it (or fp16, bf16, fp32, e4m3, e5m2, e4m3-dynamic, e5m2-dynamic, "
+        "int4-dynamic; default: the delta dtype)",
     )
     parser.add_argument(
         "--fused-norm",
@@ -194,10 +195,11 @@ def _add_output_flags(parser) -> None:
         const="",
         metavar="PNG",
         help="write the same workload into every pool format (16-bit, e4m3, e5m2, int8, "
-        "int8-dynamic, e4m3-dynamic, e5m2-dynamic), check each, and print pool bytes per "
+        "int8-dynamic, e4m3-dynamic, e5m2-dynamic, int4), check each, and print pool bytes per "
         "token and in total against the read-back attention error relative to a float32 "
         "recompute; with PNG, plot memory against error there (needs matplotlib: "
-        'pip install -e ".[plot]"). Dynamic formats need --backend cpu for now',
+        'pip install -e ".[plot]"). On a GPU a format the op\'s CUDA handler does not write '
+        "(int4 for now) is skipped, saying so",
     )
     parser.add_argument(
         "--no-check",

@@ -132,13 +132,20 @@ def op_supports(name: str) -> bool:
     return name in inspect.signature(jax_dflash.target_kv_cache_update).parameters
 
 
-def dynamic_format_runs(what: str, device) -> None:
-    """UsageError naming ``what`` unless the device can write scale pools (the op's CUDA
-    handler refuses them until its kernel has matched the reference on a GPU)."""
-    if device.platform != "cpu":
+def format_runs_on(name: str, device) -> bool:
+    """Whether the op writes pool format ``name`` on ``device``: every format on the CPU; on a
+    GPU, those whose contract row says the CUDA handler writes them (its ``cuda`` field)."""
+    from jax_dflash.cli.formats import runs_on_cuda
+
+    return device.platform == "cpu" or runs_on_cuda(name)
+
+
+def check_format_runs(what: str, name: str, device) -> None:
+    """UsageError naming ``what`` and the format when the op cannot write it on ``device``."""
+    if not format_runs_on(name, device):
         raise UsageError(
-            f"{what}: dynamic scales (scale_pool) run on the CPU backend only for now; expected "
-            f"--backend cpu, got a {device.platform} device"
+            f"{what}: the op's CUDA handler does not write {name} pools yet (the CPU backend "
+            f"does); expected --backend cpu, got a {device.platform} device"
         )
 
 
@@ -152,8 +159,8 @@ def check_runtime(args, settings: RunSettings, preset, device) -> bool:
     from jax_dflash.cli.presets import FP8_NAMES, human_bytes
 
     pool = settings.pool_dtype
+    check_format_runs(f"--kv-dtype {args.kv_dtype}", pool, device)
     if is_dynamic(pool):
-        dynamic_format_runs(f"--kv-dtype {args.kv_dtype}", device)
         if args.compare:
             raise UsageError(
                 f"--compare: the jnp baseline has no dynamic scales; expected a --kv-dtype "
