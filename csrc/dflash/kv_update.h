@@ -367,10 +367,10 @@ DFLASH_HOST_DEVICE int64_t scale_index(KVUpdateParams const& p, int64_t layer, i
   return (p.scale_per_layer ? layer * p.scale_heads : 0) + (p.scale_heads == 1 ? 0 : h);
 }
 
-// Index in scale_pool of the scale of the pool row (one head of one token) whose first element is
-// at pool element offset `row_offset` (layer included): the scale pool is the pool without D.
-DFLASH_HOST_DEVICE int64_t scale_pool_index(KVUpdateParams const& p, int64_t row_offset) {
-  return row_offset / p.head_dim;
+// Index in scale_pool of the scale of head h of pool row `row` (K rows, then V rows) of `layer`:
+// the scale pool is the pool without D.
+DFLASH_HOST_DEVICE int64_t scale_pool_index(KVUpdateParams const& p, int64_t layer, int64_t row, int64_t h) {
+  return (layer * 2 * p.num_pages * p.page_size + row) * p.num_kv_heads + h;
 }
 
 // Offset (bytes) in the pool of head h of pool row `row` of layer `layer`: its element offset in

@@ -425,8 +425,7 @@ float conversion_scale(float const* scales, KVUpdateParams const& p, int64_t lay
 // The scale pool's entry of head h of pool row `row` (kv_update.h's address); null without one.
 float* row_scale(KVUpdateParams const& p, int64_t layer, int64_t row, int64_t h) {
   if (p.scale_pool == nullptr) return nullptr;
-  return p.scale_pool +
-         scale_pool_index(p, layer * pool_layer_elems(p) + row * token_stride(p) + h * p.head_dim);
+  return p.scale_pool + scale_pool_index(p, layer, row, h);
 }
 
 // Writes one token: its key (rotated with cos_sin unless that is null) and value rows.

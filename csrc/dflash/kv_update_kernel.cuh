@@ -923,18 +923,25 @@ struct DynamicItem {
   float const* cos_sin = nullptr;  // null: not rotated
   int64_t src = 0;                 // element offset of the head's delta row
   int64_t layer = 0;
+  int64_t h = 0;  // the head
 };
 
-template <Contract C> __device__ __forceinline__ DynamicItem dynamic_item(KVUpdateParams const& p,
-                                                                          PagedAddressing const& paged,
-                                                                          int64_t layer_base, int64_t item) {
-  int64_t const tokens = C == Contract::kSlot ? p.delta_len : p.num_tokens;
-  int64_t const sequences = C == Contract::kSlot ? p.batch : 1;
-  int64_t const h = item % p.num_kv_heads;
-  int64_t const t = item / p.num_kv_heads % tokens;
-  int64_t const b = item / p.num_kv_heads / tokens % sequences;
-  int64_t const local_layer = item / p.num_kv_heads / tokens / sequences;
+// The item's coordinates in Index arithmetic: uint32_t when the launch's items fit (64-bit
+// divisions cost more than the row's loads at decode sizes).
+template <Contract C, typename Index>
+__device__ __forceinline__ DynamicItem dynamic_item(KVUpdateParams const& p, PagedAddressing const& paged,
+                                                    int64_t layer_base, int64_t item_) {
+  Index const item = Index(item_);
+  Index const heads = Index(p.num_kv_heads);
+  Index const tokens = Index(C == Contract::kSlot ? p.delta_len : p.num_tokens);
+  Index const sequences = Index(C == Contract::kSlot ? p.batch : 1);
+  Index const token_row = item / heads;
+  Index const sequence_row = token_row / tokens;
+  int64_t const t = int64_t(token_row - sequence_row * tokens);
+  int64_t const b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
+  int64_t const local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
   DynamicItem it;
+  it.h = int64_t(item - token_row * heads);
   it.layer = layer_base + local_layer;
   if constexpr (C == Contract::kSlot) {
     int64_t const start = p.delta_start_positions[position_index(p, it.layer, b)];
@@ -959,7 +966,7 @@ template <Contract C> __device__ __forceinline__ DynamicItem dynamic_item(KVUpda
     }
     if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, t);
   }
-  it.src = delta_token_offset(p, it.layer, b, t) + h * p.head_dim;
+  it.src = delta_token_offset(p, it.layer, b, t) + it.h * p.head_dim;
   return it;
 }
 
@@ -976,18 +983,20 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
   using DBits = typename Delta::Bits;
   int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
   for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
-    DynamicItem const it = dynamic_item<C>(p, paged, layer_base, item);
+    DynamicItem const it = dynamic_item<C, int64_t>(p, paged, layer_base, item);
     if (it.rows.k_row < 0) continue;
-    int64_t const h = item % p.num_kv_heads;
+    int64_t const h = it.h;
     int64_t const k_dst = dynamic_dst(p, it, it.rows.k_row, h);
     int64_t const v_dst = dynamic_dst(p, it, it.rows.v_row, h);
     auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
     DBits const* weight =
         p.k_norm ? static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, it.layer) : nullptr;
     dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.k_delta) + it.src, p.k_norm, weight, it.cos_sin,
-                             pool + k_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, k_dst));
+                             pool + k_dst / kPerByte<Pool>,
+                             p.scale_pool + scale_pool_index(p, it.layer, it.rows.k_row, h));
     dynamic_row<Delta, Pool>(p, static_cast<DBits const*>(p.v_delta) + it.src, p.v_norm, nullptr, nullptr,
-                             pool + v_dst / kPerByte<Pool>, p.scale_pool + scale_pool_index(p, v_dst));
+                             pool + v_dst / kPerByte<Pool>,
+                             p.scale_pool + scale_pool_index(p, it.layer, it.rows.v_row, h));
   }
 }
 
@@ -1030,6 +1039,7 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
   int64_t const warp = (int64_t(blockIdx.x) * kGroupThreads + threadIdx.x) / 32;
   int64_t const warps = int64_t(gridDim.x) * (kGroupThreads / 32);
   bool const has = int64_t(chunk) * kGroupChunk < p.head_dim;
+  bool const narrow = items + warps * kRowsPerWarp <= int64_t(UINT32_MAX);
   int64_t const half = p.rotary_dim / 2;
   int64_t const channel = int64_t(chunk) * kGroupChunk;
   bool const first = channel < half;
@@ -1044,9 +1054,11 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
     int64_t const item = base + lane / G;
     bool const live = item < items;
     DynamicItem it;
-    if (live) it = dynamic_item<C>(p, paged, layer_base, item);
+    if (live)
+      it = narrow ? dynamic_item<C, uint32_t>(p, paged, layer_base, item)
+                  : dynamic_item<C, int64_t>(p, paged, layer_base, item);
     bool const write = live && it.rows.k_row >= 0;
-    int64_t const h = item % p.num_kv_heads;
+    int64_t const h = it.h;
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
       DBits const* src = static_cast<DBits const*>(plane == 0 ? p.k_delta : p.v_delta) + it.src + channel;
@@ -1093,8 +1105,9 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
       }
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
-      int64_t const dst = dynamic_dst(p, it, plane == 0 ? it.rows.k_row : it.rows.v_row, h);
-      if (chunk == 0) p.scale_pool[scale_pool_index(p, dst)] = scale;
+      int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
+      int64_t const dst = dynamic_dst(p, it, row, h);
+      if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
       if (!has) continue;
       float q[kGroupChunk];
 #pragma unroll
