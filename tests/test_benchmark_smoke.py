@@ -87,11 +87,13 @@ def test_quick_cpu_run_writes_json_with_every_contender(tmp_path, capsys):
         # No CPU shape is marked for the GEMM chain (test_gemm_chain_runs_on_the_cpu runs it).
         for name in GEMM_CONTENDERS:
             assert contenders[name]["status"] == "n/a", (entry["name"], name)
-    # Bytes = K/V read + pool rows written + cos/sin read: 8 x 16 tokens x 8 heads x 128.
+    # Bytes = K/V read + pool rows written + cos/sin read (no scale pool): 8 x 16 tokens x 8
+    # heads x 128.
     b8 = by_name["decode_b8"]["bytes"]
     assert b8 == {
         "kv_read": 8 * 65536,
         "pool_write": 8 * 65536,
+        "scale_write": 0,
         "rope_read": 8 * 16 * 128 * 4,
         "total": 8 * 139264,
         "written_tokens": 128,

@@ -46,14 +46,22 @@ measured at a lower median SM clock than the others (a power limit slowing them 
 
 Inputs are rotated: ``num_sets`` sets of k/v deltas and positions, enough that for large shapes
 their bytes exceed the L2 cache (60 MB on the H200), so the benchmark does not measure the
-cache. Bytes moved per update = K/V read (delta dtype) + pool rows written (K and V, pool dtype)
-+ cos/sin rows read.
+cache. Bytes moved per update = K/V read (delta dtype) + pool rows written (K and V, pool dtype;
+int4: D/2 bytes a head) + scale pool entries written (dynamic scales: 4 bytes per written row,
+head and plane) + cos/sin rows read.
+
+Pool formats (``dtypes.DTYPES``): the delta dtypes, FP8 and int8 with per-head static scales,
+their ``-dynamic`` formats with per-token-head scales (a float32 scale pool beside the pool) and
+int4 (dynamic scales only, two elements per byte of a uint8 pool). With a scale pool the JAX
+contenders carry and donate ``(pool, scale_pool)``; the raw entries take no scale pool, so the
+raw contenders are skipped there, with the reason.
 
 Correctness is checked once per shape and contender before timing: one update from a known pool,
 the first sequences' pages (a sample) compared against the NumPy reference of the contender's
-contract (bit-exact for this project's kernel, within two ulps for the others); the whole pool
-of ``ours_jax`` against the straightforward version's, and the whole pool of every paged
-contender, gathered through its page table, against the slot op's of the same framework. A
+contract (bit-exact for this project's kernel, within two ulps for the others), with dynamic
+scales the sample's scale pool entries too (bit-exact); the whole pool of ``ours_jax`` against
+the straightforward version's, and the whole pool (and scale pool) of every paged contender,
+gathered through its page table, against the slot op's of the same framework. A
 contender that fails is marked ``WRONG`` in the table and the run exits 1.
 
 Usage: ``python bench/bench_kv_update.py [--backend auto|cpu|gpu] [--shapes a,b]

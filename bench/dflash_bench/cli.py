@@ -69,8 +69,8 @@ def _seconds(text: str) -> float:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Times the DFlash target KV-cache update (slot and paged contracts, FP8 "
-        "pools, the fused k-norm) against the straightforward JAX version, FlashInfer and a "
+        description="Times the DFlash target KV-cache update (slot and paged contracts, FP8, "
+        "int8 and int4 pools, dynamic scales, the fused k-norm) against the straightforward JAX version, FlashInfer and a "
         "device copy; prints a table, writes JSON and a PNG plot.",
     )
     p.add_argument(

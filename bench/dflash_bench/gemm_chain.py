@@ -63,9 +63,12 @@ def host_gemm_operands(problem: Problem, num_sets: int) -> tuple[list, np.ndarra
 
 
 def one_layer(problem: Problem) -> Problem:
-    """The problem, when it is one layer's: the chain is one layer's projection and update."""
+    """The problem, when it is one layer's without a scale pool: the chain is one layer's
+    projection and update of the pool alone."""
     if problem.shape.num_layers:
         raise Skip("one layer's GEMM: not timed at stacked layers")
+    if problem.shape.dynamic_scales:
+        raise Skip("dynamic scales: the GEMM chain carries no scale pool")
     return problem
 
 

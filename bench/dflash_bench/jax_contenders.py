@@ -1,6 +1,9 @@
 """The JAX contenders: this project's op in every contract (with and without the fused k-norm),
 the unfused pair, the RMSNorm alone and the straightforward jnp version, each a jitted chain of
-``chain`` updates (the pool carried and donated, the input sets rotated) timed from the host."""
+``chain`` updates (the pool carried and donated, the input sets rotated) timed from the host.
+
+With dynamic scales the carried "pools" are ``(pool, scale_pool)``: the op takes and returns
+both, and the chain donates both."""
 
 from __future__ import annotations
 
@@ -11,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash_bench.check import compare_sample, sample_array
+from dflash_bench.check import check_scales, compare_sample, sample_array
 from dflash_bench.contracts import CONTRACTS, delta_shape
 from dflash_bench.dtypes import DTYPES
-from dflash_bench.problem import POOL_FILL, Problem
+from dflash_bench.problem import POOL_FILL, SCALE_FILL, Problem
 from dflash_bench.shapes import BenchShape
 from dflash_bench.timing import Prepared, Settings, Skip, host_timed
 from jax_dflash.contract import DEFAULT_NORM_EPS
@@ -62,7 +65,9 @@ class JaxInputs:
 
 
 def jax_pool(problem: Problem, device, contract: str):
-    """The known pool: POOL_FILL, with the sample in the sampled sequences' pages (layer 0)."""
+    """The known pool: POOL_FILL, with the sample in the sampled sequences' pages (layer 0);
+    with dynamic scales ``(pool, scale_pool)``, the scale pool SCALE_FILL with the sample's
+    scales in those pages (problem.host_scale_pool)."""
     import jax
     import jax.numpy as jnp
 
@@ -70,14 +75,27 @@ def jax_pool(problem: Problem, device, contract: str):
     k_pages, v_pages = problem.sample_pages(contract)
     at = (0,) * len(s.lead)
 
-    @jax.jit
-    def build(sample, k_pages, v_pages):
-        pool = jnp.full(s.pool_shape, POOL_FILL, dtype=s.np_pool_dtype)
+    def build(shape, fill, dtype, sample, k_pages, v_pages):
+        pool = jnp.full(shape, fill, dtype=dtype)
         pool = pool.at[(*at, 0, k_pages)].set(sample[0])
         return pool.at[(*at, 1, v_pages)].set(sample[1])
 
     put = functools.partial(jax.device_put, device=device)
-    return build(put(problem.sample_init), put(k_pages), put(v_pages))
+    pages = (put(k_pages), put(v_pages))
+    pool = jax.jit(functools.partial(build, s.pool_shape, POOL_FILL, s.np_pool_dtype))(
+        put(problem.sample_init), *pages
+    )
+    if problem.sample_scale_init is None:
+        return pool
+    scales = jax.jit(functools.partial(build, s.scale_pool_shape, SCALE_FILL, jnp.float32))(
+        put(problem.sample_scale_init), *pages
+    )
+    return pool, scales
+
+
+def plain_pool(pools):
+    """The pool of ``jax_pool``'s (or the op's) result, without its scale pool."""
+    return pools[0] if isinstance(pools, tuple) else pools
 
 
 def rms_norm(x, weight, eps: float):
@@ -104,15 +122,16 @@ def distinct(x, step):
 def dflash_update(
     contract: str, shape: BenchShape, fused_norm: bool = False, jnp_norm: bool = False
 ) -> Callable:
-    """This project's op in ``contract``: ``update(pool, per_set, shared, step=None) -> pool``
-    over ``JaxInputs.operands``; ``fused_norm`` passes the k-norm weight to the op, ``jnp_norm``
-    normalizes the keys in jnp first (the unfused pair; ``step`` keeps that work per update)."""
+    """This project's op in ``contract``: ``update(pools, per_set, shared, step=None) -> pools``
+    over ``JaxInputs.operands`` (``pools``: the pool, or ``(pool, scale_pool)`` with dynamic
+    scales); ``fused_norm`` passes the k-norm weight to the op, ``jnp_norm`` normalizes the keys
+    in jnp first (the unfused pair; ``step`` keeps that work per update)."""
     import jax_dflash
 
     c = CONTRACTS[contract]
     op, statics, layout = getattr(jax_dflash, c.jax_op), c.statics(shape), delta_shape(c, shape)
 
-    def update(pool, per_set, shared, step=None):
+    def update(pools, per_set, shared, step=None):
         (k, v, operands), (common, scales, weight) = per_set, shared
         k, v = k.reshape(layout), v.reshape(layout)  # a bitcast under jit
         extra = {}
@@ -120,6 +139,10 @@ def dflash_update(
             extra = {"k_norm_weight": weight, "norm_eps": DEFAULT_NORM_EPS}
         elif jnp_norm:
             k = rms_norm(k if step is None else distinct(k, step), weight, DEFAULT_NORM_EPS)
+        if shape.dynamic_scales:
+            pool, extra["scale_pool"] = pools
+        else:
+            pool = pools
         return op(k, v, pool, **operands, **common, **statics, **scales, **extra)
 
     return update
@@ -144,8 +167,9 @@ def baseline_update(shape: BenchShape) -> Callable:
 
 
 def jitted_chain(update: Callable, chain: int, per_step: bool = False):
-    """``update`` applied ``chain`` times in one jitted function, pool donated, input sets
-    rotated: ``step(pool, sets, shared) -> pool`` with ``update(pool, sets[j], shared)``.
+    """``update`` applied ``chain`` times in one jitted function, pool donated (with dynamic
+    scales ``pool`` is ``(pool, scale_pool)``, both donated), input sets rotated:
+    ``step(pool, sets, shared) -> pool`` with ``update(pool, sets[j], shared)``.
 
     ``per_step``: ``step(pool, sets, shared, steps)`` with ``steps`` an int32 ``[chain]`` array
     of non-negative values, and ``update(pool, sets[j], shared, steps[i])``: a value XLA cannot
@@ -200,7 +224,8 @@ def gather_pool(pool, problem: Problem, contract: str):
 
 
 def _once(update: Callable, problem: Problem, inputs: JaxInputs, contract: str):
-    """The pool after one update with set 0 from the known pool."""
+    """The pool (with dynamic scales ``(pool, scale_pool)``) after one update with set 0 from the
+    known pool."""
     import jax
 
     sets, shared = inputs.operands(contract)
@@ -212,7 +237,7 @@ def _whole_pool_checks(
 ) -> None:
     """The whole pool after one update: the slot op's against the jnp baseline's (where that
     has the pool format), any other contract's, gathered in slot order, against the slot op's
-    bit for bit."""
+    bit for bit (with dynamic scales, the pool's and the scale pool's bits)."""
     import jax
     import jax.numpy as jnp
 
@@ -229,7 +254,10 @@ def _whole_pool_checks(
         check["ok"] = check["ok"] and float(diff) <= tol
     elif spec.contract != "slot":
         twin = _once(dflash_update("slot", shape, spec.fused_norm), problem, inputs, "slot")
-        mismatches = bit_mismatches(gather_pool(once, problem, spec.contract), twin)
+        mine, theirs = jax.tree.leaves(once), jax.tree.leaves(twin)
+        mismatches = sum(
+            bit_mismatches(gather_pool(a, problem, spec.contract), b) for a, b in zip(mine, theirs)
+        )
         check["full_pool_bits_differing_vs_slot_op"] = mismatches
         check["ok"] = check["ok"] and mismatches == 0
 
@@ -258,12 +286,15 @@ def prepare_jax(spec: Contender, problem: Problem, settings: Settings, ctx: dict
     once = _once(update, problem, inputs, contract)
     # The unfused pair's normed keys may differ from the fused ones by an ulp (SPEC.md, "Fused
     # norms"), which RoPE carries at the magnitude of the normed keys (below 8 here).
+    normed = spec.fused_norm or spec.jnp_norm
     check = compare_sample(
-        sample_array(once, problem, contract),
-        problem.expected(contract, spec.fused_norm or spec.jnp_norm),
+        sample_array(plain_pool(once), problem, contract),
+        problem.expected(contract, normed),
         exact_required=spec.exact,
         magnitude=8.0 if spec.jnp_norm else 1.0,
     )
+    if shape.dynamic_scales:
+        check_scales(check, once[1], problem, contract, normed, exact_required=spec.exact)
     _whole_pool_checks(spec, problem, inputs, once, check)
     del once
 

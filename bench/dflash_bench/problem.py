@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from dflash_bench.contracts import CONTRACTS, PageOrder
+from dflash_bench.dtypes import SCALE_BYTES
 from dflash_bench.shapes import BenchShape
 from jax_dflash.contract import DEFAULT_NORM_EPS
 
@@ -16,6 +17,8 @@ L2_BYTES = {"gpu": 60e6, "cpu": 32e6}  # H200 L2; a typical CPU last-level cache
 MAX_SETS = {"gpu": 32, "cpu": 8}
 # Unused pool rows are filled with this value; a kernel that writes where it should not shows up.
 POOL_FILL = 0.25
+# Unused entries of a scale pool likewise (the sampled pages' scales are drawn at random).
+SCALE_FILL = 0.75
 SAMPLE_SLOTS = 2  # sequences compared against the NumPy reference
 
 
@@ -35,14 +38,19 @@ class Problem:
     paged_rope_sets: list[np.ndarray]  # each [T, R] float32: rope rows gathered per token
     owners: np.ndarray  # [T] int32
     table: np.ndarray  # [B, 2, M] int32
-    k_scale: np.ndarray | None  # [H] float32 for a quantized pool
+    k_scale: np.ndarray | None  # [H] float32 for a pool format with static scales
     v_scale: np.ndarray | None
     k_norm_weight: np.ndarray  # [D] delta dtype
-    sample_init: np.ndarray  # [2, sample_slots * M, P, H, D]: layer 0's sampled pages before
+    # [2, sample_slots * M, P, H, D] (int4: D/2): layer 0's sampled pages before the update
+    sample_init: np.ndarray
+    # [2, sample_slots * M, P, H] float32: their scale pool's entries before (dynamic scales)
+    sample_scale_init: np.ndarray | None
     sample_slots: int
     bytes: dict[str, int]
-    # The references computed so far, by (contract, fused k-norm).
+    # The references computed so far, by (contract, fused k-norm): the sampled pages, and with
+    # dynamic scales their scale pool's entries.
     references: dict[tuple[str, bool], np.ndarray] = dataclasses.field(default_factory=dict)
+    scale_references: dict[tuple[str, bool], np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def num_sets(self) -> int:
@@ -67,10 +75,21 @@ class Problem:
         (with the fused k-norm when asked)."""
         key = (contract, fused_norm)
         if key not in self.references:
-            self.references[key] = self._reference(contract, fused_norm)
+            result = self._reference(contract, fused_norm)
+            if self.shape.dynamic_scales:
+                result, self.scale_references[key] = result
+            self.references[key] = result
         return self.references[key]
 
-    def _reference(self, contract: str, fused_norm: bool) -> np.ndarray:
+    def expected_scales(self, contract: str, fused_norm: bool = False) -> np.ndarray | None:
+        """The sample's scale pool entries after the update of ``expected`` (None without
+        dynamic scales)."""
+        if not self.shape.dynamic_scales:
+            return None
+        self.expected(contract, fused_norm)
+        return self.scale_references[(contract, fused_norm)]
+
+    def _reference(self, contract: str, fused_norm: bool):
         from jax_dflash import reference
 
         c, s, n = CONTRACTS[contract], self.shape, self.sample_slots
@@ -84,6 +103,8 @@ class Problem:
             if fused_norm
             else {}
         )
+        if self.sample_scale_init is not None:
+            norm["scale_pool"] = self.sample_scale_init
         return getattr(reference, c.reference)(
             k,
             v,
@@ -104,16 +125,26 @@ class Problem:
 
 
 def bytes_moved(shape: BenchShape, starts: np.ndarray, lengths: np.ndarray) -> dict[str, int]:
-    """K/V read + pool rows written + cos/sin rows read, for one update (all layers)."""
+    """K/V read + pool rows written + scale pool entries written + cos/sin rows read, for one
+    update (all layers). A pool row of H heads is ``H * D / per_byte`` stored elements (int4:
+    D/2 bytes a head); with dynamic scales each written row also writes H float32 scales, in
+    each plane (K and V)."""
     cap = shape.slot_capacity
     t = np.arange(shape.delta_len)[None, :]
     pos = starts.astype(np.int64)[:, None] + t
     written = int(((t < lengths[:, None]) & (pos >= 0) & (pos < cap)).sum())
     heads = shape.num_kv_heads * shape.head_dim
     kv_read = 2 * shape.tokens * heads * shape.np_dtype.itemsize
-    pool_write = 2 * written * heads * shape.np_pool_dtype.itemsize
+    pool_write = 2 * written * heads // shape.pool_spec.per_byte * shape.np_pool_dtype.itemsize
+    scales = shape.num_kv_heads * SCALE_BYTES if shape.dynamic_scales else 0
+    scale_write = 2 * written * scales
     rope_read = written * shape.rotary_dim * 4  # every written position is < S here
-    per_layer = {"kv_read": kv_read, "pool_write": pool_write, "rope_read": rope_read}
+    per_layer = {
+        "kv_read": kv_read,
+        "pool_write": pool_write,
+        "scale_write": scale_write,
+        "rope_read": rope_read,
+    }
     out = {k: v * shape.layers for k, v in per_layer.items()}
     out["total"] = sum(out.values())
     out["written_tokens"] = written * shape.layers
@@ -162,9 +193,16 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
     k_norm_weight = rng.uniform(0.5, 1.5, shape.head_dim).astype(dtype)
 
     slots = min(shape.batch, SAMPLE_SLOTS)
-    sample_init = rng.standard_normal(
-        (2, slots * m, shape.page_size, shape.num_kv_heads, shape.head_dim), dtype=np.float32
-    ).astype(shape.np_pool_dtype)
+    sample_shape = (2, slots * m, *shape.pool_shape[len(shape.lead) + 2 :])
+    if shape.pool_spec.per_byte > 1:  # packed elements: any bytes
+        sample_init = rng.integers(0, 256, sample_shape, dtype=np.uint8).view(shape.np_pool_dtype)
+    else:
+        sample_init = rng.standard_normal(sample_shape, dtype=np.float32).astype(
+            shape.np_pool_dtype
+        )
+    sample_scale_init = None
+    if shape.dynamic_scales:
+        sample_scale_init = rng.uniform(0.01, 1.0, sample_shape[:-1]).astype(np.float32)
     return Problem(
         shape,
         k_sets,
@@ -180,6 +218,7 @@ def make_problem(shape: BenchShape, backend: str, seed: int = 0) -> Problem:
         v_scale,
         k_norm_weight,
         sample_init,
+        sample_scale_init,
         slots,
         bytes_moved(shape, start_sets[0], lengths),
     )
@@ -195,3 +234,17 @@ def host_pool(problem: Problem, contract: str) -> np.ndarray:
     layer[0, k_pages] = problem.sample_init[0]
     layer[1, v_pages] = problem.sample_init[1]
     return pool
+
+
+def host_scale_pool(problem: Problem, contract: str) -> np.ndarray | None:
+    """The known scale pool on the host (dynamic scales; else None): SCALE_FILL, with the
+    sample's scales in the sampled sequences' pages of layer 0."""
+    s = problem.shape
+    if problem.sample_scale_init is None:
+        return None
+    scales = np.full(s.scale_pool_shape, SCALE_FILL, dtype=np.float32)
+    k_pages, v_pages = problem.sample_pages(contract)
+    layer = scales[0] if s.num_layers else scales
+    layer[0, k_pages] = problem.sample_scale_init[0]
+    layer[1, v_pages] = problem.sample_scale_init[1]
+    return scales

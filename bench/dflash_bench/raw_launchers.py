@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from dflash_bench.contenders import Contender
 
 
+def no_scale_pool(problem: Problem) -> None:
+    """Raises Skip for a pool with dynamic scales: the raw entries take no scale pool."""
+    if problem.shape.dynamic_scales:
+        raise Skip(
+            f"{problem.shape.pool_format} pool: the raw entries take no scale pool "
+            "(per-token-head scales are JAX-only)"
+        )
+
+
 def cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
     """``launch(pool, j, **deltas)``: the contract's raw CUDA entry on input set j (DLPack
     arrays); ``deltas`` (``k_delta``, ``v_delta``) replace the set's own."""
@@ -36,7 +45,8 @@ def cuda_launcher(problem: Problem, torch, inputs: TorchInputs, contract: str):
     per_set, shared = inputs.operands(contract)
     spec = s.pool_spec
     # A format torch has no dtype for crosses as raw bits, with pool_dtype naming it.
-    dtypes = {"pool_dtype": spec.name if spec.torch_name != spec.name else ""}
+    name = spec.storage_name
+    dtypes = {"pool_dtype": name if spec.torch_name != name else ""}
 
     def launch(pool, j: int, **deltas) -> None:
         entry(
@@ -56,6 +66,7 @@ def prepare_raw_gpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
     """The raw launcher of ``spec.contract``: its sample against the reference, bit for bit; a
     contract other than the slot one also its whole pool, gathered in slot order, against the
     slot launcher's."""
+    no_scale_pool(problem)
     torch = import_torch()
     inputs = torch_inputs(torch, problem, ctx)
     contract = spec.contract
@@ -98,6 +109,7 @@ def prepare_raw_cpu(spec: Contender, problem: Problem, settings: Settings, ctx: 
     call by call from the host."""
     from jax_dflash import _ext
 
+    no_scale_pool(problem)
     cpu = _ext.extension("cpu")
     c, s = CONTRACTS[spec.contract], problem.shape
     entry, statics, layout = c.cpu_call(cpu), c.statics(s), delta_shape(c, s)

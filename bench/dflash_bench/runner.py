@@ -27,6 +27,8 @@ def _shape_entry(shape: BenchShape, problem: Problem) -> dict:
         "description": shape.describe(),
         "dtype": shape.dtype,
         "pool_dtype": shape.pool_dtype_name,
+        "pool_format": shape.pool_format,
+        "pool_scales": shape.pool_spec.scales,
         "num_layers": shape.num_layers,
         "batch": shape.batch,
         "delta_len": shape.delta_len,
@@ -61,12 +63,15 @@ def _prepare_all(problem: Problem, settings: Settings, contenders) -> tuple[dict
 
 
 def _references_agree(problem: Problem) -> bool | None:
-    """Whether the references of the contracts computed (two at least) agree bit for bit; None
-    when fewer were computed."""
-    plain = [r for (_, fused_norm), r in problem.references.items() if not fused_norm]
-    if len(plain) < 2:
-        return None
-    return all(np.array_equal(bits(plain[0]), bits(r)) for r in plain[1:])
+    """Whether the references of the contracts computed (two at least) agree bit for bit, their
+    scale pool entries too; None when fewer were computed."""
+    agree = None
+    for references in (problem.references, problem.scale_references):
+        plain = [r for (_, fused_norm), r in references.items() if not fused_norm]
+        if len(plain) >= 2:
+            same = all(np.array_equal(bits(plain[0]), bits(r)) for r in plain[1:])
+            agree = same if agree is None else agree and same
+    return agree
 
 
 def run_shape(

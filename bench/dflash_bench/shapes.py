@@ -30,7 +30,9 @@ class BenchShape:
     batch: int  # B
     delta_len: int  # L
     dtype: str = "float16"  # deltas
-    pool_dtype: str | None = None  # the pool (default: the delta dtype); FP8 takes scales
+    # The pool's format, a key of dtypes.DTYPES (default: the delta dtype's): FP8 and int8 take
+    # per-head scales, their "-dynamic" formats and int4 a scale pool (per token and head).
+    pool_dtype: str | None = None
     num_layers: int | None = None  # layer-batched form when set
     num_kv_heads: int = 8  # H
     head_dim: int = 128  # D
@@ -74,25 +76,40 @@ class BenchShape:
         return (*self.lead, self.tokens, self.num_kv_heads, self.head_dim)
 
     @property
-    def pool_shape(self) -> tuple[int, ...]:
-        return (*self.lead, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+    def scale_pool_shape(self) -> tuple[int, ...]:
+        """The scale pool of a format with dynamic scales: the pool's dims without D."""
+        return (*self.lead, 2, self.num_pages, self.page_size, self.num_kv_heads)
 
     @property
-    def pool_dtype_name(self) -> str:
+    def pool_shape(self) -> tuple[int, ...]:
+        return (*self.scale_pool_shape, self.head_dim // self.pool_spec.per_byte)
+
+    @property
+    def pool_format(self) -> str:
         return self.pool_dtype or self.dtype
 
     @property
+    def pool_dtype_name(self) -> str:
+        """The dtype of the pool array (int4: uint8)."""
+        return self.pool_spec.storage_name
+
+    @property
     def pool_spec(self) -> DtypeSpec:
-        return DTYPES[self.pool_dtype_name]
+        return DTYPES[self.pool_format]
+
+    @property
+    def dynamic_scales(self) -> bool:
+        """The pool comes with a scale pool (per-token-head dynamic scales)."""
+        return self.pool_spec.dynamic
 
     @property
     def pool_is_delta_dtype(self) -> bool:
         """The pool stores the deltas' own format (what the jnp baseline and FlashInfer write)."""
-        return self.pool_dtype_name == self.dtype
+        return self.pool_format == self.dtype
 
     @property
     def pool_label(self) -> str:
-        return self.pool_spec.label or self.pool_dtype_name
+        return self.pool_spec.label or self.pool_format
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -110,6 +127,10 @@ class BenchShape:
 
 _FP8 = {"pool_dtype": "float8_e4m3fn"}
 _INT8 = {"pool_dtype": "int8"}
+# Per-token-head dynamic scales (a scale pool beside the pool), and int4 (dynamic only).
+_FP8_DYNAMIC = {"pool_dtype": "float8_e4m3fn-dynamic"}
+_INT8_DYNAMIC = {"pool_dtype": "int8-dynamic"}
+_INT4 = {"pool_dtype": "int4"}
 
 GPU_SHAPES = (
     BenchShape("decode_b1", 1, 16, gemm_chain=True),
@@ -124,6 +145,12 @@ GPU_SHAPES = (
     BenchShape("prefill_b8_l2048_fp8", 8, 2048, **_FP8),
     BenchShape("decode_b64_int8", 64, 16, **_INT8),
     BenchShape("prefill_b8_l2048_int8", 8, 2048, **_INT8),
+    BenchShape("decode_b64_int8_dynamic", 64, 16, **_INT8_DYNAMIC),
+    BenchShape("prefill_b8_l2048_int8_dynamic", 8, 2048, **_INT8_DYNAMIC),
+    BenchShape("decode_b64_fp8_dynamic", 64, 16, **_FP8_DYNAMIC),
+    BenchShape("prefill_b8_l2048_fp8_dynamic", 8, 2048, **_FP8_DYNAMIC),
+    BenchShape("decode_b64_int4", 64, 16, **_INT4),
+    BenchShape("prefill_b8_l2048_int4", 8, 2048, **_INT4),
 )
 
 # The GPU set scaled down so that a 2-core machine finishes in a few minutes.
@@ -139,6 +166,9 @@ CPU_SHAPES = (
     BenchShape("decode_b8_fp8", 8, 16, **_FP8, **_SMALL),
     BenchShape("prefill_b4_l256_fp8", 4, 256, **_FP8, **_SMALL),
     BenchShape("decode_b8_int8", 8, 16, **_INT8, **_SMALL),
+    BenchShape("decode_b8_int8_dynamic", 8, 16, **_INT8_DYNAMIC, **_SMALL),
+    BenchShape("decode_b8_fp8_dynamic", 8, 16, **_FP8_DYNAMIC, **_SMALL),
+    BenchShape("decode_b8_int4", 8, 16, **_INT4, **_SMALL),
 )
 
 

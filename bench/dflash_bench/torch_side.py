@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from dflash_bench.contracts import CONTRACTS, delta_shape
-from dflash_bench.dtypes import DTYPES
+from dflash_bench.dtypes import BY_STORAGE, DTYPES
 from dflash_bench.problem import POOL_FILL, Problem
 from dflash_bench.timing import Skip
 
@@ -37,7 +37,7 @@ def to_torch(torch, array: np.ndarray):
     """Host array -> CUDA tensor; FP8 stays uint8 bits (what the raw launcher takes, with
     pool_dtype naming the format)."""
     a = np.ascontiguousarray(array)
-    spec = DTYPES.get(a.dtype.name)
+    spec = BY_STORAGE.get(a.dtype.name)
     if spec is None or a.dtype.itemsize not in _NP_WORDS:
         return torch.from_numpy(a).cuda()
     word = _NP_WORDS[a.dtype.itemsize]
