@@ -475,7 +475,8 @@ def _node_for_case(meta):
     field-less node when the case uses no extension)."""
     norms = meta["k_norm"] or meta["v_norm"]
     options = dict(
-        fp8_pool=meta["pool_dtype"] == "float8_e4m3fn",
+        fp8_pool="scale_heads" in meta,  # static k_scale, v_scale
+        scale_pool="scale_output" in meta,
         k_norm=meta["k_norm"],
         v_norm=meta["v_norm"],
         **({"norm_eps": meta["norm_eps"]} if norms else {}),
@@ -513,22 +514,25 @@ def test_trt_enqueue_matches_onnx_reference_and_jax_cuda(tmp_path):
         edge_llm_cases += node.domain == dflash_onnx.EDGE_LLM_DOMAIN
         operands = [arrays[name] for name in node.input]
         model = dflash_onnx.make_node_model(node, operands)
-        (onnx_pool,) = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
+        onnx_outputs = reference_evaluator(model).run(None, dict(zip(node.input, operands)))
         args, kwargs = trt_harness._op_arguments(meta, arrays)
         op = form_ops[meta["contract"]][0]
         on_gpu = {
             k: jax.device_put(v, gpu) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
         }
         with trt_harness.jax_mode(meta):
-            jax_pool = np.asarray(
-                jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
-                    *[jax.device_put(a, gpu) for a in args]
-                )
+            jax_outputs = jax.jit(lambda *a, op=op, kw=on_gpu: op(*a, **kw))(
+                *[jax.device_put(a, gpu) for a in args]
             )
-        trt_pool = arrays[meta["output"]]
+        jax_outputs = jax_outputs if isinstance(jax_outputs, tuple) else (jax_outputs,)
+        trt_outputs = [arrays[meta["output"]]]
+        if "scale_output" in meta:  # present_scale_pool, compared too
+            trt_outputs.append(trt_harness._load_scale_output(meta, entry["dir"]))
         try:
-            assert_bits_equal(onnx_pool, trt_pool)
-            assert_bits_equal(jax_pool, trt_pool)
+            assert len(onnx_outputs) == len(jax_outputs) == len(trt_outputs)
+            for onnx_out, jax_out, trt_out in zip(onnx_outputs, jax_outputs, trt_outputs):
+                assert_bits_equal(onnx_out, trt_out)
+                assert_bits_equal(np.asarray(jax_out), trt_out)
         except AssertionError as e:
             raise AssertionError(f"case {meta['name']}: {e}") from None
     assert edge_llm_cases > 0  # Edge-LLM 0.11's own node ran against the plugin too

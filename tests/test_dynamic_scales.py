@@ -313,11 +313,18 @@ def test_a_scale_pool_of_the_wrong_shape_or_dtype_is_an_error():
         jax_dflash.target_kv_cache_update_paged(*layered_args, **bad)
 
 
-def test_tensorrt_takes_no_scale_pool():
+def test_tensorrt_takes_a_scale_pool_of_pages_of_128_tokens():
     args, kwargs = _paged_args()
     operands = [*args, kwargs["scale_pool"]]
-    with pytest.raises(ValueError, match="scale_pool: TensorRT's profile"):
+    # The problem's pages hold 8 tokens: TensorRT's profile wants 128, named on the pool.
+    with pytest.raises(ValueError, match="past_key_value: expected .*128 tokens per page"):
         check_call("paged", operands, tensorrt=True, scale_pool=True)
+    pool = np.zeros((2, 2, 128, *args[2].shape[3:]), args[2].dtype)
+    scales = np.zeros(pool.shape[:-1], np.float32)
+    shape = check_call(
+        "paged", [*args[:2], pool, *args[3:], scales], tensorrt=True, scale_pool=True
+    )
+    assert shape["scale_pool"]
 
 
 # ---- jit with donation, vmap, sharding -----------------------------------------------------

@@ -40,7 +40,7 @@ def test_the_format_row():
     assert row["name"] == "int4" and row["scales"] == "dynamic"
     assert row["max_finite"] == 7.0 and row["per_byte"] == 2
     assert row["cuda"], "the CUDA kernel stores int4 (test_cuda_matches_the_reference)"
-    assert not row["tensorrt"]
+    assert row["tensorrt"]  # the plugin's kUINT8 pool [2, N, 128, H, D/2]
 
 
 def _problem(rng, form, *, layers=None, delta=np.float16, k_norm=False, v_norm=False, **dims):
@@ -302,32 +302,51 @@ def test_a_scale_pool_of_the_wrong_shape_or_dtype_is_an_error():
         )
 
 
-def test_tensorrt_refuses_int4_pools():
+def test_tensorrt_takes_int4_pools_with_a_scale_pool_only():
     args, kwargs = _paged()
-    args[2] = np.zeros((2, 2, 128, *args[2].shape[3:]), np.uint8)
-    with pytest.raises(TypeError, match="int4 pools are JAX-only"):
+    pool = np.zeros((2, 2, 128, *args[2].shape[3:]), np.uint8)
+    args[2] = pool
+    with pytest.raises(ValueError, match="per-token-head dynamic scales only"):
         check_call("paged", args, tensorrt=True)
-    with pytest.raises(ValueError, match="scale_pool: TensorRT's profile"):
-        check_call("paged", [*args, kwargs["scale_pool"]], tensorrt=True, scale_pool=True)
+    scales = np.zeros(pool.shape[:-1], np.float32)
+    shape = check_call("paged", [*args, scales], tensorrt=True, scale_pool=True)
+    assert shape["head_dim"] == 2 * pool.shape[-1] and shape["scale_pool"]
+    with pytest.raises(ValueError, match=r"scale_pool: expected \[2, 2, 128, "):
+        check_call("paged", [*args, scales[:, :1]], tensorrt=True, scale_pool=True)
 
 
-def test_the_tensorrt_plugin_refuses_int4_pools(tmp_path):
+def test_the_tensorrt_plugin_takes_int4_pools_with_a_scale_pool(tmp_path):
     """The plugin's own verdict (the contract harness's ``--check-shapes``) on a uint8 pool
-    ``[2, N, 128, H, D/2]``, with and without a fourth extra operand."""
+    ``[2, N, 128, H, D/2]``: accepted with the field scale_pool=1 and a scale pool, refused
+    without, naming the pool and what it needs."""
     from helpers.trt_harness import _built, _harness_path, _run_harness
 
     harness = _built(_harness_path)
     delta = "float16:8,2,64"
-    tensors = [delta, delta, "uint8:2,8,128,2,32", "float32:8,64", "int32:8", "int32:8"]
-    line = "paged_int4||" + ";".join([*tensors, "int32:3,2,4"])
+    tensors = [
+        delta,
+        delta,
+        "uint8:2,8,128,2,32",
+        "float32:8,64",
+        "int32:8",
+        "int32:8",
+        "int32:3,2,4",
+    ]
+    lines = [
+        "paged_int4_scale_pool|scale_pool=1|" + ";".join([*tensors, "float32:2,8,128,2"]),
+        "paged_int4||" + ";".join(tensors),
+        "paged_int4_odd_D|scale_pool=1|"
+        + ";".join(["float16:8,2,63", "float16:8,2,63", *tensors[2:], "float32:2,8,128,2"]),
+    ]
     path = tmp_path / "cases.txt"
-    path.write_text(line + "\n")
+    path.write_text("\n".join(lines) + "\n")
     report = _run_harness(harness, "--check-shapes", str(path), report=tmp_path / "report.json")
-    (verdict,) = report["shape_cases"]
-    assert verdict["accepted"] is False, verdict
-    message = verdict["message"]
-    assert "past_key_value" in message and "int4 pools are JAX-only" in message, message
-    assert "got uint8" in message, message
+    good, bad, odd = report["shape_cases"]
+    assert good["accepted"] is True, good
+    assert bad["accepted"] is False and odd["accepted"] is False, (bad, odd)
+    assert "past_key_value: an int4 pool (uint8 [2, N, P, H, D/2])" in bad["message"], bad
+    assert "per-token-head dynamic scales only: expected scale_pool" in bad["message"], bad
+    assert "must be even, got k_delta's D = 63" in odd["message"], odd
 
 
 # ---- jit with donation, vmap --------------------------------------------------------------

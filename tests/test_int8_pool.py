@@ -141,10 +141,10 @@ def test_fused_norms_rope_and_layers_into_an_int8_pool(backend, delta):
     assert (want != problem.past_key_value).any(), "writes nothing"
 
 
-def test_an_int8_pool_needs_its_scales_and_tensorrt_has_none():
+def test_an_int8_pool_needs_its_scales_and_is_a_tensorrt_pool():
     args, kwargs = _one_token_problem([1.0, 2.0], 1.0)
     with pytest.raises(ValueError, match="past_key_value: an int8 pool needs k_scale and v_scale"):
         jax_dflash.target_kv_cache_update_paged(*args)
     from jax_dflash.interop import onnx as dflash_onnx
 
-    assert "int8" not in dflash_onnx.TRT_POOL_DTYPES
+    assert "int8" in dflash_onnx.TRT_POOL_DTYPES  # TensorRT's kINT8

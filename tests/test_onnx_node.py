@@ -185,7 +185,7 @@ def test_slot_model_static_shapes_and_per_sequence_rope():
         ({"page_size": 64}, ValueError, "page_size: expected 128"),
         ({"rope_seq_len": 257}, ValueError, "rope_seq_len: expected at most the slot capacity"),
         ({"batch": 9}, ValueError, "batch: expected at most the pool's 8 slots"),
-        ({"per_head_scales": True}, ValueError, "per_head_scales: only an FP8 pool"),
+        ({"per_head_scales": True}, ValueError, "per_head_scales: only a pool with static scales"),
         ({"norm_eps": 1e-5}, ValueError, "norm_eps: only used with k_norm or v_norm"),
         ({"k_norm": True, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite float > 0"),
         ({"k_norm": 1}, TypeError, "k_norm: expected a bool"),

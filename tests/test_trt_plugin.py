@@ -36,6 +36,7 @@ from helpers.trt_harness import (  # noqa: F401
     _harness_path,
     _load_case,
     _load_dump,
+    _load_scale_output,
     _op_arguments,
     _run_harness,
     jax_mode,
@@ -49,10 +50,12 @@ CPU_GROUPS = {
     "slot_contract",
     "paged_contract",
     "slot_mapping_contract",
+    "quantized_contract",
     "fields",
     "slot_bad_inputs",
     "paged_bad_inputs",
     "overflow",
+    "quantized_bad_inputs",
     "registration",
 }
 GPU_GROUPS = CPU_GROUPS | {"gpu_slot", "gpu_paged", "gpu_slot_mapping"}
@@ -361,7 +364,7 @@ def test_check_shapes_verdicts(harness, tmp_path):
             (
                 "input 7 (kHALF [64]) is unexpected: the paged contract",
                 "k_norm_weight only with the field k_norm=1, or k_scale and v_scale only with "
-                "a kFP8 pool",
+                "a kFP8 or kINT8 pool",
             ),
         ),
         "slot_weight_without_k_norm": (
@@ -522,12 +525,18 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
     # What the dumps cover, read from the index.
     forms = ("slot", "paged", "slot_mapping")
     assert {d["contract"] for d in dumps} == set(forms)
+    # int4 (uint8 bytes) is dumped where contract.h's row says a CUDA kernel stores it.
+    int4_on_cuda = _shapes.POOL_FORMATS["uint8"]["cuda"]
     for contract in forms:
         mine = [d for d in dumps if d["contract"] == contract]
-        assert {d["pool_dtype"] for d in mine} == set(DTYPES), contract
+        wanted = set(DTYPES) if int4_on_cuda else set(DTYPES) - {"uint8"}
+        assert {d["pool_dtype"] for d in mine} == wanted, contract
         assert any(d["k_norm"] for d in mine) and any(d["v_norm"] for d in mine), contract
-        fp8 = [d for d in mine if d["pool_dtype"] == "float8_e4m3fn"]
-        assert {d["scale_heads"] == 1 for d in fp8} == {True, False}, contract
+        for dtype in ("float8_e4m3fn", "int8"):
+            static = [d for d in mine if d["pool_dtype"] == dtype and "scale_heads" in d]
+            assert {d["scale_heads"] == 1 for d in static} == {True, False}, (contract, dtype)
+        dynamic = {d["pool_format"] for d in mine if "scale_output" in d}
+        assert dynamic == {"int8", "float8_e4m3fn", *(["int4"] if int4_on_cuda else [])}, contract
     assert any(d["ring"] for d in dumps if d["contract"] == "paged")
     slot_dtypes = {d["slot_dtype"] for d in dumps if d["contract"] == "slot_mapping"}
     assert slot_dtypes == {"int32", "int64"}
@@ -542,9 +551,18 @@ def test_gpu_enqueue_matches_the_jax_op_and_the_reference_bit_for_bit(harness, t
         }
         with jax_mode(entry):
             expected = op(*[jax.device_put(a, gpu) for a in args], **on_gpu)
+        wanted = ref(*args, **kwargs)
+        plugin_scales = _load_scale_output(entry)
         try:
-            assert_bits_equal(plugin_pool, np.asarray(expected))
-            assert_bits_equal(plugin_pool, ref(*args, **kwargs))
+            if plugin_scales is None:
+                assert_bits_equal(plugin_pool, np.asarray(expected))
+                assert_bits_equal(plugin_pool, wanted)
+            else:  # (pool, scale pool), both compared
+                for got, jax_result, ref_result in zip(
+                    (plugin_pool, plugin_scales), expected, wanted
+                ):
+                    assert_bits_equal(got, np.asarray(jax_result))
+                    assert_bits_equal(got, ref_result)
         except AssertionError as e:
             raise AssertionError(f"case {entry['name']}: {e}") from None
         assert not np.array_equal(

@@ -136,6 +136,7 @@ def test_plugin_in_a_real_tensorrt_registry():
         ["v_norm", int32],
         ["norm_eps", float32],
         ["form", char],
+        ["scale_pool", int32],
     ], facts
     assert facts["creator_namespace"] == ""
     # (plugin.clone() from Python is only recorded: the bindings return None for C++ plugins.)

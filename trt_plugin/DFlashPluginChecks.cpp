@@ -69,12 +69,17 @@ std::string dimsToString(Dims const& dims) {
   return text + "]";
 }
 
+bool takesStaticScales(DataType pool) { return takes_scales(toDType(pool)); }
+int32_t outputCount(PluginConfig const& config) { return config.scalePool != 0 ? 2 : 1; }
+int32_t scalePoolInput(Contract contract) { return base_operand_count(contract); }
+
 // ---- fields --------------------------------------------------------------------------------------
 
 namespace {
 
-constexpr std::array<char const*, 6> kFieldNames = {kPAGES_PER_SLOT_FIELD, kRING_FIELD,     kK_NORM_FIELD,
-                                                    kV_NORM_FIELD,         kNORM_EPS_FIELD, kFORM_FIELD};
+constexpr std::array<char const*, kNB_FIELDS> kFieldNames = {
+    kPAGES_PER_SLOT_FIELD, kRING_FIELD, kK_NORM_FIELD,    kV_NORM_FIELD,
+    kNORM_EPS_FIELD,       kFORM_FIELD, kSCALE_POOL_FIELD};
 // The node attributes that say which creator to use: TensorRT's ONNX parser may forward them as
 // fields, and they are not the plugin's.
 constexpr std::array<char const*, 2> kIgnoredFieldNames = {"plugin_version", "plugin_namespace"};
@@ -185,8 +190,10 @@ PluginConfig readFields(PluginFieldCollection const* fc) {
       config.vNorm = readFlag(field);
     } else if (known == 4) {
       config.normEps = readEps(field);
-    } else {
+    } else if (known == 5) {
       config.form = readForm(field);
+    } else {
+      config.scalePool = readFlag(field);
     }
   }
   return config;
@@ -208,7 +215,8 @@ std::string describeForm(CallForm const& form) {
   Contract const c = form.attrs.contract;
   std::string text = std::string("the ") + contractName(c) + " contract (" + contractOrigin(c) +
                      "): " + std::to_string(base_operand_count(c)) + " base inputs";
-  if (form.fp8Pool) text += " + k_scale, v_scale (kFP8 pool)";
+  if (form.staticScales) text += std::string(" + k_scale, v_scale (") + typeName(form.poolType) + " pool)";
+  if (form.attrs.scale_pool) text += " + scale_pool (scale_pool=1)";
   if (form.attrs.k_norm) text += " + k_norm_weight (k_norm=1)";
   return text;
 }
@@ -216,8 +224,9 @@ std::string describeForm(CallForm const& form) {
 int32_t expectedRank(Contract contract) { return addressing_form(contract).delta_rank; }
 char const* deltaDims(Contract contract) { return addressing_form(contract).base[kKDeltaOperand].dims; }
 
-int32_t inputCount(Contract contract, bool fp8Pool, bool kNorm) {
-  return operand_count(contract, fp8Pool, kNorm);
+// The inputs of a call: the base ones, k_scale and v_scale (`scaled`) or scale_pool, k_norm_weight.
+int32_t inputCount(UpdateAttrs const& attrs, Contract contract, bool scaled) {
+  return operand_count(contract, scaled && !attrs.scale_pool, attrs.k_norm, attrs.scale_pool);
 }
 
 bool isIntegerType(DataType type) {
@@ -254,10 +263,13 @@ bool mayBeTable(CallFacts const& facts, int32_t index) {
 std::string countMismatch(UpdateAttrs const& attrs, CallFacts const& facts, int32_t nbInputs, bool poolKnown,
                           DataType poolType) {
   Contract const c = attrs.contract;
-  bool const fp8 = poolKnown && poolType == DataType::kFP8;
-  int32_t const plain = inputCount(c, false, attrs.k_norm), scaled = inputCount(c, true, attrs.k_norm);
+  bool const dynamic = attrs.scale_pool;
+  bool const fp8 = dynamic || (poolKnown && takesStaticScales(poolType));  // a pool with scales
+  int32_t const plain = inputCount(attrs, c, false), scaled = inputCount(attrs, c, true);
   // Measured against the pool's count, or (its dtype unknown) the nearer one below the count.
-  int32_t const expected = poolKnown ? (fp8 ? scaled : plain) : (nbInputs >= scaled ? scaled : plain);
+  int32_t const expected = dynamic     ? scaled
+                           : poolKnown ? (fp8 ? scaled : plain)
+                                       : (nbInputs >= scaled ? scaled : plain);
   std::string const count = std::to_string(expected);
   std::string text;
   if (nbInputs < expected) {
@@ -274,13 +286,15 @@ std::string countMismatch(UpdateAttrs const& attrs, CallFacts const& facts, int3
            (extra == 1 ? " is" : " are") + " unexpected: ";
   }
   text += std::string("the ") + contractName(c) + " contract (" + contractOrigin(c) +
-          ") with k_norm=" + (attrs.k_norm ? "1" : "0");
-  if (poolKnown) {
+          ") with k_norm=" + (attrs.k_norm ? "1" : "0") + (dynamic ? ", scale_pool=1" : "");
+  if (dynamic) {
+    text += " takes " + count + " inputs (" + inputNames(attrs, expected, 0, expected) + ")";
+  } else if (poolKnown) {
     text += std::string(" and a ") + typeName(poolType) + " pool takes " + count + " inputs (" +
             inputNames(attrs, expected, 0, expected) + ")";
   } else {
     text += " takes " + std::to_string(plain) + " inputs (" + inputNames(attrs, plain, 0, plain) + "), or " +
-            std::to_string(scaled) + " with a kFP8 pool (+ k_scale, v_scale)";
+            std::to_string(scaled) + " with a kFP8 or kINT8 pool (+ k_scale, v_scale)";
   }
   text += ", got " + std::to_string(nbInputs) + " inputs";
 
@@ -294,20 +308,27 @@ std::string countMismatch(UpdateAttrs const& attrs, CallFacts const& facts, int3
       text +=
           "; 7 inputs with a batch-major k_delta are Edge-LLM 0.10.1's call (the slot inputs and a page "
           "table), which this plugin does not serve: export Edge-LLM 0.11's token-major node or 0.10's node";
-    } else if (!attrs.k_norm || !fp8) {
-      text += "; an input past these is ";
-      if (!attrs.k_norm) text += "k_norm_weight only with the field k_norm=1";
-      if (!attrs.k_norm && !fp8) text += ", or ";
-      if (!fp8) text += "k_scale and v_scale only with a kFP8 pool";
+    } else if (dynamic && nbInputs == expected + 2) {
+      text +=
+          "; k_scale and v_scale are given with the field scale_pool=1: per-token-head scales (scale_pool) "
+          "replace the static k_scale and v_scale, expected one or the other";
+    } else {
+      // What an input past these could be, with other fields or another pool.
+      std::string could;
+      auto add = [&](char const* what) { could += std::string(could.empty() ? "" : ", or ") + what; };
+      if (!attrs.k_norm) add("k_norm_weight only with the field k_norm=1");
+      if (!fp8) add("k_scale and v_scale only with a kFP8 or kINT8 pool");
+      if (!dynamic) add("scale_pool (in place of k_scale, v_scale) only with the field scale_pool=1");
+      if (!could.empty()) text += "; an input past these is " + could;
     }
   }
   if (rankKnown) {
     // The other contract's count, and input 6 what that contract has there: then k_delta's rank
     // may be what is wrong.
     Contract const other = c == Contract::kSlot ? Contract::kPaged : Contract::kSlot;
-    bool const counted = poolKnown ? nbInputs == inputCount(other, fp8, attrs.k_norm)
-                                   : nbInputs == inputCount(other, false, attrs.k_norm) ||
-                                         nbInputs == inputCount(other, true, attrs.k_norm);
+    bool const counted = poolKnown || dynamic ? nbInputs == inputCount(attrs, other, fp8)
+                                              : nbInputs == inputCount(attrs, other, false) ||
+                                                    nbInputs == inputCount(attrs, other, true);
     bool const input6 = nbInputs <= kKV_PAGE_TABLE
                             ? other == Contract::kSlot
                             : mayBeTable(facts, kKV_PAGE_TABLE) == (other == Contract::kPaged);
@@ -347,8 +368,11 @@ TensorDesc toTensorDesc(TrtTensor const& t) {
 
 std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOutputs, CallFacts const& facts,
                      CallForm* form) {
-  if (nbOutputs != kNB_OUTPUTS)
-    return "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
+  if (nbOutputs != outputCount(config))
+    return config.scalePool != 0 ? "expected 2 outputs (present_key_value, present_scale_pool: the field "
+                                   "scale_pool is 1), got " +
+                                       std::to_string(nbOutputs)
+                                 : "expected 1 output (present_key_value), got " + std::to_string(nbOutputs);
   CallForm f;
   f.nbInputs = nbInputs;
   f.attrs.k_norm = config.kNorm != 0;
@@ -356,6 +380,7 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
   f.attrs.norm_eps = config.normEps;
   f.attrs.ring = config.ring != 0;
   f.attrs.tensorrt = true;
+  f.attrs.scale_pool = config.scalePool != 0;
   bool const rankKnown = facts.inputs != nullptr && facts.dimsKnown && nbInputs > 0;
   bool const poolKnown = facts.inputs != nullptr && facts.typesKnown && nbInputs > kPAST_KEY_VALUE;
   DataType const poolType = poolKnown ? facts.inputs[kPAST_KEY_VALUE].type : DataType::kHALF;
@@ -378,32 +403,41 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
     bool const tableAt6 = nbInputs > kKV_PAGE_TABLE && isIntegerType(facts.inputs[kKV_PAGE_TABLE].type);
     f.attrs.contract = tableAt6 ? Contract::kPaged : Contract::kSlot;
   } else {
-    // Only the count: minus k_norm, 6 and 8 are the slot contract, 7 and 9 the paged one.
-    switch (nbInputs - config.kNorm) {
+    // Only the count: minus k_norm (and scale_pool), 6 and 8 are the slot contract, 7 and 9 the
+    // paged one.
+    switch (nbInputs - config.kNorm - config.scalePool) {
       case 6: f.attrs.contract = Contract::kSlot; break;
       case 8:
         f.attrs.contract = Contract::kSlot;
-        f.fp8Pool = true;
+        f.staticScales = config.scalePool == 0;
         break;
       case 7: f.attrs.contract = Contract::kPaged; break;
       case 9:
         f.attrs.contract = Contract::kPaged;
-        f.fp8Pool = true;
+        f.staticScales = config.scalePool == 0;
         break;
       default:
         return "expected 6 inputs (slot contract) or 7 (paged contract), + 2 (k_scale, v_scale) for a kFP8 "
-               "pool, + 1 (k_norm_weight) when the field k_norm is 1 (k_norm=" +
+               "or kINT8 pool or + 1 (scale_pool) when the field scale_pool is 1 (scale_pool=" +
+               std::to_string(config.scalePool) +
+               " here), + 1 (k_norm_weight) when the field k_norm is 1 (k_norm=" +
                std::to_string(config.kNorm) + " here), got " + std::to_string(nbInputs) + " inputs";
     }
   }
   if (rankKnown || poolKnown || config.form >= 0) {
     Contract const c = f.attrs.contract;
-    int32_t const extras = nbInputs - inputCount(c, false, f.attrs.k_norm);
-    f.fp8Pool = poolKnown ? poolType == DataType::kFP8 : extras == 2;
-    if (nbInputs != inputCount(c, f.fp8Pool, f.attrs.k_norm) || (!poolKnown && extras != 0 && extras != 2))
-      return countMismatch(f.attrs, facts, nbInputs, poolKnown, poolType);
+    int32_t const extras = nbInputs - inputCount(f.attrs, c, false);
+    if (f.attrs.scale_pool) {
+      f.staticScales = false;
+      if (extras != 0) return countMismatch(f.attrs, facts, nbInputs, poolKnown, poolType);
+    } else {
+      f.staticScales = poolKnown ? takesStaticScales(poolType) : extras == 2;
+      if (nbInputs != inputCount(f.attrs, c, f.staticScales) || (!poolKnown && extras != 0 && extras != 2))
+        return countMismatch(f.attrs, facts, nbInputs, poolKnown, poolType);
+    }
   }
   if (f.attrs.contract == Contract::kSlot) f.attrs.pages_per_slot = config.pagesPerSlot;
+  f.poolType = poolKnown ? poolType : f.staticScales ? DataType::kFP8 : DataType::kHALF;
   *form = f;
   return {};
 }
@@ -436,21 +470,31 @@ std::vector<TrtTensor> descTensors(DynamicPluginTensorDesc const* descs, int32_t
 
 }  // namespace
 
-DataType shapeCheckType(CallForm const& form, int32_t index) {
+DataType shapeCheckType(CallForm const& form, int32_t index, TrtTensor const* inputs) {
   int32_t const base = base_operand_count(form.attrs.contract);
   if (index == 0 || index == 1) return DataType::kHALF;
-  if (index == kPAST_KEY_VALUE || index == form.nbInputs)
-    return form.fp8Pool ? DataType::kFP8 : DataType::kHALF;
+  if (index == kPAST_KEY_VALUE || index == form.nbInputs) {
+    if (form.staticScales) return DataType::kFP8;
+    if (!form.attrs.scale_pool) return DataType::kHALF;
+    // A packed int4 pool's last dim is D / 2: told from an int8 pool by the known dims only.
+    Dims const& pool = inputs[kPAST_KEY_VALUE].dims;
+    Dims const& k = inputs[kK_DELTA].dims;
+    int64_t const poolD = pool.nbDims > 0 ? pool.d[pool.nbDims - 1] : kUnknownDim;
+    int64_t const kD = k.nbDims > 0 ? k.d[k.nbDims - 1] : kUnknownDim;
+    bool const packed = poolD != kUnknownDim && kD != kUnknownDim && poolD * 2 == kD && kD != 0;
+    return packed ? DataType::kUINT8 : DataType::kINT8;
+  }
   if (index == kROPE_COS_SIN) return DataType::kFLOAT;
   if (index < base) return DataType::kINT32;
-  if (form.fp8Pool && index < base + 2) return DataType::kFLOAT;
+  if (form.attrs.scale_pool && index == base) return DataType::kFLOAT;
+  if (form.staticScales && index < base + 2) return DataType::kFLOAT;
   return DataType::kHALF;  // k_norm_weight: the delta dtype
 }
 
 // ---- the checks ------------------------------------------------------------------------------------
 
 std::string checkInputTypes(PluginConfig const& config, DataType const* inputTypes, int32_t nbInputs,
-                            int32_t nbOutputs, DataType* outputType) {
+                            int32_t nbOutputs, DataType* outputTypes) {
   if (inputTypes == nullptr) return "the input type array is null";
   std::vector<TrtTensor> tensors(static_cast<size_t>(std::max(nbInputs, 0)));
   for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = inputTypes[i];
@@ -466,7 +510,10 @@ std::string checkInputTypes(PluginConfig const& config, DataType const* inputTyp
         !e.empty())
       return withTrtType(e, inputTypes[i]) + " (" + std::to_string(nbInputs) +
              " inputs: " + describeForm(form) + ")";
-  if (outputType != nullptr) *outputType = inputTypes[kPAST_KEY_VALUE];
+  if (outputTypes != nullptr) {
+    outputTypes[0] = inputTypes[kPAST_KEY_VALUE];
+    if (form.attrs.scale_pool) outputTypes[1] = inputTypes[scalePoolInput(form.attrs.contract)];
+  }
   return {};
 }
 
@@ -489,13 +536,20 @@ std::string checkFormatAt(CallForm const& form, int32_t pos, DynamicPluginTensor
   // TensorRT decides the tensors in order: only inOut[0..pos] may be read.
   DType const delta = toDType(inOut[0].desc.type);
   DType const pool = pos >= kPAST_KEY_VALUE ? toDType(inOut[kPAST_KEY_VALUE].desc.type)
-                                            : (form.fp8Pool ? DType::kFloat8E4M3 : delta);
+                                            : (form.staticScales ? DType::kFloat8E4M3 : delta);
+  // present_scale_pool: the scale pool's dtype, as check_scale_result has it.
+  if (form.attrs.scale_pool && pos == nbInputs + 1) {
+    DataType const scales = inOut[scalePoolInput(form.attrs.contract)].desc.type;
+    if (desc.type == scales) return {};
+    return std::string(kScaleResultName) + ": expected dtype " + typeName(scales) + " (" + kScalePoolName +
+           "'s: the output is the scale pool), got " + typeName(desc.type);
+  }
   return withTrtType(check_operand_dtype(form.attrs, pos, nbInputs, toDType(desc.type), delta, pool),
                      desc.type);
 }
 
 std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs,
-                      TrtTensor const* output, int32_t nbOutputs, CheckMode const& mode,
+                      TrtTensor const* outputs, int32_t nbOutputs, CheckMode const& mode,
                       KVUpdateParams* params) {
   if (inputs == nullptr) return "the input descriptors are null";
   CallForm form;
@@ -520,8 +574,9 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
 
   for (int32_t i = 0; i < nbInputs; ++i)
     if (std::string e = checkLinear(form, i, inputs[i].format); !e.empty()) return e;
-  if (output != nullptr)
-    if (std::string e = checkLinear(form, nbInputs, output->format); !e.empty()) return e;
+  if (outputs != nullptr)
+    for (int32_t o = 0; o < nbOutputs; ++o)
+      if (std::string e = checkLinear(form, nbInputs + o, outputs[o].format); !e.empty()) return e;
 
   std::array<TensorDesc, kMAX_INPUTS> descs{};
   if (nbInputs > static_cast<int32_t>(descs.size()))
@@ -535,9 +590,15 @@ std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32
           params_from_operands(descs.data(), nbInputs, attrs, &p, mode.needData, mode.allowUnknown);
       !e.empty())
     return e;
-  if (output != nullptr) {
-    TensorDesc const out = toTensorDesc(*output);
-    if (std::string e = check_result(out, toTensorDesc(inputs[kPAST_KEY_VALUE])); !e.empty()) return e;
+  if (outputs != nullptr) {
+    if (std::string e = check_result(toTensorDesc(outputs[0]), toTensorDesc(inputs[kPAST_KEY_VALUE]));
+        !e.empty())
+      return e;
+    if (attrs.scale_pool)
+      if (std::string e = check_scale_result(toTensorDesc(outputs[1]),
+                                             toTensorDesc(inputs[scalePoolInput(attrs.contract)]));
+          !e.empty())
+        return e;
   }
   if (params != nullptr) *params = p;
   return {};
@@ -547,7 +608,7 @@ std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc con
                          DynamicPluginTensorDesc const* out, int32_t nbOutputs) {
   if (in == nullptr) return "the input descriptors are null";
   if (out == nullptr) return "the output descriptors are null";
-  if (nbInputs < 0 || nbInputs > kMAX_INPUTS || nbOutputs != kNB_OUTPUTS) {
+  if (nbInputs < 0 || nbInputs > kMAX_INPUTS || nbOutputs != outputCount(config)) {
     std::vector<TrtTensor> const tensors = descTensors(in, nbInputs);
     CallForm form;
     std::string e = callForm(config, nbInputs, nbOutputs, {tensors.data(), true, true}, &form);
@@ -569,9 +630,10 @@ std::string checkProfile(PluginConfig const& config, DynamicPluginTensorDesc con
       return t;
     };
     for (int32_t i = 0; i < nbInputs; ++i) inputs[i] = select(in[i]);
-    TrtTensor const output = select(out[0]);
+    std::array<TrtTensor, kMAX_OUTPUTS> outputs{};
+    for (int32_t o = 0; o < nbOutputs; ++o) outputs[o] = select(out[o]);
     CheckMode const mode{/*allowUnknown=*/bound.member == nullptr};
-    std::string e = checkCall(config, inputs.data(), nbInputs, &output, nbOutputs, mode, nullptr);
+    std::string e = checkCall(config, inputs.data(), nbInputs, outputs.data(), nbOutputs, mode, nullptr);
     if (!e.empty()) return bound.name == nullptr ? e : std::string("profile ") + bound.name + " shapes: " + e;
   }
   return {};

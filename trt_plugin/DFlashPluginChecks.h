@@ -25,6 +25,16 @@ std::string dimsToString(nvinfer1::Dims const& dims);
 
 // The most inputs a call has: 7 (paged) + k_scale, v_scale + k_norm_weight.
 inline constexpr int32_t kMAX_INPUTS = 10;
+// The most outputs: present_key_value, then present_scale_pool with the field scale_pool = 1.
+inline constexpr int32_t kMAX_OUTPUTS = 2;
+
+// Whether a pool of this TensorRT dtype takes k_scale and v_scale (kFP8, kINT8: contract.h's
+// formats with static scales).
+bool takesStaticScales(nvinfer1::DataType pool);
+// The outputs a plugin with these fields has: 1, or 2 with the field scale_pool = 1.
+int32_t outputCount(PluginConfig const& config);
+// The input the scale pool is in a call of this contract (after the base inputs).
+int32_t scalePoolInput(Contract contract);
 
 // ---- fields --------------------------------------------------------------------------------------
 
@@ -50,12 +60,15 @@ inline TrtTensor trtTensor(nvinfer1::PluginTensorDesc const& desc, void const* d
   return {desc.type, desc.format, desc.dims, data};
 }
 
-// What a call is: the contract (slot: 6 base inputs, paged: 7), whether k_scale and v_scale follow
-// (a kFP8 pool), then k_norm_weight (field k_norm = 1).
+// What a call is: the contract (slot: 6 base inputs, paged: 7), then either k_scale and v_scale
+// (a kFP8 or kINT8 pool with static scales) or scale_pool (field scale_pool = 1), then
+// k_norm_weight (field k_norm = 1).
 struct CallForm {
   UpdateAttrs attrs;
-  bool fp8Pool{false};
+  bool staticScales{false};
   int32_t nbInputs{0};
+  // The pool's dtype where known, else the one the count implies (for messages).
+  nvinfer1::DataType poolType{nvinfer1::DataType::kHALF};
 };
 
 // What an entry point knows of its inputs when it asks for the form: their ranks and dims (all
@@ -78,14 +91,16 @@ std::string callForm(PluginConfig const& config, int32_t nbInputs, int32_t nbOut
                      CallForm* form);
 
 // The dtypes a call of this form is checked with when TensorRT gives none (getOutputShapes):
-// float16 deltas, a float16 (or kFP8) pool, and the contract's fixed dtypes.
-nvinfer1::DataType shapeCheckType(CallForm const& form, int32_t index);
+// float16 deltas, a float16 pool (kFP8 with static scales; with a scale pool kINT8, or kUINT8
+// (int4) where the pool's last dim is half k_delta's), and the contract's fixed dtypes.
+nvinfer1::DataType shapeCheckType(CallForm const& form, int32_t index, TrtTensor const* inputs);
 
 // ---- the checks, one per entry point ---------------------------------------------------------------
 
-// getOutputDataTypes: every input's dtype, and the output's (the pool's) through *outputType.
+// getOutputDataTypes: every input's dtype, and the outputs' (the pool's, then the scale pool's)
+// through outputTypes (nbOutputs of them).
 std::string checkInputTypes(PluginConfig const& config, nvinfer1::DataType const* inputTypes,
-                            int32_t nbInputs, int32_t nbOutputs, nvinfer1::DataType* outputType);
+                            int32_t nbInputs, int32_t nbOutputs, nvinfer1::DataType* outputTypes);
 
 // supportsFormatCombination's form: from the dims and the count, not the dtypes, which TensorRT
 // is choosing (a kFP8 pool probed on a 16-bit call is a refusal, not a wrong count).
@@ -106,12 +121,12 @@ struct CheckMode {
 };
 
 // Every rule on a whole call: the form, formats, dtypes, 128 tokens per page, the core's shape
-// rules (dims, their equalities, sizes and the int64 overflow of every tensor) and the output's
-// match with the pool. `output` may be null (getOutputShapes: the output is made from the pool).
-// With unknown dims, every rule between known sizes is still checked. Fills *params (usable only
-// when no dim was unknown).
+// rules (dims, their equalities, sizes and the int64 overflow of every tensor) and the outputs'
+// match with the pool (and the scale pool). `outputs` (nbOutputs of them) may be null
+// (getOutputShapes: the outputs are made from the inputs). With unknown dims, every rule between
+// known sizes is still checked. Fills *params (usable only when no dim was unknown).
 std::string checkCall(PluginConfig const& config, TrtTensor const* inputs, int32_t nbInputs,
-                      TrtTensor const* output, int32_t nbOutputs, CheckMode const& mode,
+                      TrtTensor const* outputs, int32_t nbOutputs, CheckMode const& mode,
                       KVUpdateParams* params);
 
 // configurePlugin and getWorkspaceSize: checkCall on the build-time descriptors (wildcards

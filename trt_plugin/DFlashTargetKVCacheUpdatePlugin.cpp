@@ -58,9 +58,12 @@ std::string checkRuntimeCall(PluginConfig const& config, PluginTensorDesc const*
                      : e;
   }
   auto const tensors = runtimeTensors(in, nbInputs, inputs);
-  TrtTensor const output = trtTensor(out[0]);
+  std::array<TrtTensor, kMAX_OUTPUTS> outputs{};
+  for (int32_t o = 0; o < nbOutputs && o < kMAX_OUTPUTS; ++o) outputs[o] = trtTensor(out[o]);
+  if (nbOutputs < 0 || nbOutputs > kMAX_OUTPUTS)
+    return "expected " + std::to_string(outputCount(config)) + " outputs, got " + std::to_string(nbOutputs);
   CheckMode const mode{/*allowUnknown=*/false, needData};
-  return checkCall(config, tensors.data(), nbInputs, &output, nbOutputs, mode, params);
+  return checkCall(config, tensors.data(), nbInputs, outputs.data(), nbOutputs, mode, params);
 }
 
 }  // namespace
@@ -97,6 +100,7 @@ nvinfer1::IPluginV3* DFlashTargetKVCacheUpdatePlugin::clone() noexcept {
     auto copy = std::make_unique<DFlashTargetKVCacheUpdatePlugin>(mName);
     copy->mNamespace = mNamespace;
     copy->mConfig = mConfig;
+    copy->mContract = mContract;
     copy->mErrorRecorder = mErrorRecorder;
     return copy.release();
   } catch (std::exception const& e) { fail("clone", e.what()); }
@@ -125,7 +129,7 @@ void DFlashTargetKVCacheUpdatePlugin::setPagesPerSlot(int32_t pagesPerSlot) noex
   } catch (...) {}
 }
 
-int32_t DFlashTargetKVCacheUpdatePlugin::getNbOutputs() const noexcept { return kNB_OUTPUTS; }
+int32_t DFlashTargetKVCacheUpdatePlugin::getNbOutputs() const noexcept { return outputCount(mConfig); }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs,
                                                             DataType const* inputTypes,
@@ -133,10 +137,10 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputDataTypes(DataType* outputType
   try {
     if (outputTypes == nullptr || inputTypes == nullptr)
       return fail("getOutputDataTypes", "the type arrays must not be null");
-    DataType outputType{};
-    if (std::string e = checkInputTypes(mConfig, inputTypes, nbInputs, nbOutputs, &outputType); !e.empty())
+    std::array<DataType, kMAX_OUTPUTS> types{};
+    if (std::string e = checkInputTypes(mConfig, inputTypes, nbInputs, nbOutputs, types.data()); !e.empty())
       return fail("getOutputDataTypes", e);
-    outputTypes[0] = outputType;  // the pool's
+    for (int32_t o = 0; o < nbOutputs; ++o) outputTypes[o] = types[o];  // the pool's, the scale pool's
     return kSTATUS_SUCCESS;
   } catch (std::exception const& e) { return fail("getOutputDataTypes", e.what()); }
 }
@@ -188,12 +192,14 @@ int32_t DFlashTargetKVCacheUpdatePlugin::getOutputShapes(DimsExprs const* inputs
                   nullDim >= 0 ? name + ": dimension " + std::to_string(nullDim) + " is null"
                                : name + ": invalid rank " + std::to_string(inputs[badInput].nbDims));
     }
-    for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = shapeCheckType(form, i);
+    mContract = static_cast<int32_t>(form.attrs.contract);
+    for (int32_t i = 0; i < nbInputs; ++i) tensors[i].type = shapeCheckType(form, i, tensors.data());
     CheckMode const mode{/*allowUnknown=*/true, /*needData=*/false, /*pagesPerSlotPending=*/true};
     if (std::string e = checkCall(mConfig, tensors.data(), nbInputs, nullptr, nbOutputs, mode, nullptr);
         !e.empty())
       return fail("getOutputShapes", e);
     outputs[0] = inputs[kPAST_KEY_VALUE];  // the output is the pool
+    if (form.attrs.scale_pool) outputs[1] = inputs[scalePoolInput(form.attrs.contract)];
     return kSTATUS_SUCCESS;
   } catch (std::exception const& e) { return fail("getOutputShapes", e.what()); }
 }
@@ -207,6 +213,7 @@ bool DFlashTargetKVCacheUpdatePlugin::supportsFormatCombination(int32_t pos,
     CallForm form;
     if (std::string e = formatCallForm(mConfig, inOut, nbInputs, nbOutputs, &form); !e.empty())
       return fail("supportsFormatCombination", e), false;
+    mContract = static_cast<int32_t>(form.attrs.contract);
     if (pos < 0 || pos >= nbInputs + nbOutputs)
       return fail("supportsFormatCombination", "expected pos in [0, " + std::to_string(nbInputs + nbOutputs) +
                                                    "), got " + std::to_string(pos)),
@@ -224,7 +231,15 @@ int32_t DFlashTargetKVCacheUpdatePlugin::configurePlugin(DynamicPluginTensorDesc
                                                          DynamicPluginTensorDesc const* out,
                                                          int32_t nbOutputs) noexcept {
   try {
-    return fail("configurePlugin", checkProfile(mConfig, in, nbInputs, out, nbOutputs));
+    std::string const reason = checkProfile(mConfig, in, nbInputs, out, nbOutputs);
+    if (reason.empty()) {
+      std::vector<TrtTensor> tensors;
+      for (int32_t i = 0; i < nbInputs; ++i) tensors.push_back(trtTensor(in[i].desc));
+      CallForm form;
+      if (callForm(mConfig, nbInputs, nbOutputs, {tensors.data(), true, true}, &form).empty())
+        mContract = static_cast<int32_t>(form.attrs.contract);
+    }
+    return fail("configurePlugin", reason);
   } catch (std::exception const& e) { return fail("configurePlugin", e.what()); }
 }
 
@@ -250,7 +265,19 @@ size_t DFlashTargetKVCacheUpdatePlugin::getWorkspaceSize(DynamicPluginTensorDesc
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::getAliasedInput(int32_t outputIndex) noexcept {
-  return outputIndex == 0 ? kPAST_KEY_VALUE : -1;
+  if (outputIndex == 0) return kPAST_KEY_VALUE;
+  if (outputIndex != 1 || mConfig.scalePool == 0) return -1;
+  // The scale pool follows the base inputs: its index is the contract's, named by the field
+  // 'form' or said by the inputs (getOutputShapes, which TensorRT calls first).
+  int32_t const contract =
+      mConfig.form >= 0 ? static_cast<int32_t>(kAddressingForms[mConfig.form].contract) : mContract;
+  if (contract < 0) {
+    fail("getAliasedInput",
+         "present_scale_pool: the contract is not known yet (no getOutputShapes, "
+         "supportsFormatCombination or configurePlugin before): its scale_pool input cannot be named");
+    return -1;
+  }
+  return scalePoolInput(static_cast<Contract>(contract));
 }
 
 int32_t DFlashTargetKVCacheUpdatePlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
@@ -276,33 +303,59 @@ int32_t DFlashTargetKVCacheUpdatePlugin::enqueue(PluginTensorDesc const* inputDe
     // the count is the form k_delta's rank and the pool's dtype say.
     int32_t nbInputs = mNbInputs;
     if (nbInputs <= 0) {
-      int32_t const base = inputDesc[0].dims.nbDims == 3 ? kNB_PAGED_INPUTS : kNB_INPUTS;
-      nbInputs = base + (inputDesc[kPAST_KEY_VALUE].type == DataType::kFP8 ? 2 : 0) + mConfig.kNorm;
+      // The form the field names, else the one k_delta's rank says.
+      int32_t const base = mConfig.form >= 0               ? kAddressingForms[mConfig.form].base_count
+                           : inputDesc[0].dims.nbDims == 3 ? kNB_PAGED_INPUTS
+                                                           : kNB_INPUTS;
+      int32_t const scales = mConfig.scalePool != 0                               ? 1
+                             : takesStaticScales(inputDesc[kPAST_KEY_VALUE].type) ? 2
+                                                                                  : 0;
+      nbInputs = base + scales + mConfig.kNorm;
     }
+    int32_t const nbOutputs = outputCount(mConfig);
     KVUpdateParams p;
-    if (std::string e = checkRuntimeCall(mConfig, inputDesc, nbInputs, outputDesc, kNB_OUTPUTS, inputs,
+    if (std::string e = checkRuntimeCall(mConfig, inputDesc, nbInputs, outputDesc, nbOutputs, inputs,
                                          /*needData=*/true, &p);
         !e.empty())
       return fail("enqueue", e);
     if (!dflash::addressing_form(p.contract).cuda)
       return fail("enqueue", std::string("form: the ") + dflash::addressing_form(p.contract).name +
                                  " form has no CUDA kernel yet (CPU only)");
-    int64_t const poolBytes = tensorBytes(inputDesc[kPAST_KEY_VALUE].dims, inputDesc[kPAST_KEY_VALUE].type);
-    if (poolBytes < 0) return fail("enqueue", "past_key_value: the size in bytes overflows int64");
-    if (outputs[0] == nullptr && poolBytes > 0)
-      return fail("enqueue", "present_key_value: the device pointer is null for shape " +
-                                 dimsToString(outputDesc[0].dims));
-    void const* past = inputs[kPAST_KEY_VALUE];
-    // Aliased (ALIASED_PLUGIN_IO preview feature on): the output is the pool. Otherwise TensorRT
-    // gave the output its own memory: it starts as a copy of the pool.
-    if (poolBytes > 0 && past != outputs[0]) {
-      cudaError_t const copied =
-          cudaMemcpyAsync(outputs[0], past, static_cast<size_t>(poolBytes), cudaMemcpyDeviceToDevice, stream);
+    // The outputs start as copies of their inputs where TensorRT did not alias them (the
+    // ALIASED_PLUGIN_IO preview feature off): the pool, then the scale pool with scale_pool=1.
+    struct InPlace {
+      int32_t input, output;
+      char const* name;
+      int64_t bytes;
+    };
+    std::array<InPlace, kMAX_OUTPUTS> inPlace{};
+    for (int32_t o = 0; o < nbOutputs; ++o) {
+      int32_t const at = o == 0 ? kPAST_KEY_VALUE : scalePoolInput(p.contract);
+      inPlace[o] = {at, o, o == 0 ? kResultName : kScaleResultName,
+                    tensorBytes(inputDesc[at].dims, inputDesc[at].type)};
+      if (inPlace[o].bytes < 0)
+        return fail("enqueue", std::string(o == 0 ? "past_key_value" : kScalePoolName) +
+                                   ": the size in bytes overflows int64");
+      if (outputs[o] == nullptr && inPlace[o].bytes > 0)
+        return fail("enqueue", std::string(inPlace[o].name) + ": the device pointer is null for shape " +
+                                   dimsToString(outputDesc[o].dims));
+    }
+    // contract.h's row says whether a CUDA kernel stores the pool's format.
+    if (PoolFormat const* format = pool_format(p.pool_dtype); format != nullptr && !format->cuda)
+      return fail("enqueue", std::string("past_key_value: ") + format->name + " pools (" +
+                                 dtype_name(p.pool_dtype) +
+                                 ") have no CUDA kernel yet (no kernel stores them)");
+    for (int32_t o = 0; o < nbOutputs; ++o) {
+      InPlace const& x = inPlace[o];
+      if (x.bytes == 0 || inputs[x.input] == outputs[o]) continue;
+      cudaError_t const copied = cudaMemcpyAsync(outputs[o], inputs[x.input], static_cast<size_t>(x.bytes),
+                                                 cudaMemcpyDeviceToDevice, stream);
       if (copied != cudaSuccess)
-        return fail("enqueue",
-                    std::string("copying the pool to the (unaliased) output: ") + cudaGetErrorString(copied));
+        return fail("enqueue", std::string("copying ") + (o == 0 ? "the pool" : "the scale pool") +
+                                   " to the (unaliased) output: " + cudaGetErrorString(copied));
     }
     p.pool = outputs[0];
+    if (nbOutputs > 1) p.scale_pool = static_cast<float*>(outputs[1]);
     if (cudaError_t const status = launch_target_kv_cache_update(p, stream); status != cudaSuccess)
       return fail("enqueue", std::string("kernel launch failed: ") + cudaGetErrorString(status));
     return kSTATUS_SUCCESS;
@@ -335,6 +388,7 @@ PluginFieldCollection const* DFlashTargetKVCacheUpdatePlugin::getFieldsToSeriali
     mSerializedField[n++] =
         PluginField(kFORM_FIELD, name, PluginFieldType::kCHAR, static_cast<int32_t>(std::strlen(name)));
   }
+  mSerializedField[n++] = PluginField(kSCALE_POOL_FIELD, &mConfig.scalePool, PluginFieldType::kINT32, 1);
   mSerializedFields.nbFields = n;
   mSerializedFields.fields = mSerializedField;
   return &mSerializedFields;
@@ -349,7 +403,9 @@ DFlashTargetKVCacheUpdatePluginCreator::DFlashTargetKVCacheUpdatePluginCreator()
   mFieldNames[3] = PluginField(kV_NORM_FIELD, nullptr, PluginFieldType::kINT32, 1);
   mFieldNames[4] = PluginField(kNORM_EPS_FIELD, nullptr, PluginFieldType::kFLOAT32, 1);
   mFieldNames[5] = PluginField(kFORM_FIELD, nullptr, PluginFieldType::kCHAR, 0);
-  mFieldCollection.nbFields = 6;
+  mFieldNames[6] = PluginField(kSCALE_POOL_FIELD, nullptr, PluginFieldType::kINT32, 1);
+  static_assert(kNB_FIELDS == 7, "every field has its name here");
+  mFieldCollection.nbFields = kNB_FIELDS;
   mFieldCollection.fields = mFieldNames;
 }
 

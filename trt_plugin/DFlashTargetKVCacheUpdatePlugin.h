@@ -6,8 +6,11 @@
 //   paged (Edge-LLM 0.11): k_delta, v_delta [T, H, D], past_key_value [2, N, 128, H, D],
 //         rope_cos_sin [T, R], delta_positions [T], delta_token_to_sequence [T],
 //         kv_page_table [B, 2, M]; no field required
-// then k_scale, v_scale (kFLOAT [1] or [H]) for a kFP8 pool, then k_norm_weight [D] when k_norm=1.
-// Output 0, present_key_value, is the pool itself (aliased to input 2, updated in place).
+// then k_scale, v_scale (kFLOAT [1] or [H]) for a kFP8 or kINT8 pool, or, with the field
+// scale_pool=1, scale_pool (kFLOAT [2, N, 128, H]: per-token-head scales) in their place (for a
+// kFP8, kINT8 or int4 pool: kUINT8 [2, N, 128, H, D/2]), then k_norm_weight [D] when k_norm=1.
+// Output 0, present_key_value, is the pool itself (aliased to input 2, updated in place); with
+// scale_pool=1, output 1, present_scale_pool, is the scale pool (aliased to it).
 //
 // Every shape and dtype rule is dflash::params_from_operands (csrc/dflash/operands.h), the function
 // the JAX handlers call; DFlashPluginChecks.h translates TensorRT's descriptors for it. enqueue
@@ -33,6 +36,9 @@ inline constexpr char const* kRING_FIELD = "ring";                      // INT32
 inline constexpr char const* kK_NORM_FIELD = "k_norm";                  // INT32 0/1
 inline constexpr char const* kV_NORM_FIELD = "v_norm";                  // INT32 0/1
 inline constexpr char const* kNORM_EPS_FIELD = "norm_eps";              // FLOAT32 > 0
+// INT32 0/1: per-token-head dynamic scales. 1: the input after the base ones is scale_pool (in
+// place of k_scale, v_scale) and the plugin has a second output, present_scale_pool, aliasing it.
+inline constexpr char const* kSCALE_POOL_FIELD = "scale_pool";
 // CHAR, optional: the addressing form's name (dflash::kAddressingForms), which then decides the
 // call's form; without it the inputs do (k_delta's rank, then the count).
 inline constexpr char const* kFORM_FIELD = "form";
@@ -43,7 +49,7 @@ inline constexpr int32_t kTOKENS_PER_PAGE = 128;
 // Base inputs of each contract (before the optional k_scale, v_scale, k_norm_weight).
 inline constexpr int32_t kNB_INPUTS = dflash::base_operand_count(dflash::Contract::kSlot);
 inline constexpr int32_t kNB_PAGED_INPUTS = dflash::base_operand_count(dflash::Contract::kPaged);
-inline constexpr int32_t kNB_OUTPUTS = 1;
+inline constexpr int32_t kNB_OUTPUTS = 1;  // 2 with the field scale_pool = 1
 
 // Positions in the inOut arrays of the slot contract without extras (inputs, then the output).
 enum TensorPosition : int32_t {
@@ -75,7 +81,11 @@ struct PluginConfig {
   int32_t vNorm{0};
   float normEps{kDEFAULT_NORM_EPS};
   int32_t form{-1};  // index into dflash::kAddressingForms; -1: not given (the inputs decide)
+  int32_t scalePool{0};
 };
+
+// The plugin's fields, in getFieldNames()'s order.
+inline constexpr int32_t kNB_FIELDS = 7;
 
 class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV3,
                                                        public nvinfer1::IPluginV3OneCore,
@@ -142,8 +152,11 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePlugin : public nvinfer1::IPluginV
   std::string mNamespace;
   PluginConfig mConfig;
   int32_t mNbInputs{0};  // the count onShapeChange was given (0: none yet)
+  // The contract the inputs said (getOutputShapes on): where the scale pool input is, for
+  // getAliasedInput. -1: not known yet.
+  int32_t mContract{-1};
   nvinfer1::IErrorRecorder* mErrorRecorder{nullptr};
-  nvinfer1::PluginField mSerializedField[6];
+  nvinfer1::PluginField mSerializedField[kNB_FIELDS];
   nvinfer1::PluginFieldCollection mSerializedFields{};
 };
 
@@ -164,7 +177,7 @@ class DFLASH_TRT_API DFlashTargetKVCacheUpdatePluginCreator : public nvinfer1::I
 
  private:
   std::string mNamespace;
-  nvinfer1::PluginField mFieldNames[6];
+  nvinfer1::PluginField mFieldNames[kNB_FIELDS];
   nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 

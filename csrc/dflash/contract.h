@@ -42,7 +42,8 @@ struct PoolFormat {
   // The largest finite magnitude a scaled store saturates to; 0 for the IEEE formats, whose
   // rounding overflows to infinity.
   float max_finite;
-  // Whether TensorRT has the element type (its kFP8 is e4m3): the plugin's pool formats.
+  // Whether the TensorRT plugin takes the format: TensorRT has the element type (its kFP8 is e4m3;
+  // int4's bytes are kUINT8).
   bool tensorrt;
   // Elements one stored byte holds along D: 1, or 2 for 4-bit elements (element 2j in the low
   // nibble, 2j + 1 in the high one); the pool's last dim is D / per_byte.
@@ -61,9 +62,9 @@ inline constexpr PoolFormat kPoolFormats[] = {
      "float8_e4m3fn"},
     {DType::kFloat8E5M2, ScaleGranularity::kStatic, Conversion::kTimesReciprocal, 57344.0f, false, 1, true,
      "float8_e5m2"},
-    {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, false, 1, true, "int8"},
+    {DType::kInt8, ScaleGranularity::kStatic, Conversion::kDivideByScale, 127.0f, true, 1, true, "int8"},
     // int4: uint8 bytes [.., D / 2], two 4-bit two's-complement elements each.
-    {DType::kUInt8, ScaleGranularity::kDynamic, Conversion::kDivideByScale, 7.0f, false, 2, true, "int4"},
+    {DType::kUInt8, ScaleGranularity::kDynamic, Conversion::kDivideByScale, 7.0f, true, 2, true, "int4"},
 };
 
 // The format of a pool of this dtype; null when no pool has it.

@@ -436,11 +436,6 @@ std::string params_from_operands(TensorDesc const* operands, int32_t count, Upda
                                  : "), then k_scale and v_scale for a pool format with scales") +
                (attrs.k_norm ? ", then k_norm_weight (k_norm is on)" : "") + "; got " + str(count) +
                " operands";
-  // The profile decides before the operands do.
-  if (attrs.scale_pool && attrs.tensorrt)
-    return std::string(
-        "scale_pool: TensorRT's profile of the contract takes no scale pool (per-token-head "
-        "scales are JAX-only), got one");
   Checker c(operands, attrs, count);
   for (int32_t i = 0; i < count; ++i)
     if (!c.dims_valid(i)) return c.error();

@@ -21,9 +21,12 @@ attributes are the form's row in the core's table (:func:`make_form_node`):
   ``plugin_version``, ``plugin_namespace`` and the norms in use.
 
 Extra inputs follow the base ones, in this order: ``k_scale``, ``v_scale`` (float32 ``[1]`` or
-``[H]``) when the pool is FP8 (float8_e4m3fn, TensorRT's kFP8), then ``k_norm_weight`` (``[D]``,
-the delta dtype) when ``k_norm`` is on. The output ``present_key_value`` is the pool, aliased to
-``past_key_value`` by the plugin.
+``[H]``) when the pool has static scales (float8_e4m3fn, TensorRT's kFP8, or int8, its kINT8), or
+``scale_pool`` (float32 ``[2, N, 128, H]``, per-token-head scales) in their place with the
+attribute ``scale_pool = 1`` (int8, float8_e4m3fn, or int4: uint8 ``[2, N, 128, H, D/2]``, which
+takes a scale pool only); then ``k_norm_weight`` (``[D]``, the delta dtype) when ``k_norm`` is on.
+The output ``present_key_value`` is the pool, aliased to ``past_key_value`` by the plugin; with a
+scale pool a second output, ``present_scale_pool``, is the scale pool, aliased to it.
 
 :func:`check_plugin_operands` holds the plugin's build-time rules (page size 128, the dtypes
 TensorRT has, the unbatched form); the reference runtime and the export apply them too.
@@ -44,16 +47,19 @@ PLUGIN_DOMAIN_VERSION = 1
 EDGE_LLM_DOMAIN = "trt_edgellm"  # the domain of Edge-LLM's own exported plugin nodes
 EDGE_LLM_DOMAIN_VERSION = 23  # the paged node's since_version in that domain
 OUTPUT_NAME = "present_key_value"
+SCALE_OUTPUT_NAME = "present_scale_pool"  # the second output, with a scale pool
 
 SLOT_INPUTS = _shapes.BASE_NAMES["slot"]
 PAGED_INPUTS = _shapes.BASE_NAMES["paged"]
 SCALE_INPUTS = _shapes.EXTRA_NAMES[:2]
 NORM_WEIGHT_INPUT = _shapes.EXTRA_NAMES[2]
+SCALE_POOL_INPUT = _shapes.SCALE_POOL_NAME
 
 TRT_TOKENS_PER_PAGE = 128  # P in the TensorRT contracts
 INT32_MAX = 2**31 - 1  # plugin fields are INT32
 DELTA_DTYPES = ("float16", "bfloat16", "float32")
-# The pool formats TensorRT has (its kFP8 is e4m3), from the core's descriptors.
+# The pool formats TensorRT has (its kFP8 is e4m3; int4 is uint8 bytes), from the core's
+# descriptors.
 TRT_POOL_DTYPES = tuple(name for name, f in _shapes.POOL_FORMATS.items() if f["tensorrt"])
 FP8_POOL_DTYPES = tuple(str(d) for d in _shapes.SCALED_DTYPES)
 _ONNX_TYPES = {
@@ -61,6 +67,8 @@ _ONNX_TYPES = {
     "bfloat16": "BFLOAT16",
     "float32": "FLOAT",
     "float8_e4m3fn": "FLOAT8E4M3FN",
+    "int8": "INT8",
+    "uint8": "UINT8",
 }
 
 
@@ -163,15 +171,44 @@ def _form_fields(form: str, given: dict) -> dict:
     return fields
 
 
-def form_inputs(form: str, *, fp8_pool: bool = False, k_norm: bool = False) -> tuple[str, ...]:
-    """The input names of ``form``'s node, in order: the base inputs, then the extras in use."""
+def _scale_flags(fp8_pool, scale_pool) -> tuple[bool, bool]:
+    """Checked ``fp8_pool`` (static k_scale, v_scale inputs) and ``scale_pool`` (a scale pool
+    input in their place): one or the other."""
+    fp8_pool, scale_pool = check_flag(fp8_pool, "fp8_pool"), check_flag(scale_pool, "scale_pool")
+    if fp8_pool and scale_pool:
+        raise ValueError(
+            "scale_pool: per-token-head scales (the scale_pool input) replace the static "
+            "k_scale and v_scale (fp8_pool); expected one or the other, got both"
+        )
+    return fp8_pool, scale_pool
+
+
+def form_inputs(
+    form: str, *, fp8_pool: bool = False, k_norm: bool = False, scale_pool: bool = False
+) -> tuple[str, ...]:
+    """The input names of ``form``'s node, in order: the base inputs, then the extras in use
+    (``fp8_pool``: k_scale, v_scale, for any pool with static scales; ``scale_pool``: the scale
+    pool in their place)."""
     base = _shapes.BASE_NAMES[form]
-    return (*base, *(SCALE_INPUTS if fp8_pool else ()), *((NORM_WEIGHT_INPUT,) if k_norm else ()))
+    scales = SCALE_INPUTS if fp8_pool else (SCALE_POOL_INPUT,) if scale_pool else ()
+    return (*base, *scales, *((NORM_WEIGHT_INPUT,) if k_norm else ()))
 
 
-def node_inputs(paged: bool, *, fp8_pool: bool = False, k_norm: bool = False) -> tuple[str, ...]:
+def node_inputs(
+    paged: bool, *, fp8_pool: bool = False, k_norm: bool = False, scale_pool: bool = False
+) -> tuple[str, ...]:
     """The input names of the slot or paged node: :func:`form_inputs`."""
-    return form_inputs("paged" if paged else "slot", fp8_pool=fp8_pool, k_norm=k_norm)
+    form = "paged" if paged else "slot"
+    return form_inputs(form, fp8_pool=fp8_pool, k_norm=k_norm, scale_pool=scale_pool)
+
+
+def _outputs(output, scale_pool: bool, scale_output) -> list[str]:
+    """The node's outputs: the pool's, then the scale pool's with a scale pool."""
+    names = [output, scale_output] if scale_pool else [output]
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"output: expected a non-empty name, got {name!r}")
+    return names
 
 
 def _input_list(inputs, expected: tuple[str, ...]) -> list[str]:
@@ -201,13 +238,17 @@ def make_form_node(
     norm_eps: float = DEFAULT_NORM_EPS,
     name: str | None = None,
     plugin_namespace: str = "",
+    scale_pool: bool = False,
+    scale_output: str = SCALE_OUTPUT_NAME,
     **attributes,
 ):
     """The node of the addressing form ``form`` (its row's inputs and attributes): an
     ``onnx.NodeProto``, domain ``trt.plugins``.
 
-    ``inputs`` are the names of the form's base inputs, then k_scale, v_scale when ``fp8_pool``,
-    then k_norm_weight when ``k_norm`` (default: those names). Attributes: ``plugin_version``,
+    ``inputs`` are the names of the form's base inputs, then k_scale, v_scale when ``fp8_pool``
+    (a pool with static scales: float8_e4m3fn or int8) or scale_pool when ``scale_pool``, then
+    k_norm_weight when ``k_norm`` (default: those names). With ``scale_pool`` the node has a
+    second output, ``scale_output``, and the attribute ``scale_pool = 1``. Attributes: ``plugin_version``,
     ``plugin_namespace``, ``form`` (the plugin's field that names the form; not for slot and
     paged, which the plugin tells apart by k_delta's rank), the form's attributes (ints as
     INT32 fields, flags as 1 when on), and ``k_norm``/``v_norm`` (1) and ``norm_eps`` when a norm
@@ -217,11 +258,15 @@ def make_form_node(
     if form not in _shapes.FORMS:
         raise ValueError(f"form: expected one of {list(_shapes.FORMS)}, got {form!r}")
     k_norm, v_norm, eps = _flags(k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
-    fp8_pool = check_flag(fp8_pool, "fp8_pool")
-    inputs = _input_list(inputs, form_inputs(form, fp8_pool=fp8_pool, k_norm=k_norm))
+    fp8_pool, scale_pool = _scale_flags(fp8_pool, scale_pool)
+    expected = form_inputs(form, fp8_pool=fp8_pool, k_norm=k_norm, scale_pool=scale_pool)
+    inputs = _input_list(inputs, expected)
+    outputs = _outputs(output, scale_pool, scale_output)
     namespace = _namespace(plugin_namespace)
     fields = _form_fields(form, attributes)
-    return _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields)
+    if scale_pool:
+        fields["scale_pool"] = 1
+    return _plugin_node(inputs, outputs, name, namespace, k_norm, v_norm, eps, **fields)
 
 
 def make_update_node(
@@ -235,6 +280,8 @@ def make_update_node(
     norm_eps: float = DEFAULT_NORM_EPS,
     name: str | None = None,
     plugin_namespace: str = "",
+    scale_pool: bool = False,
+    scale_output: str = SCALE_OUTPUT_NAME,
 ):
     """The slot-contract node (Edge-LLM 0.10): an ``onnx.NodeProto``, domain ``trt.plugins``.
 
@@ -242,7 +289,7 @@ def make_update_node(
     delta_start_positions and delta_lengths, then k_scale, v_scale when ``fp8_pool``, then
     k_norm_weight when ``k_norm`` (default: those names). Attributes: ``plugin_version``,
     ``plugin_namespace``, ``pages_per_slot``, and ``k_norm``/``v_norm`` (1) and ``norm_eps``
-    when a norm is on.
+    when a norm is on; ``scale_pool`` as :func:`make_form_node`'s.
     """
     return make_form_node(
         "slot",
@@ -250,6 +297,8 @@ def make_update_node(
         output,
         pages_per_slot=pages_per_slot,
         fp8_pool=fp8_pool,
+        scale_pool=scale_pool,
+        scale_output=scale_output,
         k_norm=k_norm,
         v_norm=v_norm,
         norm_eps=norm_eps,
@@ -267,7 +316,7 @@ def _namespace(plugin_namespace) -> str:
     return plugin_namespace
 
 
-def _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields):
+def _plugin_node(inputs, outputs, name, namespace, k_norm, v_norm, eps, **fields):
     """Our plugin's node (domain ``trt.plugins``): ``plugin_version``, ``plugin_namespace``, the
     form's fields, and the norms in use (``k_norm``/``v_norm`` = 1, ``norm_eps`` when a norm is
     on)."""
@@ -280,7 +329,7 @@ def _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields)
     return _onnx().helper.make_node(
         PLUGIN_NAME,
         inputs=inputs,
-        outputs=[output],
+        outputs=outputs,
         name=name or PLUGIN_NAME,
         domain=PLUGIN_DOMAIN,
         **attributes,
@@ -288,10 +337,10 @@ def _plugin_node(inputs, output, name, namespace, k_norm, v_norm, eps, **fields)
 
 
 def uses_edge_llm_node(
-    *, ring=False, fp8_pool=False, k_norm=False, v_norm=False, plugin_namespace=""
+    *, ring=False, fp8_pool=False, k_norm=False, v_norm=False, plugin_namespace="", scale_pool=False
 ) -> bool:
     """Whether a paged update is spelled as Edge-LLM 0.11's field-less ``trt_edgellm`` node."""
-    return not (ring or fp8_pool or k_norm or v_norm) and plugin_namespace == ""
+    return not (ring or fp8_pool or k_norm or v_norm or scale_pool) and plugin_namespace == ""
 
 
 def make_paged_update_node(
@@ -305,6 +354,8 @@ def make_paged_update_node(
     norm_eps: float = DEFAULT_NORM_EPS,
     name: str | None = None,
     plugin_namespace: str = "",
+    scale_pool: bool = False,
+    scale_output: str = SCALE_OUTPUT_NAME,
 ):
     """The paged-contract node (Edge-LLM 0.11): an ``onnx.NodeProto``.
 
@@ -315,20 +366,22 @@ def make_paged_update_node(
     Without ring, norms, an FP8 pool or a namespace this is Edge-LLM 0.11's node: domain
     ``trt_edgellm``, no attributes. Otherwise domain ``trt.plugins`` with ``plugin_version``,
     ``plugin_namespace`` and the extensions in use (``ring``/``k_norm``/``v_norm`` = 1,
-    ``norm_eps`` when a norm is on): :func:`make_form_node`'s.
+    ``norm_eps`` when a norm is on, ``scale_pool``): :func:`make_form_node`'s.
     """
     onnx = _onnx()
     ring = check_flag(ring, "ring")
     k_norm, v_norm, _ = _flags(k_norm=k_norm, v_norm=v_norm, norm_eps=norm_eps)
-    fp8_pool = check_flag(fp8_pool, "fp8_pool")
+    fp8_pool, scale_pool = _scale_flags(fp8_pool, scale_pool)
     plugin_namespace = _namespace(plugin_namespace)
-    inputs = _input_list(inputs, form_inputs("paged", fp8_pool=fp8_pool, k_norm=k_norm))
+    expected = form_inputs("paged", fp8_pool=fp8_pool, k_norm=k_norm, scale_pool=scale_pool)
+    inputs = _input_list(inputs, expected)
     if uses_edge_llm_node(
         ring=ring,
         fp8_pool=fp8_pool,
         k_norm=k_norm,
         v_norm=v_norm,
         plugin_namespace=plugin_namespace,
+        scale_pool=scale_pool,
     ):
         return onnx.helper.make_node(
             PLUGIN_NAME,
@@ -343,6 +396,8 @@ def make_paged_update_node(
         output,
         ring=ring,
         fp8_pool=fp8_pool,
+        scale_pool=scale_pool,
+        scale_output=scale_output,
         k_norm=k_norm,
         v_norm=v_norm,
         norm_eps=norm_eps,
@@ -361,6 +416,8 @@ def make_slots_update_node(
     norm_eps: float = DEFAULT_NORM_EPS,
     name: str | None = None,
     plugin_namespace: str = "",
+    scale_pool: bool = False,
+    scale_output: str = SCALE_OUTPUT_NAME,
 ):
     """The slot-mapping node (vLLM's flat slots): domain ``trt.plugins``, the attribute
     ``form = "slot_mapping"`` (the plugin's field that names the form), ``plugin_version``,
@@ -372,6 +429,8 @@ def make_slots_update_node(
         inputs,
         output,
         fp8_pool=fp8_pool,
+        scale_pool=scale_pool,
+        scale_output=scale_output,
         k_norm=k_norm,
         v_norm=v_norm,
         norm_eps=norm_eps,
@@ -380,16 +439,21 @@ def make_slots_update_node(
     )
 
 
-def check_form_operands(form: str, operands: Sequence, *, k_norm: bool = False, **attributes):
+def check_form_operands(
+    form: str, operands: Sequence, *, k_norm: bool = False, scale_pool: bool = False, **attributes
+):
     """Operands of a ``form`` node (anything with .shape and .dtype: its inputs in order) against
     the plugin's rules: the core's, with TensorRT's profile; returns the sizes. ``attributes``
-    are the form's (``pages_per_slot`` for the slot contract)."""
+    are the form's (``pages_per_slot`` for the slot contract); ``scale_pool``: the input after
+    the base ones is the scale pool (the node's attribute ``scale_pool = 1``)."""
     base = len(_shapes.BASE_NAMES[form])
     operands = list(operands)
-    names = _shapes.operand_names(form, None, k_norm, count=len(operands))
+    names = _shapes.operand_names(form, None, k_norm, count=len(operands), scale_pool=scale_pool)
     if len(operands) < base or len(names) != len(operands):
         # The core's count message names every operand the form takes.
-        _shapes.check_call(form, operands, k_norm=k_norm, tensorrt=True, **attributes)
+        _shapes.check_call(
+            form, operands, k_norm=k_norm, tensorrt=True, scale_pool=scale_pool, **attributes
+        )
     extras = dict(zip(names[base:], operands[base:]))
     return _shapes.check_form(form, operands[:base], **extras, tensorrt=True, **attributes)
 
@@ -411,21 +475,29 @@ def _dims(x) -> tuple[int, ...]:
 
 
 def check_plugin_operands(
-    paged: bool, operands: Sequence, *, k_norm: bool = False, pages_per_slot: int | None = None
+    paged: bool,
+    operands: Sequence,
+    *,
+    k_norm: bool = False,
+    pages_per_slot: int | None = None,
+    scale_pool: bool = False,
 ):
     """Checks operands (anything with .shape and .dtype) against the plugin's rules; returns
     their sizes (:func:`jax_dflash._shapes.check_update` / ``check_update_paged``).
 
-    ``operands`` are the node's inputs in order (base, then k_scale, v_scale for an FP8 pool,
-    then k_norm_weight when ``k_norm``); ``pages_per_slot`` is required for the slot contract.
+    ``operands`` are the node's inputs in order (base, then k_scale, v_scale for a pool with
+    static scales or scale_pool with ``scale_pool``, then k_norm_weight when ``k_norm``);
+    ``pages_per_slot`` is required for the slot contract.
     The rules are the core's, with TensorRT's profile of the contract (the unbatched form, pages
     of 128 tokens, kFP8 = e4m3, scales ``[1]`` or ``[H]``): the checker the plugin runs.
     """
     if paged:
-        return check_form_operands("paged", operands, k_norm=k_norm)
+        return check_form_operands("paged", operands, k_norm=k_norm, scale_pool=scale_pool)
     if pages_per_slot is None:
         raise TypeError("pages_per_slot: expected an int > 0 for the slot contract, got None")
-    return check_form_operands("slot", operands, k_norm=k_norm, pages_per_slot=pages_per_slot)
+    return check_form_operands(
+        "slot", operands, k_norm=k_norm, pages_per_slot=pages_per_slot, scale_pool=scale_pool
+    )
 
 
 # ---- one-node models -----------------------------------------------------------------------------
@@ -470,17 +542,36 @@ def _check_rotary(rotary, dim):
 
 
 def _extra_value_infos(
-    helper, TensorProto, *, fp8_pool, k_norm, per_head_scales, heads, dim, delta_elem
+    helper,
+    TensorProto,
+    *,
+    fp8_pool,
+    k_norm,
+    per_head_scales,
+    heads,
+    dim,
+    delta_elem,
+    scale_pool_shape=None,
 ):
     infos = []
-    if fp8_pool:
+    if scale_pool_shape is not None:
+        if per_head_scales:
+            raise ValueError(
+                "per_head_scales: a scale pool holds per-token-head scales; static per-head "
+                "scales are for a pool without one"
+            )
+        infos.append(
+            helper.make_tensor_value_info(SCALE_POOL_INPUT, TensorProto.FLOAT, scale_pool_shape)
+        )
+    elif fp8_pool:
         scale_shape = [heads] if per_head_scales else [1]
         infos += [
             helper.make_tensor_value_info(n, TensorProto.FLOAT, scale_shape) for n in SCALE_INPUTS
         ]
     elif per_head_scales:
         raise ValueError(
-            "per_head_scales: only an FP8 pool (pool_dtype='float8_e4m3fn') takes scales"
+            f"per_head_scales: only a pool with static scales (pool_dtype one of "
+            f"{list(FP8_POOL_DTYPES)} in TensorRT) takes k_scale and v_scale"
         )
     if k_norm:
         infos.append(helper.make_tensor_value_info(NORM_WEIGHT_INPUT, delta_elem, [dim]))
@@ -488,7 +579,8 @@ def _extra_value_infos(
 
 
 def _model(helper, node, graph_name, inputs, output, opset):
-    graph = helper.make_graph([node], graph_name, inputs, [output])
+    outputs = output if isinstance(output, list) else [output]
+    graph = helper.make_graph([node], graph_name, inputs, outputs)
     model = helper.make_model(
         graph,
         opset_imports=[
@@ -517,6 +609,7 @@ def make_update_model(
     dtype: str = "float16",
     pool_dtype: str | None = None,
     per_head_scales: bool = False,
+    scale_pool: bool = False,
     k_norm: bool = False,
     v_norm: bool = False,
     norm_eps: float = DEFAULT_NORM_EPS,
@@ -530,8 +623,10 @@ def make_update_model(
     Inputs (typed): ``k_delta``, ``v_delta`` ``[batch, delta_len, num_kv_heads, head_dim]`` in
     ``dtype`` (float16, bfloat16 or float32); ``past_key_value``
     ``[2, num_pages, 128, num_kv_heads, head_dim]`` in ``pool_dtype`` (default ``dtype``; or
-    float8_e4m3fn, then ``k_scale``, ``v_scale`` float32 ``[1]``, or ``[num_kv_heads]`` with
-    ``per_head_scales``); ``rope_cos_sin`` ``[rope_batch, rope_seq_len, rotary_dim]`` float32;
+    float8_e4m3fn or int8, then ``k_scale``, ``v_scale`` float32 ``[1]``, or ``[num_kv_heads]``
+    with ``per_head_scales``, or with ``scale_pool`` the input ``scale_pool`` float32 ``[2,
+    num_pages, 128, num_kv_heads]`` and the output ``present_scale_pool``; uint8 is int4, last
+    dim ``head_dim / 2``, with ``scale_pool`` only); ``rope_cos_sin`` ``[rope_batch, rope_seq_len, rotary_dim]`` float32;
     ``delta_start_positions``, ``delta_lengths`` ``[batch]`` int32; ``k_norm_weight``
     ``[head_dim]`` in ``dtype`` when ``k_norm``. Output ``present_key_value``: the pool's shape and
     dtype. String dimensions are symbolic (dynamic in TensorRT). The plugin's rules are checked
@@ -543,8 +638,9 @@ def make_update_model(
 
     dtype, pool_dtype = _dtypes(dtype, pool_dtype)
     _check_page_size(page_size)
-    fp8_pool = pool_dtype == "float8_e4m3fn"
+    fp8_pool, scale_pool = _pool_scales(pool_dtype, scale_pool)
     node = make_update_node(
+        scale_pool=scale_pool,
         pages_per_slot=pages_per_slot,
         fp8_pool=fp8_pool,
         k_norm=k_norm,
@@ -578,7 +674,7 @@ def make_update_model(
 
     elem = getattr(TensorProto, _ONNX_TYPES[dtype])
     pool_elem = getattr(TensorProto, _ONNX_TYPES[pool_dtype])
-    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, dim]
+    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, _pool_dim(pool_dtype, dim)]
     shapes = {
         "k_delta": (elem, [b, length, heads, dim]),
         "v_delta": (elem, [b, length, heads, dim]),
@@ -594,6 +690,7 @@ def make_update_model(
         dim=dim,
         delta_elem=elem,
         per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+        scale_pool_shape=pool_shape[:-1] if scale_pool else None,
     )
     return _typed_model(helper, TensorProto, node, SLOT_INPUTS, shapes, extras, graph_name, opset)
 
@@ -603,8 +700,47 @@ def _typed_model(helper, TensorProto, node, names, shapes, extras, graph_name, o
     type, dims), the pool's among them), the extras, and the output typed as the pool."""
     inputs = [helper.make_tensor_value_info(name, *shapes[name]) for name in names]
     inputs += _extra_value_infos(helper, TensorProto, **extras)
-    output = helper.make_tensor_value_info(OUTPUT_NAME, *shapes["past_key_value"])
-    return _model(helper, node, graph_name, inputs, output, opset)
+    outputs = [helper.make_tensor_value_info(OUTPUT_NAME, *shapes["past_key_value"])]
+    if extras.get("scale_pool_shape") is not None:
+        outputs.append(
+            helper.make_tensor_value_info(
+                SCALE_OUTPUT_NAME, TensorProto.FLOAT, extras["scale_pool_shape"]
+            )
+        )
+    return _model(helper, node, graph_name, inputs, outputs, opset)
+
+
+def _pool_scales(pool_dtype: str, scale_pool) -> tuple[bool, bool]:
+    """``(fp8_pool, scale_pool)`` of a model's pool: static k_scale, v_scale for a pool with
+    static scales unless ``scale_pool``; int4 (uint8) takes a scale pool only."""
+    scale_pool = check_flag(scale_pool, "scale_pool")
+    fmt = _shapes.POOL_FORMATS[pool_dtype]
+    if scale_pool and fmt["scales"] == "none":
+        raise ValueError(
+            f"scale_pool: a {pool_dtype} pool takes no scale pool (only pool formats with scales "
+            f"do: {[n for n in TRT_POOL_DTYPES if _shapes.POOL_FORMATS[n]['scales'] != 'none']})"
+        )
+    if not scale_pool and fmt["scales"] == "dynamic":
+        raise ValueError(
+            f"scale_pool: an {fmt['name']} pool ({pool_dtype} [2, N, 128, H, D/2]) is stored with "
+            "per-token-head dynamic scales only: expected scale_pool=True, got False"
+        )
+    return fmt["scales"] == "static" and not scale_pool, scale_pool
+
+
+def _pool_dim(pool_dtype: str, dim):
+    """The pool's last dim: D, or D / per_byte for a packed pool (int4: D / 2, D even)."""
+    per = _shapes.POOL_FORMATS[pool_dtype]["per_byte"]
+    if per == 1:
+        return dim
+    if isinstance(dim, int):
+        if dim % per:
+            raise ValueError(
+                f"head_dim: an {_shapes.POOL_FORMATS[pool_dtype]['name']} pool packs {per} "
+                f"elements per byte, so head_dim must be a multiple of {per}, got {dim}"
+            )
+        return dim // per
+    return f"{dim}/{per}"
 
 
 # Long: one ONNX model built input by input (value infos, node, graph); read in order.
@@ -620,6 +756,7 @@ def make_paged_update_model(
     dtype: str = "float16",
     pool_dtype: str | None = None,
     per_head_scales: bool = False,
+    scale_pool: bool = False,
     ring: bool = False,
     k_norm: bool = False,
     v_norm: bool = False,
@@ -633,8 +770,8 @@ def make_paged_update_model(
 
     Inputs (typed): ``k_delta``, ``v_delta`` ``[tokens, num_kv_heads, head_dim]`` in ``dtype``
     (float16, bfloat16 or float32); ``past_key_value`` ``[2, num_pages, 128, num_kv_heads,
-    head_dim]`` in ``pool_dtype`` (default ``dtype``; or float8_e4m3fn, then ``k_scale``,
-    ``v_scale`` float32 ``[1]``, or ``[num_kv_heads]`` with ``per_head_scales``);
+    head_dim]`` in ``pool_dtype`` (default ``dtype``; pools with scales and ``scale_pool`` as
+    :func:`make_update_model`'s);
     ``rope_cos_sin`` ``[tokens, rotary_dim]`` float32; ``delta_positions``,
     ``delta_token_to_sequence`` ``[tokens]`` int32; ``kv_page_table`` ``[batch, 2,
     max_pages_per_sequence]`` int32 (``max_pages_per_sequence <= num_pages``);
@@ -647,8 +784,9 @@ def make_paged_update_model(
 
     dtype, pool_dtype = _dtypes(dtype, pool_dtype)
     _check_page_size(page_size)
-    fp8_pool = pool_dtype == "float8_e4m3fn"
+    fp8_pool, scale_pool = _pool_scales(pool_dtype, scale_pool)
     node = make_paged_update_node(
+        scale_pool=scale_pool,
         ring=ring,
         fp8_pool=fp8_pool,
         k_norm=k_norm,
@@ -672,7 +810,7 @@ def make_paged_update_model(
 
     elem = getattr(TensorProto, _ONNX_TYPES[dtype])
     pool_elem = getattr(TensorProto, _ONNX_TYPES[pool_dtype])
-    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, dim]
+    pool_shape = [2, pages, TRT_TOKENS_PER_PAGE, heads, _pool_dim(pool_dtype, dim)]
     shapes = {
         "k_delta": (elem, [t, heads, dim]),
         "v_delta": (elem, [t, heads, dim]),
@@ -689,6 +827,7 @@ def make_paged_update_model(
         dim=dim,
         delta_elem=elem,
         per_head_scales=check_flag(per_head_scales, "per_head_scales"),
+        scale_pool_shape=pool_shape[:-1] if scale_pool else None,
     )
     return _typed_model(helper, TensorProto, node, PAGED_INPUTS, shapes, extras, graph_name, opset)
 
@@ -716,5 +855,18 @@ def make_node_model(node, operands: Sequence, *, opset: int = 17, graph_name: st
         for name, x in zip(node.input, operands)
     ]
     pool = operands[2]
-    output = helper.make_tensor_value_info(node.output[0], elem(pool), list(_dims(pool)))
-    return _model(helper, node, graph_name, inputs, output, opset)
+    outputs = [helper.make_tensor_value_info(node.output[0], elem(pool), list(_dims(pool)))]
+    if len(node.output) > 1:  # present_scale_pool: typed as the input after the base ones
+        named = [helper.get_attribute_value(a) for a in node.attribute if a.name == "form"]
+        form = named[0].decode() if named else "slot" if len(_dims(operands[0])) == 4 else "paged"
+        base = len(_shapes.BASE_NAMES.get(form, ()))
+        if not base or len(operands) <= base:
+            raise ValueError(
+                f"operands: the node has a second output ({node.output[1]!r}) but no input after "
+                f"the {form!r} form's base inputs to type it from"
+            )
+        scales = operands[base]
+        outputs.append(
+            helper.make_tensor_value_info(node.output[1], elem(scales), list(_dims(scales)))
+        )
+    return _model(helper, node, graph_name, inputs, outputs, opset)

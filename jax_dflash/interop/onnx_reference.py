@@ -11,7 +11,10 @@ types and values, ``plugin_version``, unknown attributes, input counts, dtypes a
 (:func:`jax_dflash.interop.onnx.check_plugin_operands`). Errors name the attribute or input.
 
 ONNX values are immutable, so a node writes into a copy of the pool and returns it; in TensorRT
-the output aliases the pool input instead (``getAliasedInput(0) == 2``).
+the output aliases the pool input instead (``getAliasedInput(0) == 2``). A node with a scale pool
+(attribute ``scale_pool = 1``) returns the updated copy of the scale pool too, as its second
+output; it runs on the JAX op's CPU custom call (the same kernel: the raw entry takes no scale
+pool).
 """
 
 from __future__ import annotations
@@ -57,13 +60,13 @@ def run_update_kernel(
     *,
     pages_per_slot: int,
     **options,
-) -> np.ndarray:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The slot contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
     Operands as :func:`jax_dflash.target_kv_cache_update` (unbatched or layer-batched), checked
     by the same code as the JAX primitive, so errors read the same; ``options`` are
     :func:`run_form_kernel`'s (``k_scale``, ``v_scale``, ``k_norm_weight``, ``v_norm``,
-    ``norm_eps``).
+    ``norm_eps``, ``scale_pool``: then ``(pool, scale_pool)`` is returned).
     """
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, delta_start_positions, delta_lengths]
     return run_form_kernel("slot", base, pages_per_slot=pages_per_slot, **options)
@@ -80,7 +83,7 @@ def run_paged_update_kernel(
     *,
     ring: bool | tuple[bool, ...] = False,
     **options,
-) -> np.ndarray:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The paged contract on the CPU kernel: returns an updated copy of ``past_key_value``.
 
     Operands as :func:`jax_dflash.target_kv_cache_update_paged` (unbatched or layer-batched,
@@ -103,8 +106,16 @@ _ATTRIBUTE_TYPES = {
     "v_norm": AttributeProto.INT,
     "norm_eps": AttributeProto.FLOAT,
     "form": AttributeProto.STRING,
+    "scale_pool": AttributeProto.INT,
 }
-_COMMON_ATTRIBUTES = ("plugin_version", "plugin_namespace", "k_norm", "v_norm", "norm_eps")
+_COMMON_ATTRIBUTES = (
+    "plugin_version",
+    "plugin_namespace",
+    "k_norm",
+    "v_norm",
+    "norm_eps",
+    "scale_pool",
+)
 _SLOT_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "pages_per_slot"))
 _PAGED_ATTRIBUTES = frozenset((*_COMMON_ATTRIBUTES, "ring"))
 
@@ -118,13 +129,20 @@ def run_form_kernel(
     k_norm_weight=None,
     v_norm: bool = False,
     norm_eps: float = dflash_onnx.DEFAULT_NORM_EPS,
+    scale_pool=None,
     **attributes,
-) -> np.ndarray:
+):
     """The addressing form ``form`` on the CPU kernel (its raw entry by form name): returns an
     updated copy of the pool. ``base`` are the form's base operands in its row's order;
     ``attributes`` the form's (``pages_per_slot``, ``ring``); checked by the same code as the
-    JAX primitive."""
+    JAX primitive. With ``scale_pool`` returns ``(pool, scale_pool)``, updated copies, from the
+    JAX op on the CPU (:func:`_run_with_scale_pool`)."""
     from jax_dflash._shapes import check_form
+
+    if scale_pool is not None:
+        return _run_with_scale_pool(
+            form, base, scale_pool, k_norm_weight, v_norm=v_norm, norm_eps=norm_eps, **attributes
+        )
 
     *base, k_scale, v_scale, weight = _contiguous(*base, k_scale, v_scale, k_norm_weight)
     check_form(form, base, k_scale=k_scale, v_scale=v_scale, k_norm_weight=weight, **attributes)
@@ -147,9 +165,40 @@ def run_form_kernel(
     return present
 
 
+# The JAX op of each form (its CPU custom call runs the kernel the raw entries run).
+_FORM_OPS = {
+    "slot": "target_kv_cache_update",
+    "paged": "target_kv_cache_update_paged",
+    "slot_mapping": "target_kv_cache_update_slots",
+}
+
+
+def _run_with_scale_pool(form, base, scale_pool, k_norm_weight, **options):
+    """``(pool, scale_pool)`` of a call with per-token-head scales: the JAX op of ``form`` on
+    the CPU device, on copies (its checks are the core's, as the raw entry's)."""
+    import contextlib
+
+    import jax
+
+    import jax_dflash
+
+    op = getattr(jax_dflash, _FORM_OPS[form])
+    # int64 slots stay int64 (JAX refuses to narrow them).
+    wide = any(np.asarray(x).dtype == np.int64 for x in base)
+    with jax.enable_x64(True) if wide else contextlib.nullcontext():
+        with jax.default_device(jax.devices("cpu")[0]):
+            pool, scales = op(
+                *[np.array(x) for x in base],
+                scale_pool=np.array(scale_pool),
+                k_norm_weight=None if k_norm_weight is None else np.array(k_norm_weight),
+                **options,
+            )
+    return np.array(pool), np.array(scales)
+
+
 def run_slots_update_kernel(
     k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping, **options
-) -> np.ndarray:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The slot-mapping form on the CPU kernel: :func:`run_form_kernel`, the options as
     :func:`run_paged_update_kernel`'s but ``ring``."""
     base = [k_delta, v_delta, past_key_value, rope_cos_sin, slot_mapping]
@@ -186,7 +235,7 @@ def _read_attributes(node, allowed: frozenset, contract: str) -> dict:
         raise ValueError(
             f"plugin_version: expected {dflash_onnx.PLUGIN_VERSION!r}, got {version!r}"
         )
-    for flag in ("ring", "k_norm", "v_norm"):
+    for flag in ("ring", "k_norm", "v_norm", "scale_pool"):
         if flag in values:
             if values[flag] not in (0, 1):
                 raise ValueError(f"{flag}: expected 0 or 1, got {values[flag]}")
@@ -206,15 +255,18 @@ class NodeTypeError(TypeError):
 
 def _kernel_options(extras: list, attributes: dict) -> dict:
     """The kernel's keywords from a checked node's extra inputs (``k_scale, v_scale`` when
-    present, then ``k_norm_weight`` with ``k_norm``; a ``[1]`` scale is the scalar) and its
-    attributes."""
+    present, or ``scale_pool`` with the attribute, then ``k_norm_weight`` with ``k_norm``; a
+    ``[1]`` scale is the scalar) and its attributes."""
     k_norm = attributes.get("k_norm", False)
-    k_scale = v_scale = None
-    if len(extras) - k_norm == 2:
+    k_scale = v_scale = scale_pool = None
+    if attributes.get("scale_pool", False):
+        scale_pool = extras[0]
+    elif len(extras) - k_norm == 2:
         k_scale, v_scale = (s.reshape(()) if s.shape == (1,) else s for s in extras[:2])
     return dict(
         k_scale=k_scale,
         v_scale=v_scale,
+        scale_pool=scale_pool,
         k_norm_weight=extras[-1] if k_norm else None,
         v_norm=attributes.get("v_norm", False),
         norm_eps=attributes.get("norm_eps", dflash_onnx.DEFAULT_NORM_EPS),
@@ -239,12 +291,24 @@ class _TargetKVCacheUpdate(OpRun):
     def _run(self, *inputs, **_attributes):  # attributes are read, typed, from the node
         node = self.onnx_node
         try:
-            return (self._update(list(inputs)),)
+            result = self._update(list(inputs))
+            outputs = result if isinstance(result, tuple) else (result,)
+            if len(outputs) != len(node.output):
+                raise ValueError(
+                    f"outputs: expected {len(outputs)} ({', '.join(self._output_names(outputs))})"
+                    f", got {len(node.output)}: {list(node.output)}"
+                )
+            return outputs
         except (TypeError, ValueError) as e:
             where = f"{dflash_onnx.PLUGIN_NAME} node {node.name!r} (domain {node.domain!r}): {e}"
             raise (NodeTypeError if isinstance(e, TypeError) else ValueError)(where) from e
 
-    def _update(self, inputs: list) -> np.ndarray:
+    @staticmethod
+    def _output_names(outputs) -> list[str]:
+        names = [dflash_onnx.OUTPUT_NAME, dflash_onnx.SCALE_OUTPUT_NAME]
+        return names[: len(outputs)]
+
+    def _update(self, inputs: list):
         node = self.onnx_node
         for i, (name, value) in enumerate(zip(node.input, inputs)):
             if value is None:
@@ -279,7 +343,11 @@ class _TargetKVCacheUpdate(OpRun):
                 )
         k_norm = attributes.get("k_norm", False)
         dflash_onnx.check_plugin_operands(
-            paged, inputs, k_norm=k_norm, pages_per_slot=attributes.get("pages_per_slot")
+            paged,
+            inputs,
+            k_norm=k_norm,
+            pages_per_slot=attributes.get("pages_per_slot"),
+            scale_pool=attributes.get("scale_pool", False),
         )
 
         base = len(dflash_onnx.PAGED_INPUTS if paged else dflash_onnx.SLOT_INPUTS)
@@ -292,7 +360,7 @@ class _TargetKVCacheUpdate(OpRun):
             *inputs[:base], pages_per_slot=attributes["pages_per_slot"], **options
         )
 
-    def _update_form(self, inputs: list, form: str) -> np.ndarray:
+    def _update_form(self, inputs: list, form: str) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """A node whose ``form`` attribute names its addressing form (the plugin's field): any
         form of the core's table but slot and paged, whose nodes are told apart by their inputs."""
         named = [f for f in dflash_onnx._shapes.FORMS if f not in dflash_onnx.UNNAMED_FORMS]
@@ -306,7 +374,8 @@ class _TargetKVCacheUpdate(OpRun):
         attributes = _read_attributes(self.onnx_node, allowed, form.replace("_", "-"))
         own = {name: attributes[name] for name in form_attributes if name in attributes}
         k_norm = attributes.get("k_norm", False)
-        dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm, **own)
+        scale_pool = attributes.get("scale_pool", False)
+        dflash_onnx.check_form_operands(form, inputs, k_norm=k_norm, scale_pool=scale_pool, **own)
         base = len(dflash_onnx._shapes.BASE_NAMES[form])
         options = _kernel_options(inputs[base:], attributes)
         return run_form_kernel(form, inputs[:base], **options, **own)

@@ -24,6 +24,8 @@ DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),  # int4: two elements per byte
 }
 DELTA_TYPED = ("k_delta", "v_delta", "k_norm_weight")  # stored in the delta dtype
 POOL_TYPED = ("past_key_value", "present_key_value")  # stored in the pool dtype
@@ -123,6 +125,15 @@ def _load_dump(entry, directory=None):
     return {name: load(name) for name in entry["inputs"]}, load(entry["output"])
 
 
+def _load_scale_output(entry, directory=None):
+    """The scale pool the plugin produced (``present_scale_pool``), or None for a dump of a
+    call without one."""
+    name = entry.get("scale_output")
+    if name is None:
+        return None
+    return np.load(Path(entry["dir"] if directory is None else directory) / f"{name}.npy")
+
+
 def _load_case(directory: Path):
     """(meta, arrays by name) of one dump directory, as ``_load_dump`` reads it."""
     meta = json.loads((Path(directory) / "meta.json").read_text())
@@ -144,6 +155,8 @@ def _op_arguments(entry, arrays):
         for name in ("k_scale", "v_scale"):
             scale = arrays[name]
             kwargs[name] = scale.reshape(()) if entry["scale_heads"] == 1 else scale
+    if "scale_pool" in arrays:
+        kwargs["scale_pool"] = arrays["scale_pool"]
     if entry["k_norm"]:
         kwargs["k_norm_weight"] = arrays["k_norm_weight"]
     return args, kwargs

@@ -27,7 +27,7 @@ struct Mutation {
 struct HostStandIns {
   std::array<char, 256> bytes{};
   std::array<void const*, 16> inputs{};
-  void* outputs[1] = {bytes.data()};
+  void* outputs[2] = {bytes.data(), bytes.data()};
   HostStandIns() { inputs.fill(bytes.data()); }
 };
 
@@ -43,6 +43,8 @@ void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m,
   std::vector<Tensor> in = inputs(good);
   Tensor out = output(good);
   m.change(in, out);
+  std::vector<Tensor> const extra =
+      good.scalePool ? std::vector<Tensor>{scaleOutput(good)} : std::vector<Tensor>{};
   std::string const t = tag(good);
   PluginPtr builder = makePlugin(fields, TensorRTPhase::kBUILD);
   PluginPtr deserialized = makePlugin(fields, TensorRTPhase::kRUNTIME);
@@ -51,17 +53,19 @@ void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m,
   IPluginV3OneBuildV2* b = build(builder.get());
   IPluginV3OneRuntime* rt = runtime(attached.get());
 
-  BuildDescs bd = buildDescs(in, in, in, out, out, out);
-  expectStatusFailure("configurePlugin: " + m.what + t, m.expected,
-                      [&] { return b->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
-  RuntimeDescs rd = runtimeDescs(in, out);
-  expectStatusFailure("onShapeChange: " + m.what + t, m.expected,
-                      [&] { return rt->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+  BuildDescs bd = buildDescs(in, in, in, out, out, out, extra);
+  expectStatusFailure("configurePlugin: " + m.what + t, m.expected, [&] {
+    return b->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs());
+  });
+  RuntimeDescs rd = runtimeDescs(in, out, extra);
+  expectStatusFailure("onShapeChange: " + m.what + t, m.expected, [&] {
+    return rt->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs());
+  });
   if (!m.countChanges) {
     HostStandIns host;
     rd.in.resize(16);  // enqueue reads as many descriptors as the form it infers: never past these
     expectStatusFailure("enqueue: " + m.what + t, m.expected, [&] {
-      return rt->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+      return rt->enqueue(rd.in.data(), rd.out(), host.inputs.data(), host.outputs, nullptr, nullptr);
     });
     check(std::all_of(host.bytes.begin(), host.bytes.end(), [](char c) { return c == 0; }),
           "a rejected enqueue writes nothing: " + m.what + t);
@@ -69,9 +73,9 @@ void rejectEverywhere(Case const& good, Fields const& fields, Mutation const& m,
   if (m.typesToo) {
     std::vector<DataType> types;
     for (Tensor const& x : in) types.push_back(x.type);
-    DataType outType{};
+    DataType outTypes[2]{};
     expectStatusFailure("getOutputDataTypes: " + m.what + t, m.expected, [&] {
-      return b->getOutputDataTypes(&outType, 1, types.data(), int32_t(types.size()));
+      return b->getOutputDataTypes(outTypes, good.nbOutputs(), types.data(), int32_t(types.size()));
     });
   }
 }
@@ -146,7 +150,11 @@ std::vector<Mutation> commonMutations(Case const& g) {
        false, true},
       {"k_delta kFP8", "k_delta: expected dtype float16, bfloat16 or float32", setType(0, DataType::kFP8),
        false, true},
-      {"pool kINT8", "past_key_value: expected dtype", setType(pool, DataType::kINT8), false, true},
+      {"pool kINT8 without k_scale and v_scale", "k_scale, v_scale are missing",
+       [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kINT8; }, false, true},
+      {"pool kUINT8 (int4) without a scale pool", "is stored with per-token-head dynamic scales only",
+       [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kUINT8; }, false, true},
+      {"pool kINT32", "past_key_value: expected dtype", setType(pool, DataType::kINT32), false, true},
       {"pool in a non-linear format", "past_key_value: expected the linear format", {}, false, false},
       {"5 inputs", "got 5 inputs", dropLast(nb - 5), true, true},
       {"11 inputs", "11 inputs",
@@ -154,7 +162,7 @@ std::vector<Mutation> commonMutations(Case const& g) {
          while (in.size() < 11) in.push_back({"extra", DataType::kFLOAT, makeDims({1})});
        },
        true, true},
-      {"k_scale and v_scale with a 16-bit pool", "k_scale and v_scale only with a kFP8 pool",
+      {"k_scale and v_scale with a 16-bit pool", "k_scale and v_scale only with a kFP8 or kINT8 pool",
        appendScales(g.H), true, true},
       {"a kFP8 pool without k_scale and v_scale", "k_scale, v_scale are missing",
        [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kFP8; }, true, true},
@@ -203,13 +211,15 @@ void runAll(Case const& g, std::vector<Mutation> const& mutations, IPluginResour
       BuildDescs bd = buildDescs(g, g, g);
       bd.in[dtrt::kPAST_KEY_VALUE].desc.format = TensorFormat::kHWC8;
       expectStatusFailure("configurePlugin: " + m.what + tag(g), m.expected, [&] {
-        return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+        return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs());
       });
       RuntimeDescs rd = runtimeDescs(g);
       rd.in[dtrt::kROPE_COS_SIN].format = TensorFormat::kCHW32;
-      expectStatusFailure(
-          "onShapeChange: rope_cos_sin in format kCHW32" + tag(g), "rope_cos_sin: expected the linear format",
-          [&] { return runtime(builder.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+      expectStatusFailure("onShapeChange: rope_cos_sin in format kCHW32" + tag(g),
+                          "rope_cos_sin: expected the linear format", [&] {
+                            return runtime(builder.get())
+                                ->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs());
+                          });
       continue;
     }
     rejectEverywhere(g, fields, m, context);
@@ -231,38 +241,39 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
   HostStandIns host;
   std::vector<Tensor> const in = inputs(g);
 
-  for (int32_t pos = 0; pos <= nb; ++pos) {
+  for (int32_t pos = 0; pos < nb + d.nbOutputs(); ++pos) {
     auto pointers = host.inputs;
-    void* outputs[1] = {host.bytes.data()};
+    void* outputs[2] = {host.bytes.data(), host.bytes.data()};
     if (pos < nb)
       pointers[pos] = nullptr;
     else
-      outputs[0] = nullptr;
-    std::string const name = pos < nb ? in[pos].name : "present_key_value";
+      outputs[pos - nb] = nullptr;
+    std::string const name = pos < nb ? in[pos].name : harness::outputs(g)[size_t(pos - nb)].name;
     expectStatusFailure("enqueue: null " + name + " pointer" + t, name + ": the ", [&] {
-      return rt->enqueue(d.in.data(), &d.out, pointers.data(), outputs, nullptr, nullptr);
+      return rt->enqueue(d.in.data(), d.out(), pointers.data(), outputs, nullptr, nullptr);
     });
   }
   expectStatusFailure("enqueue: null input descriptors" + t, "input descriptors are null", [&] {
-    return rt->enqueue(nullptr, &d.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+    return rt->enqueue(nullptr, d.out(), host.inputs.data(), host.outputs, nullptr, nullptr);
   });
   expectStatusFailure("enqueue: null output descriptors" + t, "output descriptors are null", [&] {
     return rt->enqueue(d.in.data(), nullptr, host.inputs.data(), host.outputs, nullptr, nullptr);
   });
   expectStatusFailure("enqueue: null pointer arrays" + t, "pointer arrays must not be null", [&] {
-    return rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr);
+    return rt->enqueue(d.in.data(), d.out(), nullptr, host.outputs, nullptr, nullptr);
   });
-  expectStatusFailure("onShapeChange: 0 outputs" + t, "expected 1 output",
-                      [&] { return rt->onShapeChange(d.in.data(), nb, &d.out, 0); });
+  expectStatusFailure("onShapeChange: 0 outputs" + t,
+                      g.scalePool ? "expected 2 outputs" : "expected 1 output",
+                      [&] { return rt->onShapeChange(d.in.data(), nb, d.out(), 0); });
   expectStatusFailure("onShapeChange: null input descriptors" + t, "input descriptors are null",
-                      [&] { return rt->onShapeChange(nullptr, nb, &d.out, 1); });
+                      [&] { return rt->onShapeChange(nullptr, nb, d.out(), d.nbOutputs()); });
   expectFailure(
       "attachToContext(nullptr)" + t, "resource context is null",
       [&] { return PluginPtr(runtime(deserialized.get())->attachToContext(nullptr)); },
       [](PluginPtr const& p) { return p == nullptr; });
   if (recorder != nullptr) {
     recorder->clear();
-    rt->enqueue(d.in.data(), &d.out, nullptr, host.outputs, nullptr, nullptr);
+    rt->enqueue(d.in.data(), d.out(), nullptr, host.outputs, nullptr, nullptr);
     check(recorder->getNbErrors() == 1 && recorder->getErrorCode(0) == ErrorCode::kINVALID_ARGUMENT &&
               std::string(recorder->getErrorDesc(0)).find("enqueue") != std::string::npos,
           "an attached plugin reports errors to the context's IErrorRecorder" + t);
@@ -275,22 +286,23 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
     shapes[i].nbDims = in[i].dims.nbDims;
     for (int32_t k = 0; k < in[i].dims.nbDims; ++k) shapes[i].d[k] = exprs.constant(in[i].dims.d[k]);
   }
-  DimsExprs out{};
+  DimsExprs out[2]{};
+  int32_t const nbOut = g.nbOutputs();
   expectStatusFailure("getOutputShapes with null inputs" + t, "must not be null",
-                      [&] { return b->getOutputShapes(nullptr, nb, nullptr, 0, &out, 1, exprs); });
+                      [&] { return b->getOutputShapes(nullptr, nb, nullptr, 0, out, nbOut, exprs); });
   expectStatusFailure("getOutputShapes with one input more" + t, "inputs", [&] {
     auto more = shapes;
     more.push_back(shapes.back());
     more.push_back(shapes.back());
     more.push_back(shapes.back());
-    return b->getOutputShapes(more.data(), nb + 3, nullptr, 0, &out, 1, exprs);
+    return b->getOutputShapes(more.data(), nb + 3, nullptr, 0, out, nbOut, exprs);
   });
   auto shapeCase = [&](std::string const& what, std::string const& expected,
                        std::function<void(std::vector<DimsExprs>&)> f) {
     auto bad = shapes;
     f(bad);
     expectStatusFailure("getOutputShapes: " + what + t, expected,
-                        [&] { return b->getOutputShapes(bad.data(), nb, nullptr, 0, &out, 1, exprs); });
+                        [&] { return b->getOutputShapes(bad.data(), nb, nullptr, 0, out, nbOut, exprs); });
   };
   shapeCase("pool of rank 4", "past_key_value: expected rank 5",
             [](auto& e) { e[dtrt::kPAST_KEY_VALUE].nbDims = 4; });
@@ -307,25 +319,26 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
   // supportsFormatCombination's arguments.
   BuildDescs bd = buildDescs(g, g, g);
   std::vector<DynamicPluginTensorDesc> inOut = bd.in;
-  inOut.push_back(bd.out);
+  inOut.insert(inOut.end(), bd.outs.begin(), bd.outs.end());
   expectFailure(
       "supportsFormatCombination pos past the output" + t,
-      "expected pos in [0, " + std::to_string(nb + 1) + ")",
-      [&] { return b->supportsFormatCombination(nb + 1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+      "expected pos in [0, " + std::to_string(nb + nbOut) + ")",
+      [&] { return b->supportsFormatCombination(nb + nbOut, inOut.data(), nb, nbOut); },
+      [](bool ok) { return !ok; });
   expectFailure(
       "supportsFormatCombination pos -1" + t, "expected pos in",
-      [&] { return b->supportsFormatCombination(-1, inOut.data(), nb, 1); }, [](bool ok) { return !ok; });
+      [&] { return b->supportsFormatCombination(-1, inOut.data(), nb, nbOut); }, [](bool ok) { return !ok; });
   expectFailure(
       "supportsFormatCombination null inOut" + t, "inOut is null",
-      [&] { return b->supportsFormatCombination(0, nullptr, nb, 1); }, [](bool ok) { return !ok; });
+      [&] { return b->supportsFormatCombination(0, nullptr, nb, nbOut); }, [](bool ok) { return !ok; });
   expectFailure(
       "supportsFormatCombination with 5 inputs" + t, "got 5 inputs",
-      [&] { return b->supportsFormatCombination(0, inOut.data(), 5, 1); }, [](bool ok) { return !ok; });
+      [&] { return b->supportsFormatCombination(0, inOut.data(), 5, nbOut); }, [](bool ok) { return !ok; });
   {
     logger().clear();
     auto probe = inOut;
     probe[1].desc.type = DataType::kINT8;
-    bool const refused = !b->supportsFormatCombination(1, probe.data(), nb, 1);
+    bool const refused = !b->supportsFormatCombination(1, probe.data(), nb, nbOut);
     check(
         refused && logger().saw(ILogger::Severity::kVERBOSE, "v_delta: expected dtype") &&
             logger().nbErrors() == 0,
@@ -337,7 +350,7 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
   // logged as the other entry points log it.
   {
     logger().clear();
-    check(b->getWorkspaceSize(bd.in.data(), nb, &bd.out, 1) == 0 && logger().nbErrors() == 0,
+    check(b->getWorkspaceSize(bd.in.data(), nb, bd.out(), bd.nbOutputs()) == 0 && logger().nbErrors() == 0,
           "getWorkspaceSize of a good call is 0, without errors" + t, logger().all());
     auto workspaceLogs = [&](std::string const& what, std::string const& expected,
                              std::function<size_t()> call) {
@@ -349,17 +362,17 @@ void entryPointArguments(Case const& g, IPluginResourceContext* context, Recordi
             "expected '" + expected + "'; log: " + logger().all());
     };
     workspaceLogs("5 inputs", "got 5 inputs",
-                  [&] { return b->getWorkspaceSize(bd.in.data(), 5, &bd.out, 1); });
-    workspaceLogs("0 outputs", "expected 1 output",
-                  [&] { return b->getWorkspaceSize(bd.in.data(), nb, &bd.out, 0); });
+                  [&] { return b->getWorkspaceSize(bd.in.data(), 5, bd.out(), bd.nbOutputs()); });
+    workspaceLogs("0 outputs", g.scalePool ? "expected 2 outputs" : "expected 1 output",
+                  [&] { return b->getWorkspaceSize(bd.in.data(), nb, bd.out(), 0); });
     workspaceLogs("null input descriptors", "the input descriptors are null",
-                  [&] { return b->getWorkspaceSize(nullptr, nb, &bd.out, 1); });
+                  [&] { return b->getWorkspaceSize(nullptr, nb, bd.out(), bd.nbOutputs()); });
     workspaceLogs("null descriptors and 5 inputs", "got 5 inputs",
-                  [&] { return b->getWorkspaceSize(nullptr, 5, nullptr, 1); });
+                  [&] { return b->getWorkspaceSize(nullptr, 5, nullptr, nbOut); });
     BuildDescs bad = bd;
     bad.in[dtrt::kPAST_KEY_VALUE].desc.dims.nbDims = 4;
     workspaceLogs("a pool of rank 4", "past_key_value: expected rank 5",
-                  [&] { return b->getWorkspaceSize(bad.in.data(), nb, &bad.out, 1); });
+                  [&] { return b->getWorkspaceSize(bad.in.data(), nb, bad.out(), bad.nbOutputs()); });
   }
   expectFailure(
       "getCapabilityInterface(unknown type)" + t, "expected PluginCapabilityType",
@@ -398,9 +411,10 @@ void symbolicShapes(Case const& g, Fields const& fields, std::vector<SymbolicCas
       IDimensionExpr const* symbol = exprs.symbol();
       for (auto const& [i, d] : group) shapes[i].d[d] = symbol;
     }
-    DimsExprs outExprs{};
+    DimsExprs outExprs[2]{};
     auto call = [&] {
-      return b->getOutputShapes(shapes.data(), int32_t(shapes.size()), nullptr, 0, &outExprs, 1, exprs);
+      return b->getOutputShapes(shapes.data(), int32_t(shapes.size()), nullptr, 0, outExprs, g.nbOutputs(),
+                                exprs);
     };
     if (c.expected.empty()) {
       logger().clear();
@@ -419,7 +433,8 @@ void configureOnWildcards(Case const& g, Case lo, Case hi, std::string const& wh
   if (!builder) return void(check(false, "createPlugin for " + what + tag(g), logger().all()));
   BuildDescs bd = buildDescs(lo, g, hi);
   logger().clear();
-  int32_t const status = build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+  int32_t const status =
+      build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs());
   check(status != 0 && logger().sawError(expected) && !logger().sawError("profile "),
         "configurePlugin rejects " + what + " on the build-time dims" + tag(g),
         "expected '" + expected + "' without a profile; log: " + logger().all());
@@ -438,6 +453,14 @@ Case pagedGood() {
   g.name = "paged_bad";
   g.contract = Contract::kPaged;
   g.T = 16, g.H = 2, g.D = 64, g.N = 8, g.B = 3, g.M = 4, g.R = 64;
+  return g;
+}
+
+Case slotMappingGood() {
+  Case g;
+  g.name = "slot_mapping_bad";
+  g.contract = Contract::kSlotMapping;
+  g.T = 16, g.H = 2, g.D = 64, g.N = 8, g.R = 64;
   return g;
 }
 
@@ -533,7 +556,8 @@ void fieldCases() {
     f.addFloat32(dtrt::kNORM_EPS_FIELD, 1e-5f);
     rejected("norm_eps given twice", "field 'norm_eps': given twice", f);
   }
-  for (char const* name : {dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD}) {
+  for (char const* name :
+       {dtrt::kRING_FIELD, dtrt::kK_NORM_FIELD, dtrt::kV_NORM_FIELD, dtrt::kSCALE_POOL_FIELD}) {
     for (int32_t value : {2, -1}) {
       Fields f;
       f.addInt32(name, value);
@@ -636,16 +660,17 @@ void fieldCases() {
           "a slot plugin without pages_per_slot yet answers getOutputDataTypes and getOutputShapes",
           logger().all());
   }
-  expectStatusFailure("configurePlugin of the slot contract with pages_per_slot missing",
-                      "pages_per_slot is missing",
-                      [&] { return ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1); });
   expectStatusFailure(
-      "onShapeChange of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
-      [&] { return runtime(unset.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1); });
+      "configurePlugin of the slot contract with pages_per_slot missing", "pages_per_slot is missing",
+      [&] { return ub->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs()); });
+  expectStatusFailure(
+      "onShapeChange of the slot contract with pages_per_slot missing", "pages_per_slot is missing", [&] {
+        return runtime(unset.get())->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs());
+      });
   expectStatusFailure(
       "enqueue of the slot contract with pages_per_slot missing", "pages_per_slot is missing", [&] {
         return runtime(unset.get())
-            ->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+            ->enqueue(rd.in.data(), rd.out(), host.inputs.data(), host.outputs, nullptr, nullptr);
       });
   auto* concrete = dynamic_cast<dtrt::DFlashTargetKVCacheUpdatePlugin*>(unset.get());
   if (check(concrete != nullptr,
@@ -656,7 +681,7 @@ void fieldCases() {
     });
     concrete->setPagesPerSlot(int32_t(g.pagesPerSlot));
     logger().clear();
-    check(ub->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0,
+    check(ub->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs()) == 0,
           "setPagesPerSlot() then configurePlugin succeeds", logger().all());
     PluginPtr clone(unset->clone());
     std::string const problem =
@@ -875,6 +900,155 @@ void pagedBadInputs(IPluginResourceContext* context) {
   }
 }
 
+void quantizedBadInputs(IPluginResourceContext* context) {
+  Group group(kQuantizedBadGroup);
+  requireGroup(kQuantizedBadGroup);
+  // A kINT8 pool with a scale pool, paged: every scale-pool rule.
+  Case g = pagedGood();
+  g.name = "paged_int8_scale_pool_bad";
+  g.pool = DataType::kINT8, g.scalePool = true;
+  int32_t const sp = scalePoolIndex(g);
+  int32_t const pool = dtrt::kPAST_KEY_VALUE;
+  std::string const spShape =
+      "scale_pool: expected [2, " + std::to_string(g.N) + ", 128, " + std::to_string(g.H) + "]";
+  std::vector<Mutation> const m = {
+      {"a scale pool with a 16-bit pool", "scale_pool: a float16 pool takes no scale pool",
+       [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kHALF; }},
+      {"a scale pool with a kFLOAT pool", "scale_pool: a float32 pool takes no scale pool",
+       [](std::vector<Tensor>& in, Tensor& out) { in[2].type = out.type = DataType::kFLOAT; }},
+      {"both static and dynamic scales",
+       "per-token-head scales (scale_pool) replace the static k_scale and v_scale",
+       [sp, H = g.H](std::vector<Tensor>& in, Tensor&) {
+         in.insert(in.begin() + sp, {{"k_scale", DataType::kFLOAT, makeDims({H})},
+                                     {"v_scale", DataType::kFLOAT, makeDims({H})}});
+       },
+       true, true},
+      {"scale_pool=1 without the scale pool", "scale_pool is missing", eraseAt(sp, 1), true, true},
+      {"a scale pool of H + 1 heads", spShape, setDim(sp, 3, g.H + 1)},
+      {"a scale pool of 64 tokens per page", spShape, setDim(sp, 2, 64)},
+      {"a scale pool of N + 1 pages", spShape, setDim(sp, 1, g.N + 1)},
+      {"a scale pool of rank 5 (with D)", spShape,
+       [sp, D = g.D](std::vector<Tensor>& in, Tensor&) {
+         in[size_t(sp)].dims.nbDims = 5;
+         in[size_t(sp)].dims.d[4] = D;
+       }},
+      {"a scale pool of rank 3", spShape, setRank(sp, 3)},
+      {"a scale pool float16", "scale_pool: expected dtype float32", setType(sp, DataType::kHALF), false,
+       true},
+      {"a scale pool int32", "scale_pool: expected dtype float32", setType(sp, DataType::kINT32), false,
+       true},
+  };
+  runAll(g, m, context);
+  entryPointArguments(g, context, nullptr);
+  {
+    // present_scale_pool must be the scale pool: its own shape and dtype.
+    PluginPtr builder = makePlugin(nodeFields(g), TensorRTPhase::kBUILD);
+    PluginPtr attached(runtime(builder.get())->attachToContext(context));
+    for (auto const& [what, change] :
+         std::vector<std::pair<std::string, std::function<void(PluginTensorDesc&)>>>{
+             {"present_scale_pool of N + 1 pages", [](PluginTensorDesc& d) { d.dims.d[1] += 1; }},
+             {"present_scale_pool float16", [](PluginTensorDesc& d) { d.type = DataType::kHALF; }}}) {
+      RuntimeDescs rd = runtimeDescs(g);
+      change(rd.outs[1]);
+      expectStatusFailure(
+          "onShapeChange: " + what + tag(g), "present_scale_pool: expected scale_pool's shape",
+          [&] { return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), 2); });
+      BuildDescs bd = buildDescs(g, g, g);
+      bd.outs[1].desc.dims = rd.outs[1].dims, bd.outs[1].desc.type = rd.outs[1].type;
+      bd.outs[1].min = bd.outs[1].opt = bd.outs[1].max = rd.outs[1].dims;
+      expectStatusFailure(
+          "configurePlugin: " + what + tag(g), "present_scale_pool: expected scale_pool's shape",
+          [&] { return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), 2); });
+    }
+    {
+      // getOutputDataTypes (dtypes only) names the pool's dtype rule.
+      std::vector<DataType> types;
+      for (Tensor const& x : inputs(g)) types.push_back(x.type);
+      types[size_t(pool)] = DataType::kHALF;
+      DataType outTypes[2]{};
+      expectStatusFailure(
+          "getOutputDataTypes: a scale pool with a 16-bit pool" + tag(g),
+          "past_key_value: scale_pool is given, so a pool format with scales", [&] {
+            return build(builder.get())->getOutputDataTypes(outTypes, 2, types.data(), int32_t(types.size()));
+          });
+    }
+    RuntimeDescs rd = runtimeDescs(g);
+    expectStatusFailure(
+        "onShapeChange: 1 output with scale_pool=1" + tag(g),
+        "expected 2 outputs (present_key_value, present_scale_pool",
+        [&] { return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), 1); });
+    // Aliasing: the scale pool's input index is the contract's, known once the inputs said it.
+    PluginPtr fresh = makePlugin(nodeFields(g), TensorRTPhase::kBUILD);
+    expectFailure(
+        "getAliasedInput(1) before the contract is known" + tag(g), "the contract is not known yet",
+        [&] { return build(fresh.get())->getAliasedInput(1); }, [](int32_t index) { return index == -1; });
+    Case named = g;
+    named.contract = Contract::kSlotMapping;
+    PluginPtr withForm = makePlugin(nodeFields(named), TensorRTPhase::kBUILD);
+    check(build(withForm.get())->getAliasedInput(1) == dflash::base_operand_count(Contract::kSlotMapping),
+          "getAliasedInput(1) is the named form's scale_pool input (5) before any shape");
+  }
+
+  // A slot kFP8 pool with a scale pool: the k_scale, v_scale count of a static call is refused.
+  Case f = slotGood();
+  f.name = "slot_fp8_scale_pool_bad";
+  f.pool = DataType::kFP8, f.scalePool = true;
+  Case staticCount = f;
+  staticCount.scalePool = false;
+  rejectEverywhere(staticCount, nodeFields(staticCount),
+                   {"a scale pool after k_scale, v_scale without the field scale_pool=1",
+                    "scale_pool (in place of k_scale, v_scale) only with the field scale_pool=1",
+                    [H = f.H, N = f.N](std::vector<Tensor>& in, Tensor&) {
+                      in.push_back({"scale_pool", DataType::kFLOAT, makeDims({2, N, 128, H})});
+                    },
+                    true, true},
+                   context);
+  runAll(
+      f,
+      {{"a scale pool of H + 1 heads", "scale_pool: expected [2, ", setDim(scalePoolIndex(f), 3, f.H + 1)}},
+      context);
+
+  // int4: kUINT8 [2, N, 128, H, D / 2] with a scale pool.
+  Case q = slotMappingGood();
+  q.name = "slot_mapping_int4_bad";
+  q.pool = DataType::kUINT8, q.scalePool = true;
+  Change const oddD = [](std::vector<Tensor>& in, Tensor&) {
+    in[0].dims.d[2] += 1;  // k_delta, v_delta [T, H, D + 1]
+    in[1].dims.d[2] += 1;
+  };
+  runAll(q,
+         {{"int4 with an odd D",
+           "so the head dim D must be even, got k_delta's D = " + std::to_string(q.D + 1), oddD},
+          {"int4 pool's last dim D (not D / 2)",
+           "past_key_value: expected last dim D/2 = " + std::to_string(q.D / 2),
+           onPool([D = q.D](Dims& d) { d.d[4] = D; })},
+          {"int4 pool's last dim D / 2 + 1", "past_key_value: expected last dim D/2",
+           onPool([D = q.D](Dims& d) { d.d[4] = D / 2 + 1; })},
+          {"int4 scale pool of H + 1 heads", "scale_pool: expected [2, ",
+           setDim(scalePoolIndex(q), 3, q.H + 1)}},
+         context);
+  entryPointArguments(q, context, nullptr);
+  Case noPool = q;
+  noPool.scalePool = false;
+  noPool.name = "slot_mapping_int4_without_scale_pool_bad";
+  rejectEverywhere(
+      noPool, nodeFields(noPool),
+      {"int4 without a scale pool",
+       "an int4 pool (uint8 [2, N, P, H, D/2]) is stored with per-token-head dynamic scales only",
+       [](std::vector<Tensor>&, Tensor&) {}, false, true},
+      context);
+  rejectEverywhere(noPool, nodeFields(noPool),
+                   {"int4 with k_scale and v_scale", "k_scale and v_scale only with a kFP8 or kINT8 pool",
+                    appendScales(q.H), true, true},
+                   context);
+  // A kINT8 pool's static scales: every extras rule the kFP8 pool's has.
+  Case x = withExtras(pagedGood());
+  x.name = "paged_int8_k_norm_bad";
+  x.pool = DataType::kINT8;
+  runAll(x, extrasMutations(x), context);
+  entryPointArguments(x, context, nullptr);
+}
+
 void overflowCases(IPluginResourceContext* context) {
   Group group(kOverflowGroup);
   requireGroup(kOverflowGroup);
@@ -915,16 +1089,16 @@ void overflowCases(IPluginResourceContext* context) {
     PluginPtr attached(runtime(builder.get())->attachToContext(context));
     BuildDescs bd = buildDescs(b.min, b.min, b.max);
     expectStatusFailure("configurePlugin: " + b.what + " in the max profile", "overflows int64", [&] {
-      return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1);
+      return build(builder.get())->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs());
     });
     RuntimeDescs rd = runtimeDescs(b.max);
     expectStatusFailure("onShapeChange: " + b.what, "overflows int64", [&] {
-      return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1);
+      return runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs());
     });
     HostStandIns host;
     expectStatusFailure("enqueue: " + b.what, "overflows int64", [&] {
       return runtime(attached.get())
-          ->enqueue(rd.in.data(), &rd.out, host.inputs.data(), host.outputs, nullptr, nullptr);
+          ->enqueue(rd.in.data(), rd.out(), host.inputs.data(), host.outputs, nullptr, nullptr);
     });
   }
 }

@@ -11,6 +11,8 @@ namespace harness {
 inline constexpr char const* kSlotContractGroup = "slot_contract";
 inline constexpr char const* kPagedContractGroup = "paged_contract";
 inline constexpr char const* kSlotMappingContractGroup = "slot_mapping_contract";
+inline constexpr char const* kQuantizedContractGroup = "quantized_contract";
+inline constexpr char const* kQuantizedBadGroup = "quantized_bad_inputs";
 inline constexpr char const* kFieldsGroup = "fields";
 inline constexpr char const* kSlotBadGroup = "slot_bad_inputs";
 inline constexpr char const* kPagedBadGroup = "paged_bad_inputs";
@@ -25,12 +27,16 @@ inline constexpr char const* kShapeCasesGroup = "shape_cases";
 void slotContractCases(IPluginResourceContext* context);
 void pagedContractCases(IPluginResourceContext* context);
 void slotMappingContractCases(IPluginResourceContext* context);
+// kINT8 pools with static scales, kINT8 / kFP8 / int4 pools with a scale pool, every form.
+void quantizedContractCases(IPluginResourceContext* context);
 
 // Every bad-input path: fields, each contract's bad shapes/dtypes/counts, 2^62 dims.
 void fieldCases();
 void slotBadInputs(IPluginResourceContext* context, RecordingErrorRecorder* recorder);
 void pagedBadInputs(IPluginResourceContext* context);
 void overflowCases(IPluginResourceContext* context);
+// The quantized formats' bad inputs: scale pool shapes, dtypes and counts, int4's packing.
+void quantizedBadInputs(IPluginResourceContext* context);
 
 // --gpu: enqueue on device buffers; inputs and pools dumped as .npy under dumpDir (may be "").
 void gpuCases(std::string const& dumpDir, IPluginResourceContext* context);

@@ -1,6 +1,6 @@
 // --gpu [--dump DIR]: enqueue on device buffers for every addressing form (every pool dtype, kFP8
-// pools with per-tensor and per-head scales, k_norm / v_norm, hostile positions, owners, tables and
-// slots),
+// and kINT8 pools with per-tensor and per-head scales, kINT8, kFP8 and int4 pools with a scale
+// pool, k_norm / v_norm, hostile positions, owners, tables and slots),
 // with guard bands around the pool, into a separate output and in place. The inputs and the
 // pool the plugin produced are dumped as .npy under DIR/<case>/, indexed in the report's "dumps",
 // for tests/test_trt_plugin.py to compare with the JAX op and the NumPy reference bit for bit.
@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -40,6 +41,10 @@ std::vector<char> randomValues(int64_t count, DataType type, float lo, float hi)
       do b = uint8_t(nextRandom());
       while ((b & 0x7F) == 0x7F);  // any finite e4m3 byte
       bytes[size_t(i)] = char(b);
+      continue;
+    }
+    if (type == DataType::kINT8 || type == DataType::kUINT8) {  // any int8, any two int4 nibbles
+      bytes[size_t(i)] = char(uint8_t(nextRandom()));
       continue;
     }
     float const x = uniform(lo, hi);
@@ -86,7 +91,9 @@ char const* npyDescr(DataType type) {
   switch (type) {
     case DataType::kHALF: return "<f2";
     case DataType::kBF16: return "<u2";
-    case DataType::kFP8: return "|u1";
+    case DataType::kFP8:
+    case DataType::kUINT8: return "|u1";
+    case DataType::kINT8: return "|i1";
     case DataType::kINT32: return "<i4";
     case DataType::kINT64: return "<i8";
     default: return "<f4";
@@ -262,11 +269,14 @@ std::vector<std::vector<char>> hostInputs(Case const& c) {
     host.push_back(bytesOf(owners));
     host.push_back(bytesOf(table));
   }
-  if (c.fp8()) {
-    // Small scales: some products saturate at 448.
+  if (c.staticScales()) {
+    // Small scales: some products saturate at 448 (kFP8) or 127 (kINT8).
     host.push_back(randomValues(c.scaleHeads, DataType::kFLOAT, 0.004f, 0.05f));
     host.push_back(randomValues(c.scaleHeads, DataType::kFLOAT, 0.004f, 0.05f));
   }
+  // The scales of the rows already stored: each written row's is replaced by the call.
+  if (c.scalePool)
+    host.push_back(randomValues(volume(in[size_t(scalePoolIndex(c))].dims), DataType::kFLOAT, 0.01f, 1.f));
   if (c.kNorm) host.push_back(randomValues(c.D, c.delta, 0.5f, 1.5f));
   return host;
 }
@@ -289,9 +299,13 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
     device.push_back(
         std::make_unique<DeviceBuffer>(i == dtrt::kPAST_KEY_VALUE ? poolBytes + 2 * kGuard : host[i].size()));
   DeviceBuffer separateOutput(poolBytes);
+  int32_t const sp = scalePoolIndex(c);
+  size_t const scaleBytes = sp >= 0 ? host[size_t(sp)].size() : 0;
+  DeviceBuffer separateScales(scaleBytes);
   for (auto const& buffer : device)
     if (buffer->ptr == nullptr) return void(check(false, "cudaMalloc" + t));
-  if (separateOutput.ptr == nullptr) return void(check(false, "cudaMalloc" + t));
+  if (separateOutput.ptr == nullptr || separateScales.ptr == nullptr)
+    return void(check(false, "cudaMalloc" + t));
   char* pool = static_cast<char*>(device[dtrt::kPAST_KEY_VALUE]->ptr) + kGuard;
   std::vector<char> const guardPattern(poolBytes + 2 * kGuard, char(0xA5));
   bool uploaded = cudaOk(cudaMemcpy(device[dtrt::kPAST_KEY_VALUE]->ptr, guardPattern.data(),
@@ -307,13 +321,14 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   cudaStream_t stream = nullptr;
   if (!uploaded || !cudaOk(cudaStreamCreate(&stream), "cudaStreamCreate" + t)) return;
 
-  // Not aliased first (the output starts as a copy of the pool), then aliased (in place).
-  void* separate[1] = {separateOutput.ptr};
+  // Not aliased first (the outputs start as copies of the pool and the scale pool), then aliased
+  // (in place).
+  void* separate[2] = {separateOutput.ptr, separateScales.ptr};
   logger().clear();
-  check(played.rt->enqueue(d.in.data(), &d.out, pointers.data(), separate, nullptr, stream) == 0,
+  check(played.rt->enqueue(d.in.data(), d.out(), pointers.data(), separate, nullptr, stream) == 0,
         "enqueue into a separate output" + t, logger().all());
-  void* aliased[1] = {pool};
-  check(played.rt->enqueue(d.in.data(), &d.out, pointers.data(), aliased, nullptr, stream) == 0,
+  void* aliased[2] = {pool, sp >= 0 ? device[size_t(sp)]->ptr : nullptr};
+  check(played.rt->enqueue(d.in.data(), d.out(), pointers.data(), aliased, nullptr, stream) == 0,
         "enqueue in place (output aliases the pool)" + t, logger().all());
   cudaOk(cudaStreamSynchronize(stream), "cudaStreamSynchronize" + t);
 
@@ -331,6 +346,15 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
         "aliased and separate outputs are identical" + t);
   check(std::memcmp(withGuards.data() + kGuard, host[dtrt::kPAST_KEY_VALUE].data(), poolBytes) != 0,
         "the pool was updated" + t);
+  std::vector<char> scales(scaleBytes), unaliasedScales(scaleBytes);
+  if (sp >= 0) {
+    cudaOk(cudaMemcpy(scales.data(), device[size_t(sp)]->ptr, scaleBytes, cudaMemcpyDeviceToHost),
+           "download scale pool" + t);
+    cudaOk(cudaMemcpy(unaliasedScales.data(), separateScales.ptr, scaleBytes, cudaMemcpyDeviceToHost),
+           "download scale output" + t);
+    check(scales == unaliasedScales, "aliased and separate scale pools are identical" + t);
+    check(scales != host[size_t(sp)], "the scale pool was updated" + t);
+  }
 
   // A rejected enqueue on real buffers leaves the pool untouched.
   std::vector<char> const before(withGuards);
@@ -354,7 +378,7 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   }
   logger().clear();
   bool const rejected =
-      played.rt->enqueue(bad.in.data(), &bad.out, pointers.data(), aliased, nullptr, stream) != 0;
+      played.rt->enqueue(bad.in.data(), bad.out(), pointers.data(), aliased, nullptr, stream) != 0;
   cudaStreamSynchronize(stream);
   cudaOk(cudaMemcpy(withGuards.data(), device[dtrt::kPAST_KEY_VALUE]->ptr, withGuards.size(),
                     cudaMemcpyDeviceToHost),
@@ -375,6 +399,9 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
   }
   ok = ok && writeNpy(dir + "/present_key_value.npy", npyDescr(c.pool), output(c).dims,
                       withGuards.data() + kGuard, poolBytes);
+  if (sp >= 0)
+    ok = ok && writeNpy(dir + "/present_scale_pool.npy", npyDescr(DataType::kFLOAT), scaleOutput(c).dims,
+                        scales.data(), scaleBytes);
   JsonObject entry;
   entry.add("name", c.name)
       .add("dir", dir)
@@ -390,7 +417,10 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
       .add("output", "present_key_value");
   if (c.contract == Contract::kSlot) entry.add("pages_per_slot", c.pagesPerSlot);
   if (c.contract == Contract::kSlotMapping) entry.add("slot_dtype", dtypeName(c.slotIndex));
-  if (c.fp8()) entry.add("scale_heads", c.scaleHeads);
+  if (c.staticScales()) entry.add("scale_heads", c.scaleHeads);
+  if (c.scalePool) entry.add("scale_output", "present_scale_pool");
+  // The pool's format by name (int4's bytes are uint8).
+  entry.add("pool_format", c.int4() ? std::string("int4") : dtypeName(c.pool));
   FILE* meta = std::fopen((dir + "/meta.json").c_str(), "w");
   ok = ok && meta != nullptr;
   if (meta != nullptr) {
@@ -398,6 +428,31 @@ void gpuCase(Case const& c, std::string const& dumpDir, IPluginResourceContext* 
     ok = std::fclose(meta) == 0 && ok;
   }
   if (check(ok, "dumped inputs and output to " + dir)) addDump(entry);
+}
+
+// The quantized formats of one form: kINT8 with static scales (per head, per tensor), kINT8 and
+// kFP8 with a scale pool, and int4 (kUINT8 [.., D / 2], a scale pool only) where contract.h's row
+// says a CUDA kernel stores it. `make(shape, delta, pool)` builds a case of the form; shapes 0 and
+// 1 must have an even D.
+template <typename Make, typename Shape>
+void quantizedCases(std::vector<Case>& cases, Make make, Shape const* shapes) {
+  Case c = make(shapes[0], DataType::kHALF, DataType::kINT8);
+  c.name += "_per_head_scales", c.scaleHeads = c.H;
+  cases.push_back(c);
+  c = make(shapes[1], DataType::kBF16, DataType::kINT8);
+  c.name += "_per_tensor_scales_k_norm", c.scaleHeads = 1, c.kNorm = true;
+  cases.push_back(c);
+  c = make(shapes[0], DataType::kBF16, DataType::kINT8);
+  c.name += "_scale_pool", c.scalePool = true;
+  cases.push_back(c);
+  c = make(shapes[1], DataType::kFLOAT, DataType::kFP8);
+  c.name += "_scale_pool_k_norm_v_norm", c.scalePool = true, c.kNorm = c.vNorm = true, c.eps = 1e-5f;
+  cases.push_back(c);
+  if (dflash::pool_format(dflash::DType::kUInt8)->cuda) {
+    c = make(shapes[0], DataType::kHALF, DataType::kUINT8);
+    c.name += "_int4_scale_pool", c.scalePool = true;
+    cases.push_back(c);
+  }
 }
 
 std::vector<Case> slotGpuCases() {
@@ -443,6 +498,7 @@ std::vector<Case> slotGpuCases() {
   c = make(shapes[1], DataType::kBF16, DataType::kFLOAT);
   c.name += "_k_norm", c.kNorm = true;
   cases.push_back(c);
+  quantizedCases(cases, make, shapes);
   return cases;
 }
 
@@ -486,6 +542,10 @@ std::vector<Case> pagedGpuCases() {
   c = make(shapes[1], DataType::kHALF, DataType::kFLOAT);
   c.name += "_v_norm", c.vNorm = true;
   cases.push_back(c);
+  Case ring = make(shapes[2], DataType::kHALF, DataType::kINT8);
+  ring.name += "_scale_pool_ring", ring.scalePool = true, ring.ring = true;
+  cases.push_back(ring);
+  quantizedCases(cases, make, shapes);
   return cases;
 }
 
@@ -529,6 +589,7 @@ std::vector<Case> slotMappingGpuCases() {
   c = make(shapes[0], DataType::kBF16, DataType::kBF16);
   c.name += "_k_norm", c.kNorm = true;
   cases.push_back(c);
+  quantizedCases(cases, make, shapes);
   return cases;
 }
 
@@ -556,6 +617,15 @@ void gpuCases(std::string const& dumpDir, IPluginResourceContext* context) {
     Group group(kGpuSlotMappingGroup);
     requireGroup(kGpuSlotMappingGroup);
     for (Case const& c : slotMappingGpuCases()) gpuCase(c, dumpDir, context);
+  }
+  if (!dflash::pool_format(dflash::DType::kUInt8)->cuda) {
+    // No int4 dumps: contract.h's row says no CUDA kernel stores int4 yet, and the plugin says so.
+    Group group(kGpuSlotGroup);
+    std::printf("NOTE int4 GPU cases left out: contract.h's int4 row has cuda = false (no CUDA kernel)\n");
+    Case c = slotGpuCases().front();
+    c.name = "slot_int4_without_a_cuda_kernel", c.pool = DataType::kUINT8, c.scalePool = true;
+    Played played = playContract(c, c, c, context);
+    if (played.rt != nullptr) enqueueEmpty(played.rt, c);
   }
 }
 

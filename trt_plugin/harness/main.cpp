@@ -50,10 +50,12 @@ int main(int argc, char** argv) {
     slotContractCases(&context);
     pagedContractCases(&context);
     slotMappingContractCases(&context);
+    quantizedContractCases(&context);
     fieldCases();
     slotBadInputs(&context, &recorder);
     pagedBadInputs(&context);
     overflowCases(&context);
+    quantizedBadInputs(&context);
     registration();
     requireGroup(kRegistrationGroup);
     if (gpu) gpuCases(dumpDir, &context);

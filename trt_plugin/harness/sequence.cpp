@@ -10,14 +10,18 @@ namespace harness {
 namespace {
 
 // The dtypes TensorRT may pick at `pos` with inOut[0..pos) as in the case (the plugin accepts
-// exactly these): any delta dtype for k_delta, any 16/32-bit pool (or kFP8 when the count has
-// scales) for the pool, the case's dtype everywhere else.
+// exactly these): any delta dtype for k_delta; for the pool any 16/32-bit one, or kFP8 and kINT8
+// when the count has static scales, or those and kUINT8 (int4) with a scale pool; the case's
+// dtype everywhere else.
 std::vector<DataType> acceptedTypes(Case const& c, int32_t pos, int32_t nbInputs) {
   if (pos == 0) return {DataType::kHALF, DataType::kBF16, DataType::kFLOAT};
-  if (pos == dtrt::kPAST_KEY_VALUE)
-    return c.fp8() ? std::vector<DataType>{DataType::kFP8}
-                   : std::vector<DataType>{DataType::kHALF, DataType::kBF16, DataType::kFLOAT};
+  if (pos == dtrt::kPAST_KEY_VALUE) {
+    if (c.scalePool) return {DataType::kFP8, DataType::kINT8, DataType::kUINT8};
+    return c.staticScales() ? std::vector<DataType>{DataType::kFP8, DataType::kINT8}
+                            : std::vector<DataType>{DataType::kHALF, DataType::kBF16, DataType::kFLOAT};
+  }
   if (pos == nbInputs) return {c.pool};
+  if (pos == nbInputs + 1) return {DataType::kFLOAT};  // present_scale_pool
   dflash::AddressingForm const& form = dflash::addressing_form(c.contract);
   if (pos < form.base_count && form.base[pos].role == dflash::OperandRole::kSlotIndex)
     return {DataType::kINT32, DataType::kINT64};
@@ -45,6 +49,7 @@ std::string fieldsMismatch(PluginFieldCollection const* fc, Case const& c) {
       {dtrt::kK_NORM_FIELD, true, PluginFieldType::kINT32, double(c.kNorm)},
       {dtrt::kV_NORM_FIELD, true, PluginFieldType::kINT32, double(c.vNorm)},
       {dtrt::kNORM_EPS_FIELD, true, PluginFieldType::kFLOAT32, double(c.eps)},
+      {dtrt::kSCALE_POOL_FIELD, true, PluginFieldType::kINT32, double(c.scalePool)},
   };
   std::string problems;
   int32_t present = 0;
@@ -95,7 +100,7 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
             !std::strcmp(creator->getPluginVersion(), "1") && !std::strcmp(creator->getPluginNamespace(), ""),
         "creator name/version/namespace" + t);
   PluginFieldCollection const* names = creator->getFieldNames();
-  bool namesOk = names != nullptr && names->nbFields == 6;
+  bool namesOk = names != nullptr && names->nbFields == 7;
   for (int32_t i = 0; namesOk && i < names->nbFields; ++i) {
     char const* const name = names->fields[i].name;
     PluginFieldType const wanted = name == nullptr                             ? PluginFieldType::kUNKNOWN
@@ -105,8 +110,8 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
     namesOk = name != nullptr && names->fields[i].type == wanted;
   }
   check(namesOk,
-        "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm (INT32), norm_eps (FLOAT32) and "
-        "form (CHAR)" +
+        "creator getFieldNames lists pages_per_slot, ring, k_norm, v_norm, scale_pool (INT32), norm_eps "
+        "(FLOAT32) and form (CHAR)" +
             t);
 
   Fields const nodeFc = nodeFields(opt);  // what the ONNX parser passes: the node's attributes
@@ -132,16 +137,20 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
             !std::strcmp(pluginCore->getPluginVersion(), "1") &&
             !std::strcmp(pluginCore->getPluginNamespace(), ""),
         "core name/version/namespace" + t);
-  check(b->getNbOutputs() == 1, "getNbOutputs == 1" + t);
+  int32_t const nbOut = opt.nbOutputs();
+  check(b->getNbOutputs() == nbOut, "getNbOutputs == " + std::to_string(nbOut) + t);
 
   std::vector<Tensor> const optIn = inputs(opt);
   int32_t const nbIn = int32_t(optIn.size());
   std::vector<DataType> inTypes;
   for (Tensor const& x : optIn) inTypes.push_back(x.type);
-  DataType outType = DataType::kINT8;
+  DataType outTypes[2] = {DataType::kBOOL, DataType::kBOOL};
   logger().clear();
-  check(b->getOutputDataTypes(&outType, 1, inTypes.data(), nbIn) == 0 && outType == opt.pool,
-        "getOutputDataTypes gives the pool's dtype" + t, logger().all());
+  check(b->getOutputDataTypes(outTypes, nbOut, inTypes.data(), nbIn) == 0 && outTypes[0] == opt.pool &&
+            (nbOut == 1 || outTypes[1] == DataType::kFLOAT),
+        std::string("getOutputDataTypes gives the pool's dtype") +
+            (nbOut > 1 ? " and kFLOAT (the scale pool's)" : "") + t,
+        logger().all());
 
   // Shapes as the builder sees them: dims that differ between min and max are symbols.
   TestExprBuilder exprs;
@@ -164,41 +173,46 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
           dynamic ? symbolFor(minIn[i].dims.d[d], maxIn[i].dims.d[d]) : exprs.constant(optIn[i].dims.d[d]);
     }
   }
-  DimsExprs outExprs{};
+  DimsExprs outExprs[2]{};
   logger().clear();
-  int32_t const shapeStatus = b->getOutputShapes(inExprs.data(), nbIn, nullptr, 0, &outExprs, 1, exprs);
-  bool sameAsPool = shapeStatus == 0 && outExprs.nbDims == 5;
+  int32_t const shapeStatus = b->getOutputShapes(inExprs.data(), nbIn, nullptr, 0, outExprs, nbOut, exprs);
+  bool sameAsPool = shapeStatus == 0 && outExprs[0].nbDims == 5;
   for (int32_t i = 0; sameAsPool && i < 5; ++i)
-    sameAsPool = outExprs.d[i] == inExprs[dtrt::kPAST_KEY_VALUE].d[i];
+    sameAsPool = outExprs[0].d[i] == inExprs[dtrt::kPAST_KEY_VALUE].d[i];
+  if (opt.scalePool) {
+    int32_t const sp = scalePoolIndex(opt);
+    sameAsPool = sameAsPool && outExprs[1].nbDims == 4;
+    for (int32_t i = 0; sameAsPool && i < 4; ++i) sameAsPool = outExprs[1].d[i] == inExprs[size_t(sp)].d[i];
+  }
   check(sameAsPool,
         std::string("getOutputShapes") + (anySymbol ? " with symbolic dims" : "") +
-            ": the output is the pool's shape" + t,
+            ": the output is the pool's shape" + (opt.scalePool ? " (and the scale pool's)" : "") + t,
         logger().all());
 
   BuildDescs descs = buildDescs(min, opt, max);
   std::vector<DynamicPluginTensorDesc> inOut = descs.in;
-  inOut.push_back(descs.out);
+  inOut.insert(inOut.end(), descs.outs.begin(), descs.outs.end());
   bool allSupported = true;
   std::string refusals;
   logger().clear();
-  for (int32_t pos = 0; pos <= nbIn; ++pos) {
-    allSupported = b->supportsFormatCombination(pos, inOut.data(), nbIn, 1) && allSupported;
+  for (int32_t pos = 0; pos < nbIn + nbOut; ++pos) {
+    allSupported = b->supportsFormatCombination(pos, inOut.data(), nbIn, nbOut) && allSupported;
     std::vector<DataType> const accepted = acceptedTypes(opt, pos, nbIn);
     for (DataType other : kProbeTypes) {
       auto probe = inOut;
       probe[pos].desc.type = other;
       bool const expected = std::find(accepted.begin(), accepted.end(), other) != accepted.end();
-      if (b->supportsFormatCombination(pos, probe.data(), nbIn, 1) != expected)
+      if (b->supportsFormatCombination(pos, probe.data(), nbIn, nbOut) != expected)
         refusals +=
             "pos " + std::to_string(pos) + " " + dtypeName(other) + (expected ? " refused; " : " accepted; ");
     }
     auto probe = inOut;
     probe[pos].desc.format = TensorFormat::kHWC8;
-    if (b->supportsFormatCombination(pos, probe.data(), nbIn, 1))
+    if (b->supportsFormatCombination(pos, probe.data(), nbIn, nbOut))
       refusals += "pos " + std::to_string(pos) + " accepts kHWC8; ";
   }
   check(allSupported,
-        "supportsFormatCombination accepts every position (" + std::to_string(nbIn + 1) + ")" + t,
+        "supportsFormatCombination accepts every position (" + std::to_string(nbIn + nbOut) + ")" + t,
         logger().all());
   check(
       refusals.empty() && logger().nbErrors() == 0,
@@ -206,11 +220,20 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
       refusals + logger().all());
 
   logger().clear();
-  check(b->configurePlugin(descs.in.data(), nbIn, &descs.out, 1) == 0, "configurePlugin with min/opt/max" + t,
-        logger().all());
-  check(b->getWorkspaceSize(descs.in.data(), nbIn, &descs.out, 1) == 0, "getWorkspaceSize == 0" + t);
-  check(b->getAliasedInput(0) == 2 && b->getAliasedInput(1) == -1 && b->getAliasedInput(-1) == -1,
-        "getAliasedInput(0) == 2 (output aliases past_key_value)" + t);
+  check(b->configurePlugin(descs.in.data(), nbIn, descs.out(), descs.nbOutputs()) == 0,
+        "configurePlugin with min/opt/max" + t, logger().all());
+  check(b->getWorkspaceSize(descs.in.data(), nbIn, descs.out(), descs.nbOutputs()) == 0,
+        "getWorkspaceSize == 0" + t);
+  if (opt.scalePool) {
+    int32_t const sp = scalePoolIndex(opt);
+    check(b->getAliasedInput(0) == 2 && b->getAliasedInput(1) == sp && b->getAliasedInput(2) == -1 &&
+              b->getAliasedInput(-1) == -1,
+          "getAliasedInput(0) == 2, getAliasedInput(1) == " + std::to_string(sp) +
+              " (the outputs alias past_key_value and scale_pool)" + t);
+  } else {
+    check(b->getAliasedInput(0) == 2 && b->getAliasedInput(1) == -1 && b->getAliasedInput(-1) == -1,
+          "getAliasedInput(0) == 2 (output aliases past_key_value)" + t);
+  }
 
   PluginPtr cloned(built->clone());
   std::string const cloneProblem =
@@ -240,7 +263,8 @@ Played playContract(Case const& min, Case const& opt, Case const& max, IPluginRe
   IPluginV3OneRuntime* ar = runtime(attached.get());
   RuntimeDescs rd = runtimeDescs(opt);
   logger().clear();
-  check(ar->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1) == 0, "onShapeChange" + t, logger().all());
+  check(ar->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs()) == 0, "onShapeChange" + t,
+        logger().all());
   result.runtimePlugin = std::move(attached);
   result.rt = ar;
   return result;
@@ -259,10 +283,20 @@ void enqueueEmpty(IPluginV3OneRuntime* rt, Case c) {
   std::array<float, 16> small{};
   std::vector<void const*> pointers(d.in.size(), small.data());
   pointers[dtrt::kPAST_KEY_VALUE] = pool.data();
-  void* outputs[1] = {pool.data()};
+  void* outputs[2] = {pool.data(), small.data()};
+  if (c.scalePool) pointers[size_t(scalePoolIndex(c))] = small.data();
   logger().clear();
-  check(rt->onShapeChange(d.in.data(), d.nbInputs(), &d.out, 1) == 0 &&
-            rt->enqueue(d.in.data(), &d.out, pointers.data(), outputs, nullptr, nullptr) == 0,
+  bool const shaped = rt->onShapeChange(d.in.data(), d.nbInputs(), d.out(), d.nbOutputs()) == 0;
+  dflash::PoolFormat const* format =
+      dflash::pool_format(c.int4() ? dflash::DType::kUInt8 : dflash::DType::kFloat16);
+  if (c.int4() && !format->cuda) {  // contract.h's row: no CUDA kernel stores int4 yet
+    bool const refused = rt->enqueue(d.in.data(), d.out(), pointers.data(), outputs, nullptr, nullptr) != 0;
+    check(
+        shaped && refused && logger().sawError("past_key_value: int4 pools (uint8) have no CUDA kernel yet"),
+        "enqueue of a format without a CUDA kernel is refused, naming it" + tag(c), logger().all());
+    return;
+  }
+  check(shaped && rt->enqueue(d.in.data(), d.out(), pointers.data(), outputs, nullptr, nullptr) == 0,
         "enqueue with no token (no launch)" + tag(c), logger().all());
 }
 

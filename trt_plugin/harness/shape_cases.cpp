@@ -3,6 +3,7 @@
 // documented in trt_plugin/README.md ("Shape cases").
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -165,15 +166,30 @@ bool shapeCases(std::string const& path, IPluginResourceContext* context) {
       check(!message.empty(), "rejected with a message: " + name);
       continue;
     }
-    BuildDescs bd = buildDescs(in, in, in, out, out, out);
+    // With the field scale_pool=1 the second output is the scale pool: the input after the base
+    // ones (the named form's, else the contract k_delta's rank says).
+    std::vector<Tensor> extra;
+    bool scalePool = false;
+    int32_t base = !in.empty() && in[0].dims.nbDims == 4 ? dtrt::kNB_INPUTS : dtrt::kNB_PAGED_INPUTS;
+    for (PluginField const& f : fields.fields) {
+      if (!std::strcmp(f.name, dtrt::kSCALE_POOL_FIELD) && f.type == PluginFieldType::kINT32)
+        scalePool = *static_cast<int32_t const*>(f.data) == 1;
+      if (!std::strcmp(f.name, dtrt::kFORM_FIELD))
+        if (dflash::AddressingForm const* form = dflash::addressing_form(
+                std::string(static_cast<char const*>(f.data), size_t(f.length)).c_str()))
+          base = form->base_count;
+    }
+    if (scalePool && in.size() > size_t(base)) extra.push_back(in[size_t(base)]);
+    BuildDescs bd = buildDescs(in, in, in, out, out, out, extra);
     logger().clear();
     bool const configured =
-        build(plugin.get())->configurePlugin(bd.in.data(), bd.nbInputs(), &bd.out, 1) == 0;
+        build(plugin.get())->configurePlugin(bd.in.data(), bd.nbInputs(), bd.out(), bd.nbOutputs()) == 0;
     std::string const configureMessage = logger().errors();
-    RuntimeDescs rd = runtimeDescs(in, out);
+    RuntimeDescs rd = runtimeDescs(in, out, extra);
     PluginPtr attached(runtime(plugin.get())->attachToContext(context));
     logger().clear();
-    bool const shaped = runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), &rd.out, 1) == 0;
+    bool const shaped =
+        runtime(attached.get())->onShapeChange(rd.in.data(), rd.nbInputs(), rd.out(), rd.nbOutputs()) == 0;
     std::string const shapeMessage = logger().errors();
     entry.add("accepted", configured).add("stage", "configurePlugin").add("message", configureMessage);
     entry.addRaw("configure", verdict(configured, configureMessage).str())

@@ -49,7 +49,7 @@ int64_t volume(Dims const& dims) {
 
 std::vector<Tensor> inputs(Case const& c) {
   std::vector<Tensor> t;
-  Dims const pool = makeDims({2, c.N, c.P, c.H, c.D});
+  Dims const pool = output(c).dims;
   if (c.contract == Contract::kSlot) {
     Dims const delta = makeDims({c.B, c.L, c.H, c.D});
     t = {{"k_delta", c.delta, delta},
@@ -75,25 +75,37 @@ std::vector<Tensor> inputs(Case const& c) {
          {"delta_token_to_sequence", DataType::kINT32, makeDims({c.T})},
          {"kv_page_table", DataType::kINT32, makeDims({c.B, 2, c.M})}};
   }
-  if (c.fp8()) {
+  if (c.staticScales()) {
     Dims const scale = makeDims({c.scaleHeads});
     t.push_back({"k_scale", DataType::kFLOAT, scale});
     t.push_back({"v_scale", DataType::kFLOAT, scale});
   }
+  if (c.scalePool) t.push_back({"scale_pool", DataType::kFLOAT, makeDims({2, c.N, c.P, c.H})});
   if (c.kNorm) t.push_back({"k_norm_weight", c.delta, makeDims({c.D})});
   return t;
 }
 
-Tensor output(Case const& c) { return {"present_key_value", c.pool, makeDims({2, c.N, c.P, c.H, c.D})}; }
+Tensor output(Case const& c) {
+  return {"present_key_value", c.pool, makeDims({2, c.N, c.P, c.H, c.int4() ? c.D / 2 : c.D})};
+}
+Tensor scaleOutput(Case const& c) {
+  return {"present_scale_pool", DataType::kFLOAT, makeDims({2, c.N, c.P, c.H})};
+}
+std::vector<Tensor> outputs(Case const& c) {
+  if (c.scalePool) return {output(c), scaleOutput(c)};
+  return {output(c)};
+}
 std::string tag(Case const& c) { return " [" + c.name + "]"; }
 
-int32_t kScaleIndex(Case const& c) { return c.fp8() ? dflash::base_operand_count(c.contract) : -1; }
+int32_t kScaleIndex(Case const& c) { return c.staticScales() ? dflash::base_operand_count(c.contract) : -1; }
+int32_t scalePoolIndex(Case const& c) { return c.scalePool ? dflash::base_operand_count(c.contract) : -1; }
 int32_t kNormWeightIndex(Case const& c) {
   if (!c.kNorm) return -1;
-  return dflash::base_operand_count(c.contract) + (c.fp8() ? 2 : 0);
+  return dflash::base_operand_count(c.contract) + (c.staticScales() ? 2 : c.scalePool ? 1 : 0);
 }
 
-RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out) {
+RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out,
+                          std::vector<Tensor> const& extra) {
   RuntimeDescs d;
   auto desc = [](Tensor const& t) {
     PluginTensorDesc p{};
@@ -104,10 +116,14 @@ RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out) {
     return p;
   };
   for (Tensor const& t : in) d.in.push_back(desc(t));
-  d.out = desc(out);
+  d.outs.push_back(desc(out));
+  for (Tensor const& t : extra) d.outs.push_back(desc(t));
   return d;
 }
-RuntimeDescs runtimeDescs(Case const& c) { return runtimeDescs(inputs(c), output(c)); }
+RuntimeDescs runtimeDescs(Case const& c) {
+  return runtimeDescs(inputs(c), output(c),
+                      c.scalePool ? std::vector<Tensor>{scaleOutput(c)} : std::vector<Tensor>{});
+}
 
 namespace {
 DynamicPluginTensorDesc dynamicDesc(Tensor const& min, Tensor const& opt, Tensor const& max) {
@@ -127,14 +143,17 @@ DynamicPluginTensorDesc dynamicDesc(Tensor const& min, Tensor const& opt, Tensor
 
 BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt,
                       std::vector<Tensor> const& max, Tensor const& outMin, Tensor const& outOpt,
-                      Tensor const& outMax) {
+                      Tensor const& outMax, std::vector<Tensor> const& extra) {
   BuildDescs d;
   for (size_t i = 0; i < opt.size(); ++i) d.in.push_back(dynamicDesc(min[i], opt[i], max[i]));
-  d.out = dynamicDesc(outMin, outOpt, outMax);
+  d.outs.push_back(dynamicDesc(outMin, outOpt, outMax));
+  for (Tensor const& t : extra) d.outs.push_back(dynamicDesc(t, t, t));
   return d;
 }
 BuildDescs buildDescs(Case const& min, Case const& opt, Case const& max) {
-  return buildDescs(inputs(min), inputs(opt), inputs(max), output(min), output(opt), output(max));
+  BuildDescs d = buildDescs(inputs(min), inputs(opt), inputs(max), output(min), output(opt), output(max));
+  if (opt.scalePool) d.outs.push_back(dynamicDesc(scaleOutput(min), scaleOutput(opt), scaleOutput(max)));
+  return d;
 }
 void setAllDims(DynamicPluginTensorDesc& d, Dims const& dims) { d.desc.dims = d.min = d.opt = d.max = dims; }
 
@@ -155,6 +174,7 @@ Fields nodeFields(Case const& c) {
   if (c.kNorm) f.addInt32(dtrt::kK_NORM_FIELD, 1);
   if (c.vNorm) f.addInt32(dtrt::kV_NORM_FIELD, 1);
   if (c.eps != dtrt::kDEFAULT_NORM_EPS) f.addFloat32(dtrt::kNORM_EPS_FIELD, c.eps);
+  if (c.scalePool) f.addInt32(dtrt::kSCALE_POOL_FIELD, 1);
   return f;
 }
 

@@ -1,7 +1,8 @@
 // A call's tensors as TensorRT describes them, for every addressing form, and access to the plugin.
 //
 // A Case names one problem (contract, dtypes, sizes, fields); its tensors are built in SPEC.md's
-// input order: the base inputs, then k_scale and v_scale for a kFP8 pool, then k_norm_weight.
+// input order: the base inputs, then k_scale and v_scale for a kFP8 or kINT8 pool (or scale_pool
+// with per-token-head scales), then k_norm_weight.
 #pragma once
 
 #include <NvInferRuntime.h>
@@ -36,10 +37,17 @@ struct Case {
   int64_t R{0};
   int64_t M{0};             // paged table [B, 2, M]
   DataType slotIndex{DataType::kINT64};  // slot_mapping [T]: int32 or int64
-  int64_t scaleHeads{1};    // kFP8 pools: scales [1] or [H]
+  int64_t scaleHeads{1};    // kFP8 and kINT8 pools with static scales: scales [1] or [H]
   bool ring{false}, kNorm{false}, vNorm{false};
+  // Per-token-head scales (the field scale_pool = 1): input scale_pool [2, N, P, H] in place of
+  // k_scale, v_scale, and the second output present_scale_pool.
+  bool scalePool{false};
   float eps{1e-6f};
-  bool fp8() const { return pool == DataType::kFP8; }
+  // k_scale and v_scale follow the base inputs: a pool with static scales and no scale pool.
+  bool staticScales() const { return !scalePool && (pool == DataType::kFP8 || pool == DataType::kINT8); }
+  // An int4 pool: kUINT8 bytes [2, N, P, H, D / 2].
+  bool int4() const { return pool == DataType::kUINT8; }
+  int32_t nbOutputs() const { return scalePool ? 2 : 1; }
 };
 
 struct Tensor {
@@ -55,32 +63,41 @@ int64_t volume(Dims const& dims);  // only for dims known to be small
 
 std::vector<Tensor> inputs(Case const& c);
 Tensor output(Case const& c);  // the pool's shape and dtype
+Tensor scaleOutput(Case const& c);  // present_scale_pool: the scale pool's shape and dtype
+std::vector<Tensor> outputs(Case const& c);  // the pool's, then (scalePool) the scale pool's
 std::string tag(Case const& c);  // " [name]"
 
 // Positions of the extras in a case's inputs (-1 when absent).
 int32_t kScaleIndex(Case const& c);
+int32_t scalePoolIndex(Case const& c);
 int32_t kNormWeightIndex(Case const& c);
 
 // ---- descriptors ---------------------------------------------------------------------------------
 
 struct RuntimeDescs {
   std::vector<PluginTensorDesc> in;
-  PluginTensorDesc out{};
+  std::vector<PluginTensorDesc> outs;
   int32_t nbInputs() const { return int32_t(in.size()); }
+  int32_t nbOutputs() const { return int32_t(outs.size()); }
+  PluginTensorDesc* out() { return outs.data(); }
 };
-RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out);
+// `extra` (may be empty): the outputs after the pool's (present_scale_pool).
+RuntimeDescs runtimeDescs(std::vector<Tensor> const& in, Tensor const& out,
+                          std::vector<Tensor> const& extra = {});
 RuntimeDescs runtimeDescs(Case const& c);
 
 struct BuildDescs {
   std::vector<DynamicPluginTensorDesc> in;
-  DynamicPluginTensorDesc out{};
+  std::vector<DynamicPluginTensorDesc> outs;
   int32_t nbInputs() const { return int32_t(in.size()); }
+  int32_t nbOutputs() const { return int32_t(outs.size()); }
+  DynamicPluginTensorDesc* out() { return outs.data(); }
 };
 // An optimization profile: desc.dims holds -1 wherever min and max differ (TensorRT's wildcards).
 BuildDescs buildDescs(Case const& min, Case const& opt, Case const& max);
 BuildDescs buildDescs(std::vector<Tensor> const& min, std::vector<Tensor> const& opt,
                       std::vector<Tensor> const& max, Tensor const& outMin, Tensor const& outOpt,
-                      Tensor const& outMax);
+                      Tensor const& outMax, std::vector<Tensor> const& extra = {});
 // Sets dims at min, opt, max and desc of one tensor (a fixed shape).
 void setAllDims(DynamicPluginTensorDesc& d, Dims const& dims);
 
