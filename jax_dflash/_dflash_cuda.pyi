@@ -22,6 +22,10 @@ def record_stage_counts() -> dict[str, int]:
     ``captured``, the calls handed back to XLA to capture the execute stage on a stream (all 0
     without a record stage, or before XLA records a command buffer)."""
 
+def record_stage_last_capture() -> str:
+    """Why the record stage last handed a call back to XLA to capture on a stream (for example
+    ``"launches the plan does not cover"``); ``""`` if it never did in this process."""
+
 def record_pdl_enabled() -> bool:
     """Whether the record stage asks XLA for programmatic dependent launch: the environment
     variable ``DFLASH_PDL``, read once per process, is not ``"0"`` (on by default)."""

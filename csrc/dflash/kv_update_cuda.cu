@@ -36,7 +36,8 @@ struct Plan {
   }
 };
 
-template <Contract C, typename Pool, typename Op> cudaError_t for_delta(KVUpdateParams const& p, Op const& op) {
+template <Contract C, typename Pool, typename Op>
+cudaError_t for_delta(KVUpdateParams const& p, Op const& op) {
   switch (p.delta_dtype) {
     case DType::kFloat16: return op.template run<C, F16, Pool>(p);
     case DType::kBFloat16: return op.template run<C, BF16, Pool>(p);

@@ -824,7 +824,8 @@ cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
       g.layer_base = uint32_t(layer);
       dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
                       unsigned(std::min(layers_per_launch, p.num_layers - layer))};
-      if (cudaError_t const status = visit(kernel, grid, block, constants); status != cudaSuccess) return status;
+      if (cudaError_t const status = visit(kernel, grid, block, constants); status != cudaSuccess)
+        return status;
     }
   }
   return cudaSuccess;
@@ -1057,10 +1058,10 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
 
 // Every (form, delta) instantiation of launch_widest for one pool type, each preceded by SPEC
 // (`extern` to declare it, nothing to define it): a new addressing form is one line here.
-#define DFLASH_FORM_INSTANCES(SPEC, C, POOL)                                                   \
-  SPEC template cudaError_t launch_widest<C, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  SPEC template cudaError_t launch_widest<C, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  SPEC template cudaError_t launch_widest<C, F32, POOL>(KVUpdateParams const&, cudaStream_t); \
+#define DFLASH_FORM_INSTANCES(SPEC, C, POOL)                                                               \
+  SPEC template cudaError_t launch_widest<C, F16, POOL>(KVUpdateParams const&, cudaStream_t);              \
+  SPEC template cudaError_t launch_widest<C, BF16, POOL>(KVUpdateParams const&, cudaStream_t);             \
+  SPEC template cudaError_t launch_widest<C, F32, POOL>(KVUpdateParams const&, cudaStream_t);              \
   SPEC template cudaError_t plan_widest<C, F16, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*);  \
   SPEC template cudaError_t plan_widest<C, BF16, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*); \
   SPEC template cudaError_t plan_widest<C, F32, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*);

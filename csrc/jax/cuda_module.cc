@@ -66,6 +66,7 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
 // What the record stage did in this process: launches created (kCreate) and updated (kUpdate),
 // and calls handed back to XLA to capture on a stream; for the tests and the probe.
 std::atomic<int64_t> record_created{0}, record_updated{0}, record_captured{0};
+std::atomic<char const*> record_last_capture{""};  // why the latest capture was asked (a literal)
 
 #if DFLASH_FFI_RECORD
 using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
@@ -87,17 +88,19 @@ bool device_runs_record_images() {
 // The record stage of form C: on kCreate, one launch command per launch of the plan
 // (plan_target_kv_cache_update: the kernels, dimensions and constants the execute stage would
 // launch), from the pool format's CUBIN, with programmatic dependent launch when
-// record_pdl_switch_on(); on kUpdate (XLA's buffers moved), the same launches with the new
-// parameters. What it does not plan goes back to XLA as a request to capture the execute stage
-// on a stream: a pool (or scale pool) XLA did not alias to the result (a copy first), per-token-
-// head dynamic scales (their own kernel), a device that cannot run the images, a plan of more
-// launches than XLA takes from one call, and anything the execute stage refuses (it says why).
+// record_pdl_switch_on() (no dependencies: XLA adds the edges to the commands around it); on
+// kUpdate (XLA's buffers moved), the same launches with the new parameters. What it does not plan
+// goes back to XLA as a request to capture the execute stage on a stream, at kCreate and again at
+// kUpdate: a pool (or scale pool) XLA did not alias to the result (a copy first), per-token-head
+// dynamic scales (their own kernel), a device that cannot run the images, a plan of more launches
+// than XLA takes from one call, and anything the execute stage refuses (it says why).
 ffi::Error record_cuda(Contract contract, RecordContext ctx, ffi::RemainingArgs args, ffi::RemainingRets rets,
                        ffi::Dictionary attrs) {
   bool const update = ctx.action() == ffi::RecordAction::kUpdate;
+  // XLA's capture of the execute stage reports any error itself; `why` is kept for
+  // record_stage_last_capture().
   auto capture = [&](char const* why) {
-    if (update)  // recorded as launches at kCreate, so the same call's plan cannot fail now
-      return ffi::Error::Internal(std::string(target_name(contract)) + ": record stage update: " + why);
+    record_last_capture.store(why, std::memory_order_relaxed);
     record_captured.fetch_add(1, std::memory_order_relaxed);
     return ctx.RequestStreamCapture();
   };
@@ -109,7 +112,8 @@ ffi::Error record_cuda(Contract contract, RecordContext ctx, ffi::RemainingArgs 
   if (!pool.aliased() || !scales.aliased()) return capture("a pool not aliased to its result");
   // The plan's kernel depends on the buffers' alignment up to 16 bytes (the vector width); XLA's
   // buffers are aligned beyond that, which keeps kUpdate's plan kCreate's.
-  for (void const* ptr : std::initializer_list<void const*>{p.k_delta, p.v_delta, p.pool, p.rope_cos_sin, p.k_norm_weight})
+  for (void const* ptr :
+       std::initializer_list<void const*>{p.k_delta, p.v_delta, p.pool, p.rope_cos_sin, p.k_norm_weight})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return capture("a buffer aligned to less than 16 bytes");
   if (!device_runs_record_images()) return capture("a device that cannot run the record images");
   RecordImage const image = record_image(p.pool_dtype);
@@ -122,8 +126,12 @@ ffi::Error record_cuda(Contract contract, RecordContext ctx, ffi::RemainingArgs 
   ffi::BoundedCommandVector const commands = ctx.commands();
   if (plan.empty()) return capture("nothing to launch");
   if (!update && int64_t(plan.size()) > commands.capacity()) return capture("more launches than XLA takes");
-  if (update && int64_t(plan.size()) != commands.size())
-    return capture("the plan's launches differ from those recorded");
+  if (update && int64_t(plan.size()) != commands.size()) {
+    if (commands.size() == 0) return capture("captured at kCreate");
+    return ffi::Error::Internal(std::string(target_name(contract)) +
+                                ": record stage: " + std::to_string(plan.size()) + " launches planned, " +
+                                std::to_string(commands.size()) + " recorded at kCreate");
+  }
   bool const pdl = record_pdl_switch_on();
   for (size_t i = 0; i < plan.size(); ++i) {
     KernelLaunch const& step = plan[i];
@@ -139,10 +147,9 @@ ffi::Error record_cuda(Contract contract, RecordContext ctx, ffi::RemainingArgs 
       (void)cudaGetLastError();
       return cuda_error(contract, status);
     }
-    XLA_FFI_LaunchDims const dims = {
-        {int32_t(step.grid.x), int32_t(step.grid.y), int32_t(step.grid.z)},
-        {int32_t(step.block.x), int32_t(step.block.y), int32_t(step.block.z)},
-        {0, 0, 0}};
+    XLA_FFI_LaunchDims const dims = {{int32_t(step.grid.x), int32_t(step.grid.y), int32_t(step.grid.z)},
+                                     {int32_t(step.block.x), int32_t(step.block.y), int32_t(step.block.z)},
+                                     {0, 0, 0}};
     auto command = ctx.CreateLaunch(name, image.data, image.size, ffi::SourceFormat::kCubin, dims,
                                     /*shared_mem_bytes=*/0, pdl, kernel_args);
     if (command.has_error()) return command.error();
@@ -310,6 +317,9 @@ NB_MODULE(_dflash_cuda, m) {
       },
       "What the record stage did in this process: launch commands created and updated, and calls\n"
       "handed back to XLA to capture on a stream (all 0 without a record stage).");
+  m.def(
+      "record_stage_last_capture", []() { return std::string(dflash::jax::record_last_capture.load()); },
+      "Why the record stage last handed a call back to XLA to capture on a stream ('' if never).");
   m.def("record_pdl_enabled", &dflash::record_pdl_switch_on,
         "Whether the record stage asks XLA for programmatic dependent launch: the environment variable\n"
         "DFLASH_PDL (read once per process) is not '0'.");
