@@ -37,13 +37,41 @@ def extension(platform: str):
         ) from e
 
 
+# "0" registers the CUDA targets with their execute stage only, where the build has a record
+# stage too (XLA then captures the execute stage on a stream into its command buffers).
+RECORD_STAGE_SWITCH = "DFLASH_RECORD_STAGE"
+
+
+def record_stage_registered() -> bool:
+    """Whether the CUDA targets are (or will be, once lowered) registered with their record stage:
+    the extension was built with one (``ffi_record_stage()``) and ``$DFLASH_RECORD_STAGE`` is not
+    ``"0"``. False where the CUDA extension is missing."""
+    try:
+        cuda = extension("cuda")
+    except ImportError:
+        return False
+    return bool(cuda.ffi_record_stage()) and os.environ.get(RECORD_STAGE_SWITCH) != "0"
+
+
 def ensure_registered(platform: str) -> None:
     with _lock:
         if platform in _registered:
             return
         _, ffi_platform = _MODULES[platform]
-        for name, capsule in extension(platform).registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform=ffi_platform)
+        module = extension(platform)
+        if platform == "cuda":
+            targets = module.registrations(record=record_stage_registered())
+        else:
+            targets = module.registrations()
+        for name, handler in targets.items():
+            if isinstance(handler, dict):  # {"execute": ..., "record": ...}
+                # The trait the execute handler declares, given with the stages too.
+                from jaxlib import xla_client
+
+                traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+                jax.ffi.register_ffi_target(name, handler, platform=ffi_platform, traits=traits)
+            else:
+                jax.ffi.register_ffi_target(name, handler, platform=ffi_platform)
         _registered.add(platform)
 
 

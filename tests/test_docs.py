@@ -339,7 +339,7 @@ def test_build_info_says_what_was_built():
     from jax_dflash import _ext
 
     path, info = _build_info()
-    assert set(info) == {"cpu_extension", "cuda_extension", "trt_plugin"}, info
+    assert set(info) == {"cpu_extension", "cuda_extension", "trt_plugin", "ffi_record_stage"}, info
     for part, entry in info.items():
         assert isinstance(entry["built"], bool) and entry["reason"], (path, part, entry)
 
@@ -358,6 +358,9 @@ def test_build_info_says_what_was_built():
 
     assert info["cpu_extension"]["built"] and importable("jax_dflash._dflash_cpu"), info
     assert info["cuda_extension"]["built"] == importable("jax_dflash._dflash_cuda"), info
+    if info["cuda_extension"]["built"]:
+        cuda = importlib.import_module("jax_dflash._dflash_cuda")
+        assert info["ffi_record_stage"]["built"] == cuda.ffi_record_stage(), info
     if not os.environ.get("DFLASH_TRT_PLUGIN_LIBRARY"):
         assert info["trt_plugin"]["built"] == plugin_present(), info
 

@@ -13,7 +13,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "dflash/contract.h"
 #include "dflash/kv_update_cuda.h"
@@ -766,8 +768,13 @@ KernelFn<C> pick_kernel(KVUpdateParams const& p, bool butterfly) {
   return with_loads<C, Delta, Pool, VEC, kRowNorm>(streaming);
 }
 
-template <Contract C, typename Delta, typename Pool, int VEC>
-cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
+// The launches of an update with VEC-channel items, handed one at a time to
+// visit(kernel, grid, block, constants) (the kernel's parameters are p and constants): the one
+// place for the kernel's layout, shared by the launch below and the record stage of the JAX FFI
+// handlers (plan_widest). Returns visit's first failure, or cudaErrorInvalidConfiguration where
+// the kernel's 32-bit index math would overflow.
+template <Contract C, typename Delta, typename Pool, int VEC, typename Visit>
+cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
   bool const norm = p.k_norm || p.v_norm;
   constexpr int64_t kBlockThreads = DFLASH_BLOCK_THREADS;
   constexpr int64_t kMaxGridYZ = 65535;
@@ -816,16 +823,7 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
   KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
-  config.stream = stream;
-  // Programmatic dependent launch: the launch overlaps the previous kernel's tail; the kernel
-  // waits for that kernel's completion before touching memory (update_kernel's first line).
-  cudaLaunchAttribute overlap;
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &overlap;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches; per-layer rings, whose bits a
   // launch carries for 64 layers, to launches of 64 layers.
   int64_t const layers_per_launch =
@@ -835,16 +833,91 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
     for (int64_t slot = 0; slot < sequences; slot += kMaxGridYZ) {
       g.slot_base = uint32_t(slot);
       g.layer_base = uint32_t(layer);
-      config.gridDim = dim3{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
-                            unsigned(std::min(layers_per_launch, p.num_layers - layer))};
-      if (cudaError_t const status = cudaLaunchKernelEx(&config, kernel, p, constants);
-          status != cudaSuccess) {
-        (void)cudaGetLastError();  // reported once, by the return value
+      dim3 const grid{unsigned(grid_x), unsigned(std::min(kMaxGridYZ, sequences - slot)),
+                      unsigned(std::min(layers_per_launch, p.num_layers - layer))};
+      if (cudaError_t const status = visit(kernel, grid, block, constants); status != cudaSuccess)
         return status;
-      }
     }
   }
   return cudaSuccess;
+}
+
+template <Contract C, typename Delta, typename Pool, int VEC>
+cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.stream = stream;
+  // Programmatic dependent launch: the launch overlaps the previous kernel's tail; the kernel
+  // waits for that kernel's completion before touching memory (update_kernel's first line).
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &overlap;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  return for_each_launch<C, Delta, Pool, VEC>(
+      p, [&](KernelFn<C> kernel, dim3 grid, dim3 block, Launch<C> const& constants) {
+        config.gridDim = grid;
+        config.blockDim = block;
+        cudaError_t const status = cudaLaunchKernelEx(&config, kernel, p, constants);
+        if (status != cudaSuccess) (void)cudaGetLastError();  // reported once, by the return value
+        return status;
+      });
+}
+
+// The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
+// divides the head and the rotary half and that every tensor's alignment allows.
+template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p) {
+  auto fits = [&](int vec) {
+    auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
+    int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
+    return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
+           aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
+           aligned(p.pool, bytes(pool));
+  };
+  if (fits(8)) return 8;
+  if (fits(2)) return 2;
+  return 1;
+}
+
+// The launch of a call without a scale pool, at the widest vector.
+template <Contract C, typename Delta, typename Pool>
+cudaError_t launch_static(KVUpdateParams const& p, cudaStream_t stream) {
+  switch (widest_vec<Delta, Pool>(p)) {
+    case 8: return launch<C, Delta, Pool, 8>(p, stream);
+    case 2: return launch<C, Delta, Pool, 2>(p, stream);
+    default: return launch<C, Delta, Pool, 1>(p, stream);
+  }
+}
+
+// The launches launch_static makes for p, appended to *out instead of launched (kv_update_cuda.h's
+// plan_target_kv_cache_update); a call with a scale pool (its own kernel) has no plan here.
+template <Contract C, typename Delta, typename Pool, int VEC>
+cudaError_t plan_vec(KVUpdateParams const& p, std::vector<KernelLaunch>* out) {
+  static_assert(sizeof(Launch<C>) <= sizeof(KernelLaunch::constants), "KernelLaunch::constants too small");
+  return for_each_launch<C, Delta, Pool, VEC>(
+      p, [&](KernelFn<C> kernel, dim3 grid, dim3 block, Launch<C> const& constants) {
+        KernelLaunch step;
+        step.kernel = reinterpret_cast<void const*>(kernel);
+        step.grid = grid;
+        step.block = block;
+        std::memcpy(step.constants, &constants, sizeof(constants));
+        step.constants_size = sizeof(constants);
+        out->push_back(step);
+        return cudaSuccess;
+      });
+}
+template <Contract C, typename Delta, typename Pool>
+cudaError_t plan_widest(KVUpdateParams const& p, std::vector<KernelLaunch>* out) {
+  // Dynamic scales (and int4, which has no other kind) take their own kernel, not recorded.
+  if (p.scale_pool != nullptr) return cudaErrorNotSupported;
+  if constexpr (needs_scale_pool(Pool::kDType)) {
+    return cudaErrorNotSupported;
+  } else {
+    switch (widest_vec<Delta, Pool>(p)) {
+      case 8: return plan_vec<C, Delta, Pool, 8>(p, out);
+      case 2: return plan_vec<C, Delta, Pool, 2>(p, out);
+      default: return plan_vec<C, Delta, Pool, 1>(p, out);
+    }
+  }
 }
 
 // ---- per-token-head dynamic scales (SPEC.md, "Dynamic scales") -----------------------------------
@@ -1175,23 +1248,7 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-// The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
-// divides the head and the rotary half and that every tensor's alignment allows.
-template <Contract C, typename Delta, typename Pool>
-cudaError_t launch_widest_dense(KVUpdateParams const& p, cudaStream_t stream) {
-  auto fits = [&](int vec) {
-    auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
-    int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
-    return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
-           aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
-           aligned(p.pool, bytes(pool));
-  };
-  if (fits(8)) return launch<C, Delta, Pool, 8>(p, stream);
-  if (fits(2)) return launch<C, Delta, Pool, 2>(p, stream);
-  return launch<C, Delta, Pool, 1>(p, stream);
-}
-
-// The launch of one call: the dynamic-scale kernel with a scale pool, else the widest dense one.
+// The launch of a call: its own kernel for per-token-head dynamic scales, else launch_static.
 template <Contract C, typename Delta, typename Pool>
 cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
   if (p.scale_pool != nullptr) {  // per-token-head dynamic scales: their own kernel
@@ -1201,7 +1258,7 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
   if constexpr (needs_scale_pool(Pool::kDType)) {
     return cudaErrorInvalidValue;  // the checker admits no such call
   } else {
-    return launch_widest_dense<C, Delta, Pool>(p, stream);
+    return launch_static<C, Delta, Pool>(p, stream);
   }
 }
 
@@ -1210,10 +1267,13 @@ cudaError_t launch_widest(KVUpdateParams const& p, cudaStream_t stream) {
 
 // Every (form, delta) instantiation of launch_widest for one pool type, each preceded by SPEC
 // (`extern` to declare it, nothing to define it): a new addressing form is one line here.
-#define DFLASH_FORM_INSTANCES(SPEC, C, POOL)                                                   \
-  SPEC template cudaError_t launch_widest<C, F16, POOL>(KVUpdateParams const&, cudaStream_t);  \
-  SPEC template cudaError_t launch_widest<C, BF16, POOL>(KVUpdateParams const&, cudaStream_t); \
-  SPEC template cudaError_t launch_widest<C, F32, POOL>(KVUpdateParams const&, cudaStream_t);
+#define DFLASH_FORM_INSTANCES(SPEC, C, POOL)                                                               \
+  SPEC template cudaError_t launch_widest<C, F16, POOL>(KVUpdateParams const&, cudaStream_t);              \
+  SPEC template cudaError_t launch_widest<C, BF16, POOL>(KVUpdateParams const&, cudaStream_t);             \
+  SPEC template cudaError_t launch_widest<C, F32, POOL>(KVUpdateParams const&, cudaStream_t);              \
+  SPEC template cudaError_t plan_widest<C, F16, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*);  \
+  SPEC template cudaError_t plan_widest<C, BF16, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*); \
+  SPEC template cudaError_t plan_widest<C, F32, POOL>(KVUpdateParams const&, std::vector<KernelLaunch>*);
 #define DFLASH_POOL_INSTANCES(SPEC, POOL)                   \
   namespace dflash::kernel {                                \
   DFLASH_FORM_INSTANCES(SPEC, Contract::kSlot, POOL)        \

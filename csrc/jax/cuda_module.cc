@@ -1,13 +1,26 @@
 // _dflash_cuda: the XLA FFI handlers of both contracts on CUDA. They translate the buffers into
 // KVUpdateParams (operands.h) and call the launcher the TensorRT plugin calls too. Safe to capture
-// into a CUDA graph (XLA command buffers): they only enqueue work on XLA's stream. Also the raw
+// into a CUDA graph (XLA command buffers): they only enqueue work on XLA's stream. Built against
+// XLA FFI headers with the record API (DFLASH_FFI_RECORD, cmake/FfiRecordStage.cmake), each target
+// also has a record stage, which hands XLA the kernel's launches (image, name, dimensions and
+// by-value parameters) for its command buffer instead of a stream to capture. Also the raw
 // launcher over DLPack arrays (jax, torch, cupy), for benchmarks and the TensorRT parity tests, and
 // whether the launches use programmatic dependent launch (pdl_enabled, kv_update_cuda.h).
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
+#include <initializer_list>
+#include <vector>
+
 #include "array_operands.h"
 #include "dflash/kv_update_cuda.h"
 #include "ffi_operands.h"
+
+#if DFLASH_FFI_RECORD
+#include "jax/record_images.h"
+#include "xla/ffi/api/record_api.h"
+#endif
 
 namespace dflash::jax {
 namespace {
@@ -50,6 +63,102 @@ ffi::Error run_cuda(Contract contract, cudaStream_t stream, ffi::RemainingArgs a
   return ffi::Error::Success();
 }
 
+// What the record stage did in this process: launches created (kCreate) and updated (kUpdate),
+// and calls handed back to XLA to capture on a stream; for the tests and the probe.
+std::atomic<int64_t> record_created{0}, record_updated{0}, record_captured{0};
+std::atomic<char const*> record_last_capture{""};  // why the latest capture was asked (a literal)
+
+#if DFLASH_FFI_RECORD
+using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
+using RecordExtension = ffi::internal::RecordExtensionBase<RecordContext>;
+
+// Whether the current device runs the record images (CUBINs for sm_DFLASH_RECORD_ARCH: the same
+// major compute capability, a minor at least as high).
+bool device_runs_record_images() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == DFLASH_RECORD_ARCH / 10 && minor >= DFLASH_RECORD_ARCH % 10;
+}
+
+// The record stage of form C: on kCreate, one launch command per launch of the plan
+// (plan_target_kv_cache_update: the kernels, dimensions and constants the execute stage would
+// launch), from the pool format's CUBIN, with programmatic dependent launch when
+// record_pdl_switch_on() (no dependencies: XLA adds the edges to the commands around it); on
+// kUpdate (XLA's buffers moved), the same launches with the new parameters. What it does not plan
+// goes back to XLA as a request to capture the execute stage on a stream, at kCreate and again at
+// kUpdate: a pool (or scale pool) XLA did not alias to the result (a copy first), per-token-head
+// dynamic scales (their own kernel), a device that cannot run the images, a plan of more launches
+// than XLA takes from one call, and anything the execute stage refuses (it says why).
+ffi::Error record_cuda(Contract contract, RecordContext ctx, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       ffi::Dictionary attrs) {
+  bool const update = ctx.action() == ffi::RecordAction::kUpdate;
+  // XLA's capture of the execute stage reports any error itself; `why` is kept for
+  // record_stage_last_capture().
+  auto capture = [&](char const* why) {
+    record_last_capture.store(why, std::memory_order_relaxed);
+    record_captured.fetch_add(1, std::memory_order_relaxed);
+    return ctx.RequestStreamCapture();
+  };
+  if (!addressing_form(contract).cuda) return capture("no CUDA kernel for the form");
+  KVUpdateParams p;
+  InPlace pool, scales;
+  if (ffi::Error e = decode_call(contract, args, rets, attrs, &p, &pool, &scales); e.failure()) return e;
+  if (!cpu_only_format(p).empty()) return capture("a pool format without a CUDA kernel");
+  if (!pool.aliased() || !scales.aliased()) return capture("a pool not aliased to its result");
+  // The plan's kernel depends on the buffers' alignment up to 16 bytes (the vector width); XLA's
+  // buffers are aligned beyond that, which keeps kUpdate's plan kCreate's.
+  for (void const* ptr :
+       std::initializer_list<void const*>{p.k_delta, p.v_delta, p.pool, p.rope_cos_sin, p.k_norm_weight})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return capture("a buffer aligned to less than 16 bytes");
+  if (!device_runs_record_images()) return capture("a device that cannot run the record images");
+  RecordImage const image = record_image(p.pool_dtype);
+  if (image.size == 0) return capture("no record image for the pool format");
+  std::vector<KernelLaunch> plan;
+  if (cudaError_t const status = plan_target_kv_cache_update(p, &plan); status != cudaSuccess) {
+    if (status == cudaErrorNotSupported) return capture("launches the plan does not cover");
+    return cuda_error(contract, status);
+  }
+  ffi::BoundedCommandVector const commands = ctx.commands();
+  if (plan.empty()) return capture("nothing to launch");
+  if (!update && int64_t(plan.size()) > commands.capacity()) return capture("more launches than XLA takes");
+  if (update && int64_t(plan.size()) != commands.size()) {
+    if (commands.size() == 0) return capture("captured at kCreate");
+    return ffi::Error::Internal(std::string(target_name(contract)) +
+                                ": record stage: " + std::to_string(plan.size()) + " launches planned, " +
+                                std::to_string(commands.size()) + " recorded at kCreate");
+  }
+  bool const pdl = record_pdl_switch_on();
+  for (size_t i = 0; i < plan.size(); ++i) {
+    KernelLaunch const& step = plan[i];
+    std::array<ffi::KernelArg, 2> const kernel_args = {ffi::HostValue{&p, sizeof(p)},
+                                                       ffi::HostValue{step.constants, step.constants_size}};
+    if (update) {
+      if (ffi::Error e = ctx.UpdateLaunch(commands[i], kernel_args); e.failure()) return e;
+      record_updated.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    char const* name = nullptr;
+    if (cudaError_t const status = cudaFuncGetName(&name, step.kernel); status != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cuda_error(contract, status);
+    }
+    XLA_FFI_LaunchDims const dims = {{int32_t(step.grid.x), int32_t(step.grid.y), int32_t(step.grid.z)},
+                                     {int32_t(step.block.x), int32_t(step.block.y), int32_t(step.block.z)},
+                                     {0, 0, 0}};
+    auto command = ctx.CreateLaunch(name, image.data, image.size, ffi::SourceFormat::kCubin, dims,
+                                    /*shared_mem_bytes=*/0, pdl, kernel_args);
+    if (command.has_error()) return command.error();
+    record_created.fetch_add(1, std::memory_order_relaxed);
+  }
+  return ffi::Error::Success();
+}
+#endif
+
 // The XLA FFI handler of form C on CUDA; it only enqueues, so XLA may record it in a command buffer.
 template <Contract C> struct CudaHandler {
   static ffi::Error run(cudaStream_t stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
@@ -62,7 +171,27 @@ template <Contract C> struct CudaHandler {
                            {ffi::Traits::kCmdBufferCompatible});
     return (*handler)(call_frame);
   }
+#if DFLASH_FFI_RECORD
+  static ffi::Error record_launches(RecordContext ctx, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                    ffi::Dictionary attrs) {
+    return record_cuda(C, ctx, args, rets, attrs);
+  }
+  static XLA_FFI_Error* record(XLA_FFI_CallFrame* call_frame) {
+    XLA_FFI_DEFINE_HANDLER(handler, record_launches,
+                           bind_update_call(ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>()),
+                           {ffi::Traits::kCmdBufferCompatible});
+    return (*handler)(call_frame);
+  }
+#endif
 };
+
+#if DFLASH_FFI_RECORD
+// The record handler of each target, by name, in form_targets' order.
+template <template <Contract> class Handler, size_t... I>
+constexpr std::array<TargetHandler, sizeof...(I)> record_handlers(std::index_sequence<I...>) {
+  return {{&Handler<kAddressingForms[I].contract>::record...}};
+}
+#endif
 
 }  // namespace
 
@@ -140,12 +269,60 @@ void launch_form(std::string const& form, nb::handle operands, nb::handle k_scal
 NB_MODULE(_dflash_cuda, m) {
   namespace nb = nanobind;
   using namespace nb::literals;
-  m.def("registrations", []() {
-    nb::dict targets;
-    for (auto const& [name, handler] : dflash::jax::form_targets<dflash::jax::CudaHandler>())
-      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
-    return targets;
-  });
+  m.def(
+      "registrations",
+      [](bool record) {
+        nb::dict targets;
+        auto const forms = dflash::jax::form_targets<dflash::jax::CudaHandler>();
+#if DFLASH_FFI_RECORD
+        auto const recorders = dflash::jax::record_handlers<dflash::jax::CudaHandler>(
+            std::make_index_sequence<std::size(dflash::kAddressingForms)>{});
+#endif
+        for (size_t i = 0; i < forms.size(); ++i) {
+          auto const& [name, handler] = forms[i];
+          nb::capsule execute(reinterpret_cast<void*>(handler));
+#if DFLASH_FFI_RECORD
+          if (record) {
+            nb::dict stages;
+            stages["execute"] = execute;
+            stages["record"] = nb::capsule(reinterpret_cast<void*>(recorders[i]));
+            targets[name] = stages;
+            continue;
+          }
+#endif
+          targets[name] = execute;
+        }
+        return targets;
+      },
+      "record"_a = true);
+  m.def(
+      "ffi_record_stage",
+      []() {
+#if DFLASH_FFI_RECORD
+        return true;
+#else
+        return false;
+#endif
+      },
+      "Whether this build's FFI targets have a record stage (built against XLA FFI headers with the\n"
+      "record API: jaxlib 0.11 or later).");
+  m.def(
+      "record_stage_counts",
+      []() {
+        nb::dict counts;
+        counts["created"] = dflash::jax::record_created.load();
+        counts["updated"] = dflash::jax::record_updated.load();
+        counts["captured"] = dflash::jax::record_captured.load();
+        return counts;
+      },
+      "What the record stage did in this process: launch commands created and updated, and calls\n"
+      "handed back to XLA to capture on a stream (all 0 without a record stage).");
+  m.def(
+      "record_stage_last_capture", []() { return std::string(dflash::jax::record_last_capture.load()); },
+      "Why the record stage last handed a call back to XLA to capture on a stream ('' if never).");
+  m.def("record_pdl_enabled", &dflash::record_pdl_switch_on,
+        "Whether the record stage asks XLA for programmatic dependent launch: the environment variable\n"
+        "DFLASH_PDL (read once per process) is not '0'.");
   m.def("pdl_enabled", &dflash::pdl_enabled,
         "Whether the launches on the current CUDA device use programmatic dependent launch: the\n"
         "environment variable DFLASH_PDL (read once per process) is not '0', this build's kernels\n"

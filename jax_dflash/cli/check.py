@@ -147,6 +147,36 @@ def _pdl_report(cuda_loaded: bool, backends: list[str]) -> str:
     )
 
 
+def _jax_path_report(cuda_loaded: bool, backends: list[str]) -> str:
+    """How the CUDA FFI targets reach XLA's command buffers: the record stage (with or without
+    programmatic dependent launch) or the execute stage captured on a stream."""
+    import os
+
+    from jax_dflash import _ext
+
+    if not cuda_loaded:
+        return "not applicable: the CUDA path is not present (no CUDA extension)"
+    cuda = _ext.extension("cuda")
+    if not cuda.ffi_record_stage():
+        return (
+            "execute stage (XLA captures it on a stream into command buffers); this build has no "
+            "record stage: its XLA FFI headers have no record API (jaxlib before 0.11)"
+        )
+    if not _ext.record_stage_registered():
+        return (
+            f"execute stage ({_ext.RECORD_STAGE_SWITCH}="
+            f"{os.environ.get(_ext.RECORD_STAGE_SWITCH)!r} turns this build's record stage off)"
+        )
+    if "gpu" not in backends:
+        return "record stage built, not applicable here: no GPU"
+    if cuda.record_pdl_enabled():
+        return (
+            "record stage with PDL (XLA launches the kernel in its command buffers, overlapping "
+            f"the kernel before it; {PDL_SWITCH}=0 turns PDL off)"
+        )
+    return f"record stage without PDL ({PDL_SWITCH}=0; unset it to turn PDL on)"
+
+
 def _report_environment() -> list[str]:
     """Prints the environment's lines; returns the backends the parity test runs on."""
     import jax
@@ -173,6 +203,8 @@ def _report_environment() -> list[str]:
     print(f"CUDA extension: {cuda}")
     pdl = _pdl_report(_ext.cuda_extension_available(), backends)
     print(f"CUDA launches, programmatic dependent launch: {pdl}")
+    jax_path = _jax_path_report(_ext.cuda_extension_available(), backends)
+    print(f"JAX path on CUDA: {jax_path}")
     library, runtime = _tensorrt_report()
     print(f"TensorRT plugin library: {library}")
     print(f"TensorRT runtime: {runtime}")
