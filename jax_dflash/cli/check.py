@@ -164,8 +164,10 @@ def _jax_path_report(cuda_loaded: bool, backends: list[str]) -> str:
         )
     if not _ext.record_stage_registered():
         return (
-            f"execute stage ({_ext.RECORD_STAGE_SWITCH}="
-            f"{os.environ.get(_ext.RECORD_STAGE_SWITCH)!r} turns this build's record stage off)"
+            "execute stage (XLA captures it on a stream into command buffers); this build's record "
+            f"stage is registered with {_ext.RECORD_STAGE_SWITCH}=1 only (unverified: XLA did not "
+            f"call it on the H200; {_ext.RECORD_STAGE_SWITCH}="
+            f"{os.environ.get(_ext.RECORD_STAGE_SWITCH)!r})"
         )
     if "gpu" not in backends:
         return "record stage built, not applicable here: no GPU"
