@@ -199,7 +199,7 @@ def _add_output_flags(parser) -> None:
         "token and in total against the read-back attention error relative to a float32 "
         "recompute; with PNG, plot memory against error there (needs matplotlib: "
         'pip install -e ".[plot]"). On a GPU a format the op\'s CUDA handler does not write '
-        "(int4 for now) is skipped, saying so",
+        "would be skipped, saying so",
     )
     parser.add_argument(
         "--no-check",
