@@ -323,12 +323,36 @@ def test_check_exits_1_when_parity_fails(capsys, monkeypatch):
 
     def wrong(*args, **kwargs):
         out = real(*args, **kwargs)
+        if isinstance(out, tuple):  # (pool, scale_pool): the pool's bytes flipped
+            return (out[0] ^ np.array(0xFF, np.uint8).view(out[0].dtype), out[1])
         return -out  # flips the sign of every element: never bit-equal
 
     monkeypatch.setattr(reference, "target_kv_cache_update", wrong)
     status, out, _ = run_cli(capsys, "check")
     assert status == 1
     assert "parity: FAILED" in out and "elements differ" in out
+
+
+def test_check_covers_every_form_and_pool_format():
+    cases = parity.parity_cases(np.random.default_rng(0), np.dtype(np.float16))
+    forms = {form for _, form, _, _ in cases}
+    assert forms == {"slot", "paged", "slot_mapping"}
+    pools = {str(operands[2].dtype) for _, _, operands, _ in cases}
+    assert {"float8_e4m3fn", "float8_e5m2", "int8", "uint8", "float16"} <= pools
+    assert sum("scale_pool" in keywords for _, _, _, keywords in cases) >= 3
+
+
+def test_check_fails_on_a_wrong_scale_pool(capsys, monkeypatch):
+    real = reference.target_kv_cache_update_slots
+
+    def wrong(*args, **kwargs):
+        pool, scales = real(*args, **kwargs)
+        return pool, (scales.view(np.uint32) ^ np.uint32(1)).view(np.float32)  # one bit of each
+
+    monkeypatch.setattr(reference, "target_kv_cache_update_slots", wrong)
+    status, out, _ = run_cli(capsys, "check")
+    assert status == 1
+    assert "scale_pool:" in out and "elements differ" in out
 
 
 # ---- pieces -------------------------------------------------------------------------------------

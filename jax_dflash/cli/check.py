@@ -24,11 +24,12 @@ DESCRIPTION = textwrap.dedent("""\
     load it. Then
     a parity self-test: the op against the NumPy reference, bit for bit, on every
     available backend (cpu, and gpu when JAX has one) for float16, bfloat16 and
-    float32 deltas, on small random shapes of both contracts: hostile positions
+    float32 deltas, on small random shapes of every addressing form: hostile positions
     (negative, past the slot, near INT32_MAX and INT32_MIN), padding, lengths past L,
     per-sequence RoPE, per-layer positions; paged tokens with hostile owners, positions
-    and page ids, ring pages; FP8 pools with per-head scales and the fused norms.
-    Exits 1 if any case differs.""")
+    and page ids, ring pages; hostile flat slots; FP8 and int8 pools with per-head
+    scales, per-token-head scale pools (int8, e4m3, int4; the scale pool compared
+    too) and the fused norms. Exits 1 if any case differs.""")
 TENSORRT_MODULES = ("tensorrt", "tensorrt_lean", "tensorrt_lean_bindings")
 
 

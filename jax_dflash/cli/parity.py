@@ -1,5 +1,6 @@
 """``check``'s parity self-test: the op against the NumPy reference, bit for bit, on small
-random shapes of both contracts (hostile positions, padding, FP8 pools, the fused norms).
+random shapes of every addressing form (hostile positions, padding, FP8 and int8 pools,
+per-token-head scale pools, int4 pools, the fused norms).
 
 Each case draws its operands from one generator, in the order listed in :func:`parity_cases`:
 a seed gives the same cases every time."""
@@ -129,6 +130,71 @@ def _paged_fp8(draw: _Draws):
     )
 
 
+def _paged_int8(draw: _Draws):
+    name = "paged: int8 pool, per-head scales, fused k-norm"
+    return _paged(draw, name, tokens=10, batch=2, num_pages=6, pool_dtype="int8", k_norm=True)
+
+
+def _with_scale_pool(draw: _Draws, case, pool_dtype: str):
+    """``case`` (float32 pool) rewritten for a pool of ``pool_dtype`` (``"int4"``: uint8 bytes
+    ``[.., D/2]``) of random bytes with a per-token-head scale pool of random bits."""
+    name, contract, operands, keywords = case
+    operands = list(operands)
+    shape = operands[2].shape
+    if pool_dtype == "int4":
+        operands[2] = draw.rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
+    else:
+        import ml_dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, pool_dtype, pool_dtype))
+        operands[2] = draw.rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
+    bits = draw.rng.integers(0, 2**32, shape[:-1], dtype=np.uint64).astype(np.uint32)
+    keywords = {k: v for k, v in keywords.items() if k not in ("k_scale", "v_scale")}
+    keywords["scale_pool"] = bits.view(np.float32)
+    return (name, contract, tuple(operands), keywords)
+
+
+def _slot_int8_scale_pool(draw: _Draws):
+    from jax_dflash import testing
+
+    slot = testing.make_problem(
+        draw.rng, batch=3, delta_len=4, heads=2, head_dim=16, page_size=4, pages_per_slot=3,
+        dtype=draw.dtype, pool_dtype="float32", v_norm=True,
+    )  # fmt: skip
+    case = (
+        "slot: int8 pool, per-token-head scales, fused v-norm",
+        "slot",
+        slot.args(),
+        slot.kwargs(),
+    )
+    return _with_scale_pool(draw, case, "int8")
+
+
+def _slot_mapping_e4m3_scale_pool(draw: _Draws):
+    """Hostile flat slots (negative, past the pool) over a layer-batched pool."""
+    from jax_dflash import testing
+
+    paged = testing.make_paged_problem(
+        draw.rng, tokens=10, batch=2, heads=2, head_dim=16, page_size=4, table_pages=3,
+        num_pages=8, dtype=draw.dtype, pool_dtype="float32", layers=2, k_norm=True,
+    )  # fmt: skip
+    rows = 8 * 4
+    slots = draw.rng.permutation(np.arange(-3, rows + 3))[:10].astype(np.int32)
+    name = "slot mapping: layer-batched, FP8 e4m3 pool, per-token-head scales, hostile slots"
+    case = (name, "slot_mapping", (*paged.args()[:4], slots), paged.extra_kwargs())
+    return _with_scale_pool(draw, case, "float8_e4m3fn")
+
+
+def _paged_int4(draw: _Draws):
+    case = _paged(
+        draw,
+        "paged: int4 pool, per-token-head scales, fused k- and v-norm, ring",
+        tokens=12, batch=3, num_pages=10, pool_dtype="float32", k_norm=True, v_norm=True,
+        ring=True,
+    )  # fmt: skip
+    return _with_scale_pool(draw, case, "int4")
+
+
 CASES = (
     _slot_hostile_positions,
     _slot_layer_batched,
@@ -136,29 +202,35 @@ CASES = (
     _slot_fp8,
     _paged_ring,
     _paged_fp8,
+    _paged_int8,
+    _slot_int8_scale_pool,
+    _slot_mapping_e4m3_scale_pool,
+    _paged_int4,
 )
 
 
 def parity_cases(rng: np.random.Generator, dtype: np.dtype) -> list[tuple[str, str, tuple, dict]]:
-    """``(name, contract, operands, keywords)``: small shapes with hostile positions, both
-    contracts, FP8 pools and the fused norms."""
+    """``(name, form, operands, keywords)``: small shapes with hostile positions, every form,
+    the quantized pools and the fused norms."""
     draw = _Draws(rng, dtype)
     return [case(draw) for case in CASES]
 
 
+# Each form's op (in jax_dflash) and NumPy reference (in jax_dflash.reference), by name.
+_FORM_FUNCTIONS = {
+    "slot": "target_kv_cache_update",
+    "paged": "target_kv_cache_update_paged",
+    "slot_mapping": "target_kv_cache_update_slots",
+}
+
+
 @functools.cache
-def _jitted_op(contract: str):
+def _jitted_op(contract: str, static: tuple[str, ...]):
     import jax
 
     import jax_dflash
 
-    op = (
-        jax_dflash.target_kv_cache_update
-        if contract == "slot"
-        else jax_dflash.target_kv_cache_update_paged
-    )
-    unused = "ring" if contract == "slot" else "pages_per_slot"
-    return jax.jit(op, static_argnames=[n for n in STATIC_KEYWORDS if n != unused])
+    return jax.jit(getattr(jax_dflash, _FORM_FUNCTIONS[contract]), static_argnames=static)
 
 
 def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]]:
@@ -171,27 +243,29 @@ def run_parity(backend: str, dtype: np.dtype, seed: int) -> tuple[int, list[str]
     device = jax.devices(backend)[0]
     passed, failures = 0, []
     for name, contract, operands, keywords in parity_cases(np.random.default_rng(seed), dtype):
-        ref = (
-            reference.target_kv_cache_update
-            if contract == "slot"
-            else reference.target_kv_cache_update_paged
-        )
-        expected = ref(*operands, **keywords)
+        expected = getattr(reference, _FORM_FUNCTIONS[contract])(*operands, **keywords)
         try:
             args = [jax.device_put(x, device) for x in operands]
             kw = {
                 k: (v if k in STATIC_KEYWORDS else jax.device_put(v, device))
                 for k, v in keywords.items()
             }
-            actual = np.asarray(_jitted_op(contract)(*args, **kw))
+            static = tuple(sorted(k for k in keywords if k in STATIC_KEYWORDS))
+            actual = _jitted_op(contract, static)(*args, **kw)
         except Exception as e:  # noqa: BLE001 - reported as a failed case
             failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0]}")
             continue
-        mismatches, max_ulp = compare_bits(actual, expected)
-        if mismatches:
-            failures.append(
-                f"{name}: {mismatches} of {expected.size} elements differ (max {max_ulp} ulp)"
-            )
+        # With a scale pool the op returns (pool, scale_pool): both are compared.
+        pairs = zip(actual, expected) if isinstance(expected, tuple) else [(actual, expected)]
+        differ = []
+        for what, (got, want) in zip(("pool", "scale_pool"), pairs):
+            mismatches, max_ulp = compare_bits(np.asarray(got), want)
+            if mismatches:
+                differ.append(
+                    f"{what}: {mismatches} of {want.size} elements differ (max {max_ulp} ulp)"
+                )
+        if differ:
+            failures.append(f"{name}: {'; '.join(differ)}")
         else:
             passed += 1
     return passed, failures
