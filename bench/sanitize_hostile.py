@@ -431,9 +431,6 @@ def run_raw(case: Case, expected) -> bool | None:
     from jax_dflash import _ext
 
     label = f"{case.label}: raw launcher"
-    if "scale_pool" in case.kwargs:
-        print(f"  skipped  {label}: the raw launchers take no scale pool (JAX runs cover it)")
-        return None
     if not cuda_serves(case.contract):
         print(f"  skipped  {label}: the {case.contract} form has no CUDA kernel yet")
         return None
@@ -468,14 +465,24 @@ def run_raw(case: Case, expected) -> bool | None:
             mod.cuda.synchronize()
             pool = dev[2]
             host = (pool.view(mod.int16) if pool.dtype == mod.bfloat16 else pool).cpu().numpy()
+            scales = extras["scale_pool"].cpu().numpy() if "scale_pool" in extras else None
         else:
             mod.cuda.runtime.deviceSynchronize()
             host = mod.asnumpy(dev[2])
+            scales = mod.asnumpy(extras["scale_pool"]) if "scale_pool" in extras else None
     except Exception as e:  # noqa: BLE001
         print(f"  ERROR    {label} ({kind}): {_one_line(e)}")
         return False
-    want = case.args[2].dtype
-    return same_bits(host.view(want), expected, f"{label} ({kind})")
+    return _same_results(host.view(case.args[2].dtype), scales, expected, f"{label} ({kind})")
+
+
+def _same_results(pool, scales, expected, label) -> bool:
+    """The pool (and the scale pool, where the case has one) against the reference's."""
+    if scales is None:
+        return same_bits(pool, expected, label)
+    return same_bits(pool, expected[0], label) and same_bits(
+        scales, expected[1], f"{label}: scale_pool"
+    )
 
 
 def run_raw_cpu(case: Case, expected) -> bool:
@@ -483,9 +490,6 @@ def run_raw_cpu(case: Case, expected) -> bool:
     from jax_dflash import _ext
 
     label = f"{case.label}: CPU NumPy entry"
-    if "scale_pool" in case.kwargs:
-        print(f"  skipped  {label}: the raw entries take no scale pool (JAX runs cover it)")
-        return None
     try:
         cpu = _ext.extension("cpu")
         views = [np.ascontiguousarray(a) for a in case.args]
@@ -498,12 +502,13 @@ def run_raw_cpu(case: Case, expected) -> bool:
         for k, v in case.kwargs.items():
             if isinstance(v, np.ndarray) and v.dtype == BF16:
                 v = v.view(np.uint16)
-            extras[k] = v
+            extras[k] = v.copy() if k == "scale_pool" else v  # updated in place
         cpu.update(case.contract, views, **extras, **names)
     except Exception as e:  # noqa: BLE001
         print(f"  ERROR    {label}: {_one_line(e)}")
         return False
-    return same_bits(views[2].view(case.args[2].dtype), expected, label)
+    pool = views[2].view(case.args[2].dtype)
+    return _same_results(pool, extras.get("scale_pool"), expected, label)
 
 
 def main(argv: list[str] | None = None) -> int:

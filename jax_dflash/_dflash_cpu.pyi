@@ -70,9 +70,12 @@ def update(
     norm_eps: float = 1e-6,
     delta_dtype: str | Any = "",
     pool_dtype: str | Any = "",
+    scale_pool: np.ndarray | None = None,
 ) -> None:
     """Updates ``operands[2]`` (the pool) in place for the addressing form named ``form``
-    (``ADDRESSING_FORMS``), its base operands in order; each form takes its own keywords."""
+    (``ADDRESSING_FORMS``), its base operands in order; each form takes its own keywords.
+    ``scale_pool``: per-token-head scales (float32, the pool's dims without ``D``), updated in
+    place too, in place of ``k_scale`` and ``v_scale``."""
 
 def check_call(
     form: str,

@@ -99,6 +99,9 @@ def launch_form(
     delta_dtype: str | Any = "",
     pool_dtype: str | Any = "",
     stream: int = 0,
+    scale_pool: Any = None,
 ) -> None:
     """Enqueues the update of the addressing form named ``form`` on ``stream``, its base operands
-    in order; each form takes its own keywords."""
+    in order; each form takes its own keywords. ``scale_pool``: per-token-head scales (float32,
+    the pool's dims without ``D``), updated in place too, in place of ``k_scale`` and
+    ``v_scale``."""

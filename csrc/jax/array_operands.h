@@ -171,7 +171,8 @@ enum DLPackCode : uint8_t {
 };
 
 // The dtype an array says it has, for every element type the core names (so that a new pool
-// format needs no change here); unsigned ints only carry bits (bfloat16/FP8 views).
+// format needs no change here). uint8 is int4's bytes (as in the JAX op); other unsigned ints
+// only carry bits (bfloat16/FP8 views, which name their dtype with delta_dtype/pool_dtype).
 inline DType dtype_of(nb::dlpack::dtype d) {
   if (d.lanes != 1) return DType::kOther;
   if (d.code == kDLFloat && d.bits == 16) return DType::kFloat16;
@@ -181,6 +182,7 @@ inline DType dtype_of(nb::dlpack::dtype d) {
   if (d.code == kDLFloat8E4M3FN && d.bits == 8) return DType::kFloat8E4M3;
   if (d.code == kDLFloat8E5M2 && d.bits == 8) return DType::kFloat8E5M2;
   if (d.code == kDLInt && d.bits == 8) return DType::kInt8;
+  if (d.code == kDLUInt && d.bits == 8) return DType::kUInt8;
   if (d.code == kDLInt && d.bits == 16) return DType::kInt16;
   if (d.code == kDLInt && d.bits == 32) return DType::kInt32;
   if (d.code == kDLInt && d.bits == 64) return DType::kInt64;
@@ -553,12 +555,22 @@ inline nb::object scale_array(nb::handle scale, char const* name) {
 
 // The whole call: base operands (SPEC.md's order), then the present extras; raises on any
 // invalid operand, attribute or parameter. delta_dtype names k, v and the weight; pool_dtype
-// the pool ("" or None = the arrays' own dtypes).
+// the pool ("" or None = the arrays' own dtypes). A scale pool (per-token-head scales, updated in
+// place like the pool) takes the place of k_scale and v_scale.
 template <typename Device>
 KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> const& base, nb::handle k_scale,
                                   nb::handle v_scale, nb::handle k_norm_weight, nb::handle delta_dtype,
-                                  nb::handle pool_dtype, KeptArrays& keep) {
+                                  nb::handle pool_dtype, KeptArrays& keep,
+                                  nb::handle scale_pool = nb::none()) {
   attrs.k_norm = !k_norm_weight.is_none();
+  attrs.scale_pool = !scale_pool.is_none();
+  if (attrs.scale_pool && !(k_scale.is_none() && v_scale.is_none()))
+    throw nb::value_error((std::string(kScalePoolName) +
+                           ": per-token-head scales take the place of k_scale and v_scale; expected "
+                           "k_scale=None and v_scale=None with a scale pool, got " +
+                           (k_scale.is_none() ? "v_scale" : "k_scale") + "=" +
+                           given_value(k_scale.is_none() ? v_scale : k_scale))
+                              .c_str());
   if (k_scale.is_none() != v_scale.is_none())
     throw nb::value_error(k_scale.is_none()
                               ? "k_scale: v_scale is given, so k_scale is expected too, got None"
@@ -584,6 +596,8 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
     specs.push_back({"k_scale", k_scale_array, DType::kOther, false, nullptr, "float32"});
     specs.push_back({"v_scale", v_scale_array, DType::kOther, false, nullptr, "float32"});
   }
+  if (attrs.scale_pool)
+    specs.push_back({kScalePoolName, scale_pool, DType::kOther, true, nullptr, "float32"});
   if (attrs.k_norm)
     specs.push_back({"k_norm_weight", k_norm_weight, delta, false, "delta_dtype",
                      "float16, bfloat16 or float32 (k_delta's)"});
@@ -594,8 +608,13 @@ KVUpdateParams params_from_arrays(UpdateAttrs attrs, std::vector<nb::handle> con
   KVUpdateParams p;
   if (std::string e =
           params_from_operands(operands.data(), int32_t(operands.size()), attrs, &p, /*need_data=*/true);
-      !e.empty())
+      !e.empty()) {
+    // An unnamed uint8 pool is taken as int4 bytes; it may have been meant as FP8 bits.
+    if (operands.size() > 2 && operands[2].dtype == DType::kUInt8 && pool_name.empty())
+      e += " (a uint8 pool is an int4 pool's bytes; FP8 pools may also cross as uint8 views of their bits "
+           "named with pool_dtype=\"...\")";
     throw nb::value_error(e.c_str());
+  }
   return p;
 }
 

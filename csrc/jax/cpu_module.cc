@@ -78,17 +78,17 @@ void update_paged_numpy(nb::handle k_delta, nb::handle v_delta, nb::handle pool,
 // needs no entry of its own.
 void update_numpy(std::string const& form, nb::handle operands, nb::handle k_scale, nb::handle v_scale,
                   nb::handle k_norm_weight, nb::handle pages_per_slot, nb::handle ring, nb::handle v_norm,
-                  nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype,
+                  nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype, nb::handle scale_pool,
                   nb::kwargs const& unknown) {
   refuse_unknown_keywords(
       unknown, "update",
       "k_scale, v_scale, k_norm_weight, pages_per_slot, ring, v_norm, norm_eps, delta_dtype, "
-      "pool_dtype");
+      "pool_dtype, scale_pool");
   RingArgument ring_entries;
   UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps, ring_entries);
   KeptArrays keep;
   run_numpy(params_from_arrays<nb::device::cpu>(attrs, form_operands(form, operands), k_scale, v_scale,
-                                                k_norm_weight, delta_dtype, pool_dtype, keep));
+                                                k_norm_weight, delta_dtype, pool_dtype, keep, scale_pool));
 }
 
 }  // namespace
@@ -107,10 +107,12 @@ NB_MODULE(_dflash_cpu, m) {
   m.def("update", &dflash::jax::update_numpy, "form"_a, "operands"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
         "pages_per_slot"_a = nb::none(), "ring"_a = nb::none(), "v_norm"_a = false, "norm_eps"_a = 1e-6f,
-        "delta_dtype"_a = "", "pool_dtype"_a = "", "kwargs"_a,
+        "delta_dtype"_a = "", "pool_dtype"_a = "", "scale_pool"_a = nb::none(), "kwargs"_a,
         "Updates `pool` (operands[2]) in place with the CPU kernel, for the addressing form named `form`\n"
         "('slot', 'paged', ...: docs/SPEC.md), its base operands in order as one sequence; the\n"
-        "keywords as in target_kv_cache_update(_paged), each form taking its own.");
+        "keywords as in target_kv_cache_update(_paged), each form taking its own. `scale_pool`: the\n"
+        "per-token-head scales (float32, the pool's dims without D), updated in place too, in place\n"
+        "of k_scale and v_scale.");
   m.def("target_kv_cache_update", &dflash::jax::update_slot_numpy, "k_delta"_a, "v_delta"_a, "pool"_a,
         "rope_cos_sin"_a, "delta_start_positions"_a, "delta_lengths"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),

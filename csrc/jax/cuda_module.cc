@@ -249,17 +249,17 @@ void launch_paged(nb::handle k_delta, nb::handle v_delta, nb::handle pool, nb::h
 void launch_form(std::string const& form, nb::handle operands, nb::handle k_scale, nb::handle v_scale,
                  nb::handle k_norm_weight, nb::handle pages_per_slot, nb::handle ring, nb::handle v_norm,
                  nb::handle norm_eps, nb::handle delta_dtype, nb::handle pool_dtype, nb::handle stream,
-                 nb::kwargs const& unknown) {
+                 nb::handle scale_pool, nb::kwargs const& unknown) {
   refuse_unknown_keywords(
       unknown, "launch_form",
       "k_scale, v_scale, k_norm_weight, pages_per_slot, ring, v_norm, norm_eps, delta_dtype, "
-      "pool_dtype, stream");
+      "pool_dtype, stream, scale_pool");
   RingArgument ring_entries;
   UpdateAttrs const attrs = form_attrs(form, pages_per_slot, ring, v_norm, norm_eps, ring_entries);
   uintptr_t const cuda_stream = stream_argument(stream);
   KeptArrays keep;
   enqueue(params_from_arrays<nb::device::cuda>(attrs, form_operands(form, operands), k_scale, v_scale,
-                                               k_norm_weight, delta_dtype, pool_dtype, keep),
+                                               k_norm_weight, delta_dtype, pool_dtype, keep, scale_pool),
           cuda_stream);
 }
 
@@ -346,7 +346,9 @@ NB_MODULE(_dflash_cuda, m) {
   m.def("launch_form", &dflash::jax::launch_form, "form"_a, "operands"_a, "k_scale"_a = nb::none(),
         "v_scale"_a = nb::none(), "k_norm_weight"_a = nb::none(), nb::kw_only(),
         "pages_per_slot"_a = nb::none(), "ring"_a = nb::none(), "v_norm"_a = false, "norm_eps"_a = 1e-6f,
-        "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0, "kwargs"_a,
+        "delta_dtype"_a = "", "pool_dtype"_a = "", "stream"_a = 0, "scale_pool"_a = nb::none(), "kwargs"_a,
         "Enqueues the update of the addressing form named `form` ('slot', 'paged', ...: docs/SPEC.md),\n"
-        "its base operands in order as one sequence, on `stream`; the keywords as in launch(_paged).");
+        "its base operands in order as one sequence, on `stream`; the keywords as in launch(_paged).\n"
+        "`scale_pool`: the per-token-head scales (float32, the pool's dims without D), updated in\n"
+        "place too, in place of k_scale and v_scale.");
 }
