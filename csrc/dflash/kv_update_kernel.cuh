@@ -1242,8 +1242,10 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     int64_t const items = layers * sequences * tokens * p.num_kv_heads;
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
     if (int const g = dynamic_group_width<Delta, Pool>(p); g != 0) {
+      // A row per group, every row at once (up to the grid's limit): a group that loops over
+      // rows waits for each row's stores before the next row's loads (they may alias).
       int64_t const rows_per_block = kGroupThreads / g;
-      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, max_blocks);
+      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, INT32_MAX);
       bool const rope_float4 = aligned(p.rope_cos_sin, 16);
       if (g == 16)
         dynamic_group_kernel<C, Delta, Pool, 16>
