@@ -996,60 +996,51 @@ struct DynamicItem {
   float const* cos_sin = nullptr;  // null: not rotated
   int64_t src = 0;                 // element offset of the head's delta row
   int64_t layer = 0;
-  int64_t local_layer = 0;  // the layer in the launch
-  int64_t b = 0;            // the sequence (slot form)
-  int64_t t = 0;            // the token
-  int64_t h = 0;            // the head
+  int64_t h = 0;  // the head
 };
 
-// The item's coordinates and source row, arithmetic only (no load), in Index arithmetic: uint32_t
-// when the launch's items fit (64-bit divisions cost more than the row's loads at decode sizes).
+// The item's coordinates in Index arithmetic: uint32_t when the launch's items fit (64-bit
+// divisions cost more than the row's loads at decode sizes).
 template <Contract C, typename Index>
-__device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const& p, int64_t layer_base,
-                                                           int64_t item_) {
+__device__ __forceinline__ DynamicItem dynamic_item(KVUpdateParams const& p, PagedAddressing const& paged,
+                                                    int64_t layer_base, int64_t item_) {
   Index const item = Index(item_);
   Index const heads = Index(p.num_kv_heads);
   Index const tokens = Index(C == Contract::kSlot ? p.delta_len : p.num_tokens);
   Index const sequences = Index(C == Contract::kSlot ? p.batch : 1);
   Index const token_row = item / heads;
   Index const sequence_row = token_row / tokens;
+  int64_t const t = int64_t(token_row - sequence_row * tokens);
+  int64_t const b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
+  int64_t const local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
   DynamicItem it;
-  it.t = int64_t(token_row - sequence_row * tokens);
-  it.b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
-  it.local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
   it.h = int64_t(item - token_row * heads);
-  it.layer = layer_base + it.local_layer;
-  it.src = delta_token_offset(p, it.layer, it.b, it.t) + it.h * p.head_dim;
-  return it;
-}
-
-// Where the item's rows land (it.rows) and its rope row (it.cos_sin): the addressing's loads.
-template <Contract C> __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p,
-                                                                      PagedAddressing const& paged,
-                                                                      DynamicItem& it) {
+  it.layer = layer_base + local_layer;
   if constexpr (C == Contract::kSlot) {
-    int64_t const start = p.delta_start_positions[position_index(p, it.layer, it.b)];
-    int64_t const length = p.delta_lengths[position_index(p, it.layer, it.b)];
-    int64_t const pos = written_position(start, length, it.t, slot_capacity(p));
-    it.rows = slot_rows(p, it.b, pos);
+    int64_t const start = p.delta_start_positions[position_index(p, it.layer, b)];
+    int64_t const length = p.delta_lengths[position_index(p, it.layer, b)];
+    int64_t const pos = written_position(start, length, t, slot_capacity(p));
+    it.rows = slot_rows(p, b, pos);
     if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
+      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, b, pos);
   } else {
     if constexpr (C == Contract::kPaged) {
-      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, it.t)];
-      int32_t const pos = p.delta_positions[position_index(p, it.layer, it.t)];
+      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, t)];
+      int32_t const pos = p.delta_positions[position_index(p, it.layer, t)];
       uint32_t row;
       int64_t const entry =
-          page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)), owner, pos, &row);
+          page_table_entry(paged, layer_ring(paged, uint32_t(local_layer)), owner, pos, &row);
       if (entry >= 0) {
         int32_t const* table = p.page_table + it.layer * paged.table_layer;
         it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
       }
     } else {
-      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, it.t)));
+      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, t)));
     }
-    if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
+    if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, t);
   }
+  it.src = delta_token_offset(p, it.layer, b, t) + it.h * p.head_dim;
+  return it;
 }
 
 // Element offset in the pool of item's head row in plane 0 (K) or 1 (V); a packed pool's head rows
@@ -1065,8 +1056,7 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
   using DBits = typename Delta::Bits;
   int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
   for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
-    DynamicItem it = dynamic_coordinates<C, int64_t>(p, layer_base, item);
-    dynamic_address<C>(p, paged, it);
+    DynamicItem const it = dynamic_item<C, int64_t>(p, paged, layer_base, item);
     if (it.rows.k_row < 0) continue;
     int64_t const h = it.h;
     int64_t const k_dst = dynamic_dst(p, it, it.rows.k_row, h);
@@ -1138,45 +1128,42 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
     bool const live = item < items;
     DynamicItem it;
     if (live)
-      it = narrow ? dynamic_coordinates<C, uint32_t>(p, layer_base, item)
-                  : dynamic_coordinates<C, int64_t>(p, layer_base, item);
-    // Every load this row needs, issued before the first store: the compiler may not move a
-    // delta's load past a pool store (they could alias), so V's row would otherwise wait for K's.
-    DeltaPack rows[2] = {}, weight = {};
-    if (live && has) {
-      rows[0] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_delta) + it.src + channel);
-      rows[1] = load_pack<DeltaPack>(static_cast<DBits const*>(p.v_delta) + it.src + channel);
-      if (p.k_norm && p.k_norm_weight != nullptr)
-        weight = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
-                                      weight_offset(p, it.layer) + channel);
-    }
-    if (live) dynamic_address<C>(p, paged, it);
-    bool const rotate = live && has && rotary && it.cos_sin != nullptr;
-    float c[kGroupChunk], sn[kGroupChunk];
-    if (rotate)
-      load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c, sn);
+      it = narrow ? dynamic_item<C, uint32_t>(p, paged, layer_base, item)
+                  : dynamic_item<C, int64_t>(p, paged, layer_base, item);
     bool const write = live && it.rows.k_row >= 0;
     int64_t const h = it.h;
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
+      DBits const* src = static_cast<DBits const*>(plane == 0 ? p.k_delta : p.v_delta) + it.src + channel;
       float x[kGroupChunk];
+      if (live && has) {
+        DeltaPack const d = load_pack<DeltaPack>(src);
 #pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) x[i] = live && has ? Delta::decode(rows[plane].v[i]) : 0.0f;
+        for (int i = 0; i < kGroupChunk; ++i) x[i] = Delta::decode(d.v[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) x[i] = 0.0f;
+      }
       if (plane == 0 ? p.k_norm : p.v_norm) {  // uniform in the launch
         group_norm<Delta, G>(x, has, p.norm_eps, p.head_dim);
         if (plane == 0 && p.k_norm_weight != nullptr && has) {
+          DeltaPack const w = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
+                                                   weight_offset(p, it.layer) + channel);
 #pragma unroll
           for (int i = 0; i < kGroupChunk; ++i)
-            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(weight.v[i])));
+            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(w.v[i])));
         }
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch; the shuffles run in every lane
         float partner[kGroupChunk];
 #pragma unroll
         for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[i], partner_lane, G);
-        if (rotate) {
+        if (live && has && rotary && it.cos_sin != nullptr) {
+          float c[kGroupChunk], s[kGroupChunk];
+          load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c,
+                                    s);
 #pragma unroll
-          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], sn[i], first);
+          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], s[i], first);
         }
       }
       RowMax r;
@@ -1242,10 +1229,8 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     int64_t const items = layers * sequences * tokens * p.num_kv_heads;
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
     if (int const g = dynamic_group_width<Delta, Pool>(p); g != 0) {
-      // A row per group, every row at once (up to the grid's limit): a group that loops over
-      // rows waits for each row's stores before the next row's loads (they may alias).
       int64_t const rows_per_block = kGroupThreads / g;
-      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, INT32_MAX);
+      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, max_blocks);
       bool const rope_float4 = aligned(p.rope_cos_sin, 16);
       if (g == 16)
         dynamic_group_kernel<C, Delta, Pool, 16>
