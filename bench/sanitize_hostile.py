@@ -289,28 +289,22 @@ def scale_pool_cases(rng) -> list[Case]:
     """Per-token-head dynamic scales (int8, FP8 and int4 pools) on the hostile cases of every
     form: the scale pool of random bits (NaN payloads included) must keep the unwritten rows'
     scales; every fourth case's deltas carry zero and non-finite rows."""
+    from jax_dflash import testing
+
     cases = []
     sources = slot_cases(rng)[-3:] + paged_cases(rng)[-3:] + slot_mapping_cases(rng)[-3:]
     formats = (INT8, E4M3, UINT8, E5M2)
     for i, case in enumerate(sources):
         pool_dtype = formats[i % len(formats)]
+        name = "int4" if pool_dtype == UINT8 else pool_dtype.name
         args = [np.array(a) for a in case.args]
-        pool = args[2]
-        rows = pool.shape[:-1]
-        if pool_dtype == UINT8:  # int4: two elements per byte
-            args[2] = rng.integers(0, 256, (*rows, pool.shape[-1] // 2), dtype=np.uint8)
-        else:
-            args[2] = rng.integers(0, 256, pool.shape, dtype=np.uint8).view(pool_dtype)
+        args, kwargs = testing.with_scale_pool(rng, args, case.kwargs, name)
         if i % 4 == 0:  # tokens past the slot-mapping cases' shared pair (tokens 0 and 1)
             for delta in (args[0], args[1]):
                 tokens = delta.shape[-3]
                 delta[..., 9 % tokens, 0, :] = 0
                 delta[..., 10 % tokens, 1, 3] = np.nan
                 delta[..., 11 % tokens, 0, 1] = np.inf
-        scale_bits = rng.integers(0, 2**32, rows, dtype=np.uint64).astype(np.uint32)
-        kwargs = {k: v for k, v in case.kwargs.items() if k not in ("k_scale", "v_scale")}
-        kwargs["scale_pool"] = scale_bits.view(np.float32)
-        name = "int4" if pool_dtype == UINT8 else pool_dtype.name
         label = f"{case.label.split(' -> ')[0]}, {name} pool with a scale pool"
         cases.append(Case(label, case.contract, tuple(args), kwargs))
     return cases

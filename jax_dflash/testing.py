@@ -59,6 +59,26 @@ def _random_pool(rng, shape, pool_dtype):
     return pool
 
 
+def with_scale_pool(rng, args, kwargs, pool_format):
+    """``(args, kwargs)`` of a call rewritten for per-token-head scales: the pool ``args[2]``
+    (any dtype; its shape ``[..., D]`` gives the layout) replaced by random bytes of
+    ``pool_format`` (a pool dtype that takes a scale pool, or ``"int4"``: uint8 bytes
+    ``[..., D/2]``), static scales dropped, and ``scale_pool`` random float32 bits (NaN payloads
+    and infinities included: rows not written must keep them exactly). The pool's bytes are
+    drawn first, then the scales'."""
+    args = list(args)
+    shape = args[2].shape
+    if str(pool_format) == "int4":
+        args[2] = rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
+    else:
+        dtype = np.dtype(getattr(ml_dtypes, str(pool_format), pool_format))
+        args[2] = rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
+    bits = rng.integers(0, 2**32, shape[:-1], dtype=np.uint64).astype(np.uint32)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("k_scale", "v_scale")}
+    kwargs["scale_pool"] = bits.view(np.float32)
+    return args, kwargs
+
+
 def _scale_shape(scale_shape, heads, layers):
     if scale_shape is None:
         return (heads,)

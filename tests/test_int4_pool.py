@@ -28,6 +28,7 @@ from jax_dflash.testing import (
     gpu_devices,
     make_paged_problem,
     make_problem,
+    with_scale_pool,
 )
 
 OPS = FORM_OPS
@@ -63,9 +64,7 @@ def _problem(rng, form, *, layers=None, delta=np.float16, k_norm=False, v_norm=F
         slots = rng.permutation(np.arange(-3, rows + 3))[:tokens].astype(np.int32)
         args = [*args[:4], slots]
     shape = args[2].shape
-    args[2] = rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
-    bits = rng.integers(0, 2**32, shape[:-1], dtype=np.uint64).astype(np.uint32)
-    kwargs["scale_pool"] = bits.view(np.float32)
+    args, kwargs = with_scale_pool(rng, args, kwargs, "int4")
     return args, kwargs, shape
 
 

@@ -4,7 +4,6 @@ launches use it, ``jax-dflash check`` reports it, and the pools written with it 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -16,19 +15,13 @@ import numpy as np
 import pytest
 
 import jax_dflash
+from helpers.ops import cuda_extension
 from jax_dflash import _ext
 from jax_dflash.cli import check
 from jax_dflash.testing import gpu_devices
 
 NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 CHILD_TIMEOUT_S = 420
-
-
-def _cuda_extension():
-    try:
-        return importlib.import_module("jax_dflash._dflash_cuda")
-    except ImportError as e:
-        pytest.skip(f"jax_dflash._dflash_cuda was not built or does not load: {e}")
 
 
 def _build_architectures() -> list[int] | None:
@@ -55,7 +48,7 @@ def _expected_pdl(switch: str | None) -> bool | None:
 
 
 def test_cuda_module_exposes_pdl_enabled():
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     # The stub lies beside the package's sources (an editable install keeps the module elsewhere).
     stub = Path(jax_dflash.__file__).parent / "_dflash_cuda.pyi"
     assert "def pdl_enabled() -> bool:" in stub.read_text()
@@ -195,7 +188,7 @@ def _run_child(switch: str, out: Path) -> bool:
 
 
 def test_pools_are_the_same_bits_with_and_without_pdl(tmp_path):
-    _cuda_extension()
+    cuda_extension()
     if not gpu_devices():
         pytest.skip(NO_GPU)
     used = {switch: _run_child(switch, tmp_path / f"pdl{switch}.npz") for switch in ("0", "1")}

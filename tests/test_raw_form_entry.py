@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from jax_dflash import _ext, reference
-from jax_dflash.testing import POOL_DTYPES, gpu_devices, make_paged_problem, make_problem
+from jax_dflash.testing import (
+    POOL_DTYPES,
+    gpu_devices,
+    make_paged_problem,
+    make_problem,
+    with_scale_pool,
+)
 
 FORMS = {
     "slot": (make_problem, reference.target_kv_cache_update),
@@ -85,13 +91,8 @@ def _scale_pool_call(form, fmt, seed):
     problem = make(
         rng, dtype=np.float16, pool_dtype=np.float32, k_norm=True, layers=2, hostile=hostile
     )
-    operands = [np.array(a) for a in problem.args()]
-    shape = operands[2].shape
-    last = shape[-1] // 2 if fmt == "int4" else shape[-1]
-    operands[2] = rng.integers(0, 256, (*shape[:-1], last), dtype=np.uint8).view(_SCALED[fmt])
-    keywords = {k: v for k, v in problem.kwargs().items() if k not in ("k_scale", "v_scale")}
-    scales = rng.integers(0, 2**32, shape[:-1], dtype=np.uint64).astype(np.uint32)
-    keywords["scale_pool"] = scales.view(np.float32)
+    pool_format = "int4" if fmt == "int4" else _SCALED[fmt]
+    operands, keywords = with_scale_pool(rng, problem.args(), problem.kwargs(), pool_format)
     return operands, keywords, ref(*operands, **keywords)
 
 

@@ -6,7 +6,6 @@ buffers enabled for custom calls)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import jax
 import pytest
 
 import jax_dflash
+from helpers.ops import cuda_extension
 from jax_dflash import _ext
 from jax_dflash.cli import check
 from jax_dflash.testing import gpu_devices
@@ -25,13 +25,6 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "bench" / "record_pdl_probe.py"
 NO_GPU = "no GPU backend in this JAX: the record stage runs on the H200"
 CHILD_TIMEOUT_S = 300
-
-
-def _cuda_extension():
-    try:
-        return importlib.import_module("jax_dflash._dflash_cuda")
-    except ImportError as e:
-        pytest.skip(f"jax_dflash._dflash_cuda was not built or does not load: {e}")
 
 
 def _build_info() -> dict:
@@ -50,7 +43,7 @@ def test_build_info_reports_the_record_stage():
     if not entry["built"]:
         reasons = ("record_api.h", "DFLASH_ENABLE_FFI_RECORD=OFF", "9.0", "needs the CUDA build")
         assert any(r in entry["reason"] for r in reasons), entry
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     assert cuda.ffi_record_stage() is entry["built"], entry
 
 
@@ -62,13 +55,13 @@ def test_no_record_stage_against_a_jaxlib_without_the_record_api():
     header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "record_api.h"
     if header.is_file():
         pytest.skip(f"this jaxlib ({jax.__version__}) has the record API: {header}")
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     assert cuda.ffi_record_stage() is False
     assert _ext.record_stage_registered() is False
 
 
 def test_registrations_give_the_record_stage_only_where_built():
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     execute_only = cuda.registrations(record=False)
     staged = cuda.registrations()
     assert set(execute_only) == set(staged) and execute_only
@@ -82,7 +75,7 @@ def test_registrations_give_the_record_stage_only_where_built():
 
 
 def test_record_stage_counts_start_at_zero_without_a_gpu():
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     counts = cuda.record_stage_counts()
     assert set(counts) == {"created", "updated", "captured"}
     assert all(isinstance(v, int) and v >= 0 for v in counts.values()), counts
@@ -106,7 +99,7 @@ def test_stub_declares_the_record_functions():
 def test_record_pdl_follows_dflash_pdl_on_by_default(switch, record_pdl):
     """DFLASH_PDL, read once per process (so a child each): the record stage asks for PDL unless
     it is "0"; launches on a stream only where it is "1" (and the device has 9.0)."""
-    _cuda_extension()
+    cuda_extension()
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_PDL"}
     if switch is not None:
         env["DFLASH_PDL"] = switch
@@ -175,7 +168,7 @@ def test_record_stage_writes_the_cpu_ops_bits():
     donated): every case bit for bit against the CPU op; with a record stage registered, the
     covered cases were recorded as launches and the dynamic-scale one captured; without, nothing
     was recorded."""
-    cuda = _cuda_extension()
+    cuda = cuda_extension()
     if not gpu_devices():
         pytest.skip(NO_GPU)
     env = {

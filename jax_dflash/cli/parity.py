@@ -138,19 +138,10 @@ def _paged_int8(draw: _Draws):
 def _with_scale_pool(draw: _Draws, case, pool_dtype: str):
     """``case`` (float32 pool) rewritten for a pool of ``pool_dtype`` (``"int4"``: uint8 bytes
     ``[.., D/2]``) of random bytes with a per-token-head scale pool of random bits."""
-    name, contract, operands, keywords = case
-    operands = list(operands)
-    shape = operands[2].shape
-    if pool_dtype == "int4":
-        operands[2] = draw.rng.integers(0, 256, (*shape[:-1], shape[-1] // 2), dtype=np.uint8)
-    else:
-        import ml_dtypes
+    from jax_dflash.testing import with_scale_pool
 
-        dtype = np.dtype(getattr(ml_dtypes, pool_dtype, pool_dtype))
-        operands[2] = draw.rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
-    bits = draw.rng.integers(0, 2**32, shape[:-1], dtype=np.uint64).astype(np.uint32)
-    keywords = {k: v for k, v in keywords.items() if k not in ("k_scale", "v_scale")}
-    keywords["scale_pool"] = bits.view(np.float32)
+    name, contract, operands, keywords = case
+    operands, keywords = with_scale_pool(draw.rng, operands, keywords, pool_dtype)
     return (name, contract, tuple(operands), keywords)
 
 

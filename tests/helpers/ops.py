@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import numpy as np
+import pytest
 
 import jax_dflash
 from jax_dflash import reference
@@ -84,3 +86,11 @@ def with_special_rows(args, rng):
             else:
                 rows[row, rng.integers(rows.shape[-1])] = special
     return [k, v, *args[2:]]
+
+
+def cuda_extension():
+    """jax_dflash._dflash_cuda, or the test skips, saying why it does not load."""
+    try:
+        return importlib.import_module("jax_dflash._dflash_cuda")
+    except ImportError as e:
+        pytest.skip(f"jax_dflash._dflash_cuda was not built or does not load: {e}")
