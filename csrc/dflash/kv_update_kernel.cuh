@@ -412,12 +412,117 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
-// `inv_scale` is the scale's reciprocal, or the scale itself for a dividing pool (kDividingPool).
-template <typename Pool, int VEC>
+// ---- divided stores by the product (numerics.h, "the divided stores without their division") -------
+
+// The byte of an integer code in [-qmax, qmax], from a finite value (NaN divides, never gets here).
+template <int QMAX> __device__ __forceinline__ uint32_t integer_code(float q) {
+  return uint32_t(__float2int_rn(fminf(fmaxf(q, -float(QMAX)), float(QMAX))));
+}
+
+// A chunk's stored codes as whole words (both paths below hand over words, so that joining them
+// costs no byte shuffles).
+template <typename Pool, int N> struct CodeWords {
+  static_assert(N % (4 * kPerByte<Pool>) == 0, "whole words of codes");
+  uint32_t v[N / 4 / kPerByte<Pool>];
+};
+
+// The stored codes of the quotients y[i] / s of N elements from their products with the
+// reciprocal. Returns false where the proof fails for some element; the caller then divides
+// (divided_words).
+template <typename Pool, int N> __device__ __forceinline__ bool product_words(float const (&y)[N],
+                                                                              Divisor const& d,
+                                                                              CodeWords<Pool, N>& out) {
+  bool divide = false;
+  if constexpr (kIsFp8<Pool>) {
+    // lo and hi bracket q: |p - q| < |p| 2^-22 and each bound rounds by at most 2^-24, so
+    // p (1 - 2^-20) <= q <= p (1 + 2^-20) as magnitudes (a subnormal p is within 2^-148 of q, and
+    // both convert to a zero of the product's sign). The conversion is monotonic: where lo's and
+    // hi's codes agree, q's is the same. One packed conversion gives both (lo in the low byte).
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      uint32_t pairs[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float const p = mul_rn(y[i + k], d.reciprocal);
+        float const lo = mul_rn(p, 1.0f - 0x1p-20f), hi = mul_rn(p, 1.0f + 0x1p-20f);
+        pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
+      }
+      uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
+      uint32_t const w23 = __byte_perm(pairs[2], pairs[3], 0x5410);
+      divide |= (((w01 ^ (w01 >> 8)) | (w23 ^ (w23 >> 8))) & 0x00ff00ffu) != 0;
+      out.v[i / 4] = __byte_perm(w01, w23, 0x6420);  // lo0 lo1 lo2 lo3
+    }
+  } else {
+    constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
+    uint32_t codes[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax>(integer_product(y[i], d, divide));
+    if constexpr (kPerByte<Pool> == 2) {
+#pragma unroll
+      for (int i = 0; i < N; i += 8) {
+        uint32_t w = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) w |= (codes[i + k] & 0xfu) << (4 * k);
+        out.v[i / 8] = w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4)
+        out.v[i / 4] = __byte_perm(__byte_perm(codes[i], codes[i + 1], 0x0040),
+                                   __byte_perm(codes[i + 2], codes[i + 3], 0x0040), 0x5410);
+    }
+  }
+  return !divide;
+}
+
+// The same codes by the division (element by element, as numerics.h states the stores), for the
+// chunks product_words refuses: not inlined, so that the division stays on its own rarely taken
+// branch (inlined, the compiler may evaluate it for every chunk and select). `dynamic`: a
+// scale-pool row's quotient (a zero scale stores zeros).
+template <typename Pool, int N>
+__device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, float s, bool dynamic) {
+  CodeWords<Pool, N> out;
+  uint8_t bytes[N / kPerByte<Pool>];
+#pragma unroll
+  for (int i = 0; i < N; i += kPerByte<Pool>) {
+    float const q0 = dynamic ? dynamic_quotient(y.v[i], s) : div_rn(y.v[i], s);
+    if constexpr (kPerByte<Pool> == 2) {
+      float const q1 = dynamic ? dynamic_quotient(y.v[i + 1], s) : div_rn(y.v[i + 1], s);
+      bytes[i / 2] = pack_int4(q0, q1);
+    } else {
+      bytes[i] = Pool::encode(q0);
+    }
+  }
+  memcpy(out.v, bytes, sizeof(bytes));
+  return out;
+}
+
+// The stored codes of y / s, as bytes: by the product where product_words proves it exact, else
+// divided.
+template <typename Pool, int N>
+__device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(float const (&y)[N],
+                                                                            Divisor const& d, bool dynamic) {
+  CodeWords<Pool, N> words;
+  if (!d.by_product || !product_words<Pool, N>(y, d, words)) {
+    Pack<float, N> values;
+#pragma unroll
+    for (int i = 0; i < N; ++i) values.v[i] = y[i];
+    words = divided_words<Pool, N>(values, d.scale, dynamic);
+  }
+  Pack<uint8_t, N / kPerByte<Pool>> out;
+  static_assert(sizeof(out) == sizeof(words), "the words are the pack");
+  memcpy(&out, &words, sizeof(out));
+  return out;
+}
+
+// `inv_scale` is the scale's reciprocal, or, for a dividing pool (kDividingPool), its Divisor.
+template <typename Pool, int VEC, typename Scale>
 __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float const (&y)[VEC],
-                                                                      float inv_scale) {
+                                                                      Scale const& inv_scale) {
   Pack<typename Pool::Bits, VEC> out;
-  if constexpr (kIsFp8<Pool> && VEC % 4 == 0 && DFLASH_FP8_HARDWARE) {
+  if constexpr (kDividingPool<Pool> && VEC % 4 == 0) {
+    out = quotient_bytes<Pool, VEC>(y, inv_scale, false);
+  } else if constexpr (kIsFp8<Pool> && VEC % 4 == 0 && DFLASH_FP8_HARDWARE) {
     // Four codes per word: two packed conversions, then one NaN mend for the four.
     static_assert(alignof(decltype(out)) >= 4, "FP8 packs of four or more codes are word-aligned");
     uint32_t* const words = reinterpret_cast<uint32_t*>(out.v);
@@ -441,7 +546,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       if constexpr (kDividingPool<Pool>)
-        out.v[i] = Pool::encode(div_rn(y[i], inv_scale));
+        out.v[i] = Pool::encode(div_rn(y[i], inv_scale.scale));
       else if constexpr (kIsFp8<Pool>)
         out.v[i] = Pool::encode(mul_rn(y[i], inv_scale));
       else
@@ -628,8 +733,13 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     }
   }
   using Out = Pack<PBits, VEC>;
-  float const inv_k = kDividingPool<Pool> ? k_scale : kScaledPool<Pool> ? div_rn(1.0f, k_scale) : 1.0f;
-  float const inv_v = kDividingPool<Pool> ? v_scale : kScaledPool<Pool> ? div_rn(1.0f, v_scale) : 1.0f;
+  auto const store_scale = [](float scale) {
+    if constexpr (kDividingPool<Pool>)
+      return divisor_of(scale);
+    else
+      return kScaledPool<Pool> ? div_rn(1.0f, scale) : 1.0f;
+  };
+  auto const inv_k = store_scale(k_scale), inv_v = store_scale(v_scale);
   // The stored packs of K and of V (the second of each unused unless pair).
   auto key_packs = [&](Out& out0, Out& out1) {
     if (kSame && !k_norm && !rotate) {
@@ -996,51 +1106,60 @@ struct DynamicItem {
   float const* cos_sin = nullptr;  // null: not rotated
   int64_t src = 0;                 // element offset of the head's delta row
   int64_t layer = 0;
-  int64_t h = 0;  // the head
+  int64_t local_layer = 0;  // the layer in the launch
+  int64_t b = 0;            // the sequence (slot form)
+  int64_t t = 0;            // the token
+  int64_t h = 0;            // the head
 };
 
-// The item's coordinates in Index arithmetic: uint32_t when the launch's items fit (64-bit
-// divisions cost more than the row's loads at decode sizes).
+// The item's coordinates and source row, arithmetic only (no load), in Index arithmetic: uint32_t
+// when the launch's items fit (64-bit divisions cost more than the row's loads at decode sizes).
 template <Contract C, typename Index>
-__device__ __forceinline__ DynamicItem dynamic_item(KVUpdateParams const& p, PagedAddressing const& paged,
-                                                    int64_t layer_base, int64_t item_) {
+__device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const& p, int64_t layer_base,
+                                                           int64_t item_) {
   Index const item = Index(item_);
   Index const heads = Index(p.num_kv_heads);
   Index const tokens = Index(C == Contract::kSlot ? p.delta_len : p.num_tokens);
   Index const sequences = Index(C == Contract::kSlot ? p.batch : 1);
   Index const token_row = item / heads;
   Index const sequence_row = token_row / tokens;
-  int64_t const t = int64_t(token_row - sequence_row * tokens);
-  int64_t const b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
-  int64_t const local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
   DynamicItem it;
+  it.t = int64_t(token_row - sequence_row * tokens);
+  it.b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
+  it.local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
   it.h = int64_t(item - token_row * heads);
-  it.layer = layer_base + local_layer;
+  it.layer = layer_base + it.local_layer;
+  it.src = delta_token_offset(p, it.layer, it.b, it.t) + it.h * p.head_dim;
+  return it;
+}
+
+// Where the item's rows land (it.rows) and its rope row (it.cos_sin): the addressing's loads.
+template <Contract C> __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p,
+                                                                      PagedAddressing const& paged,
+                                                                      DynamicItem& it) {
   if constexpr (C == Contract::kSlot) {
-    int64_t const start = p.delta_start_positions[position_index(p, it.layer, b)];
-    int64_t const length = p.delta_lengths[position_index(p, it.layer, b)];
-    int64_t const pos = written_position(start, length, t, slot_capacity(p));
-    it.rows = slot_rows(p, b, pos);
+    int64_t const start = p.delta_start_positions[position_index(p, it.layer, it.b)];
+    int64_t const length = p.delta_lengths[position_index(p, it.layer, it.b)];
+    int64_t const pos = written_position(start, length, it.t, slot_capacity(p));
+    it.rows = slot_rows(p, it.b, pos);
     if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, b, pos);
+      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
   } else {
     if constexpr (C == Contract::kPaged) {
-      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, t)];
-      int32_t const pos = p.delta_positions[position_index(p, it.layer, t)];
+      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, it.t)];
+      int32_t const pos = p.delta_positions[position_index(p, it.layer, it.t)];
       uint32_t row;
       int64_t const entry =
-          page_table_entry(paged, layer_ring(paged, uint32_t(local_layer)), owner, pos, &row);
+          page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)), owner, pos, &row);
       if (entry >= 0) {
         int32_t const* table = p.page_table + it.layer * paged.table_layer;
         it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
       }
     } else {
-      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, t)));
+      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, it.t)));
     }
-    if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, t);
+    if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
   }
-  it.src = delta_token_offset(p, it.layer, b, t) + it.h * p.head_dim;
-  return it;
 }
 
 // Element offset in the pool of item's head row in plane 0 (K) or 1 (V); a packed pool's head rows
@@ -1056,7 +1175,8 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
   using DBits = typename Delta::Bits;
   int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
   for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
-    DynamicItem const it = dynamic_item<C, int64_t>(p, paged, layer_base, item);
+    DynamicItem it = dynamic_coordinates<C, int64_t>(p, layer_base, item);
+    dynamic_address<C>(p, paged, it);
     if (it.rows.k_row < 0) continue;
     int64_t const h = it.h;
     int64_t const k_dst = dynamic_dst(p, it, it.rows.k_row, h);
@@ -1128,74 +1248,67 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
     bool const live = item < items;
     DynamicItem it;
     if (live)
-      it = narrow ? dynamic_item<C, uint32_t>(p, paged, layer_base, item)
-                  : dynamic_item<C, int64_t>(p, paged, layer_base, item);
+      it = narrow ? dynamic_coordinates<C, uint32_t>(p, layer_base, item)
+                  : dynamic_coordinates<C, int64_t>(p, layer_base, item);
+    // Every load this row needs, issued before the first store: the compiler may not move a
+    // delta's load past a pool store (they could alias), so V's row would otherwise wait for K's.
+    DeltaPack rows[2] = {}, weight = {};
+    if (live && has) {
+      rows[0] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_delta) + it.src + channel);
+      rows[1] = load_pack<DeltaPack>(static_cast<DBits const*>(p.v_delta) + it.src + channel);
+      if (p.k_norm && p.k_norm_weight != nullptr)
+        weight = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
+                                      weight_offset(p, it.layer) + channel);
+    }
+    if (live) dynamic_address<C>(p, paged, it);
+    bool const rotate = live && has && rotary && it.cos_sin != nullptr;
+    float c[kGroupChunk], sn[kGroupChunk];
+    if (rotate)
+      load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c, sn);
     bool const write = live && it.rows.k_row >= 0;
     int64_t const h = it.h;
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
-      DBits const* src = static_cast<DBits const*>(plane == 0 ? p.k_delta : p.v_delta) + it.src + channel;
       float x[kGroupChunk];
-      if (live && has) {
-        DeltaPack const d = load_pack<DeltaPack>(src);
 #pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) x[i] = Delta::decode(d.v[i]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) x[i] = 0.0f;
-      }
+      for (int i = 0; i < kGroupChunk; ++i) x[i] = live && has ? Delta::decode(rows[plane].v[i]) : 0.0f;
       if (plane == 0 ? p.k_norm : p.v_norm) {  // uniform in the launch
         group_norm<Delta, G>(x, has, p.norm_eps, p.head_dim);
         if (plane == 0 && p.k_norm_weight != nullptr && has) {
-          DeltaPack const w = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
-                                                   weight_offset(p, it.layer) + channel);
 #pragma unroll
           for (int i = 0; i < kGroupChunk; ++i)
-            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(w.v[i])));
+            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(weight.v[i])));
         }
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch; the shuffles run in every lane
         float partner[kGroupChunk];
 #pragma unroll
         for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[i], partner_lane, G);
-        if (live && has && rotary && it.cos_sin != nullptr) {
-          float c[kGroupChunk], s[kGroupChunk];
-          load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c,
-                                    s);
+        if (rotate) {
 #pragma unroll
-          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], s[i], first);
+          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], sn[i], first);
         }
       }
+      // The row's maximum magnitude as float32 bits: for magnitudes the bits order as the values,
+      // and every non-finite magnitude's bits lie above the largest finite one, so one integer
+      // maximum gives RowMax's max and finiteness at once.
+      uint32_t magnitude = 0;
+#pragma unroll
+      for (int i = 0; i < kGroupChunk; ++i) magnitude = max(magnitude, bits_of(x[i]) & 0x7fffffffu);
+#pragma unroll
+      for (int offset = G / 2; offset > 0; offset /= 2)
+        magnitude = max(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
       RowMax r;
-#pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) r.add(x[i]);
-#pragma unroll
-      for (int offset = G / 2; offset > 0; offset /= 2) {
-        RowMax other;
-        other.max = __shfl_xor_sync(kAll, r.max, offset, G);
-        other.finite = __shfl_xor_sync(kAll, int(r.finite), offset, G) != 0;
-        r.merge(other);
-      }
+      r.max = float_of(magnitude);
+      r.finite = magnitude < 0x7f800000u;
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
       int64_t const dst = dynamic_dst(p, it, row, h);
       if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
       if (!has) continue;
-      float q[kGroupChunk];
-#pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) q[i] = dynamic_quotient(x[i], scale);
-      if constexpr (kPerByte<Pool> == 2) {
-        Pack<uint8_t, kGroupChunk / 2> out;
-#pragma unroll
-        for (int i = 0; i < kGroupChunk / 2; ++i) out.v[i] = pack_int4(q[2 * i], q[2 * i + 1]);
-        store_pack(pool + (dst + channel) / 2, out);
-      } else {
-        Pack<uint8_t, kGroupChunk> out;
-#pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) out.v[i] = Pool::encode(q[i]);
-        store_pack(pool + dst + channel, out);
-      }
+      store_pack(pool + (dst + channel) / kPerByte<Pool>,
+                 quotient_bytes<Pool, kGroupChunk>(x, divisor_of(scale), true));
     }
   }
 }
@@ -1229,8 +1342,10 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     int64_t const items = layers * sequences * tokens * p.num_kv_heads;
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
     if (int const g = dynamic_group_width<Delta, Pool>(p); g != 0) {
+      // A row per group, every row at once (up to the grid's limit): a group that loops over
+      // rows waits for each row's stores before the next row's loads (they may alias).
       int64_t const rows_per_block = kGroupThreads / g;
-      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, max_blocks);
+      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, INT32_MAX);
       bool const rope_float4 = aligned(p.rope_cos_sin, 16);
       if (g == 16)
         dynamic_group_kernel<C, Delta, Pool, 16>
