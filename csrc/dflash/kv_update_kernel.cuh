@@ -412,11 +412,48 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
-// ---- divided stores by the product (numerics.h, "the divided stores without their division") -------
+// ---- divided stores without their division ----------------------------------------------------
+// int8 stores and every scale-pool store round q = RN(y / s), a float32 division, to the format's
+// grid (SPEC.md). A correctly rounded division costs a dozen instructions per element, the
+// conversion to an integer a quarter-rate one; at the pools' bandwidth that is most of the
+// kernel's issue slots. So the stores take the product p = RN(y * r), r an approximate
+// reciprocal of s, and prove, element by element, that the grid rounds p and q alike; where the
+// proof fails they divide. The proof: r = rcp.approx(s) is within 1 ulp (2^-23 relatively) of
+// 1 / s wherever it is normal and finite, and p and q each round once by at most 2^-24, so
+// |p - q| < |p| * 2^-21 (where p or q is subnormal, the distance is below 2^-140, far from every
+// boundary below). The stored bits are the division's: tests/test_int8_pool.py and
+// tests/test_quotient_boundaries.py put quotients on and beside every boundary of each format.
+struct Divisor {
+  float scale = 1.0f;
+  float reciprocal = 1.0f;  // within 1 ulp of 1 / scale where by_product
+  bool by_product = false;  // the reciprocal is normal and finite: the proof above holds
+};
+__device__ __forceinline__ Divisor divisor_of(float s) {
+  Divisor d;
+  d.scale = s;
+  // A subnormal s reads as zero (reciprocal infinite), one past 2^126 gives a zero reciprocal:
+  // both are refused below.
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(d.reciprocal) : "f"(s));
+  uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
+  d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
+  return d;
+}
 
-// The byte of an integer code in [-qmax, qmax], from a finite value (NaN divides, never gets here).
-template <int QMAX> __device__ __forceinline__ uint32_t integer_code(float q) {
-  return uint32_t(__float2int_rn(fminf(fmaxf(q, -float(QMAX)), float(QMAX))));
+// The code of an integer format of levels [-QMAX, QMAX] (QMAX <= 127) for y / s, from the product:
+// clamped, then rounded half to even by the float add of 1.5 * 2^23, whose low bits are then the
+// two's-complement code. `divide` is set where the product may round otherwise than the
+// quotient: within 2^-13 of some k + 1/2 with |k| < QMAX (for |p| < 128, |p - q| < 2^-14; past
+// QMAX both saturate), or a NaN product.
+template <int QMAX>
+__device__ __forceinline__ uint32_t integer_code(float y, Divisor const& d, bool& divide) {
+  float const p = mul_rn(y, d.reciprocal);
+  float clamped;  // a NaN product stays NaN (max.NaN / min.NaN), so that it divides
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(clamped) : "f"(p), "f"(-float(QMAX)));
+  asm("min.NaN.f32 %0, %0, %1;" : "+f"(clamped) : "f"(float(QMAX)));
+  float const shifted = add_rn(clamped, 0x1.8p23f);
+  float const from_integer = fabsf(add_rn(clamped, -add_rn(shifted, -0x1.8p23f)));
+  divide |= !(from_integer < 0.5f - 0x1p-13f);  // bitwise: no branch per element
+  return bits_of(shifted);
 }
 
 // A chunk's stored codes as whole words (both paths below hand over words, so that joining them
@@ -434,8 +471,8 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
                                                                               CodeWords<Pool, N>& out) {
   bool divide = false;
   if constexpr (kIsFp8<Pool>) {
-    // lo and hi bracket q: |p - q| < |p| 2^-22 and each bound rounds by at most 2^-24, so
-    // p (1 - 2^-20) <= q <= p (1 + 2^-20) as magnitudes (a subnormal p is within 2^-148 of q, and
+    // lo and hi bracket q: |p - q| < |p| 2^-21 and each bound rounds by at most 2^-24, so
+    // p (1 - 2^-19) <= q <= p (1 + 2^-19) as magnitudes (a subnormal p is within 2^-140 of q, and
     // both convert to a zero of the product's sign). The conversion is monotonic: where lo's and
     // hi's codes agree, q's is the same. One packed conversion gives both (lo in the low byte).
 #pragma unroll
@@ -444,7 +481,7 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         float const p = mul_rn(y[i + k], d.reciprocal);
-        float const lo = mul_rn(p, 1.0f - 0x1p-20f), hi = mul_rn(p, 1.0f + 0x1p-20f);
+        float const lo = mul_rn(p, 1.0f - 0x1p-19f), hi = mul_rn(p, 1.0f + 0x1p-19f);
         pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
       }
       uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
@@ -456,7 +493,7 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
     constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
     uint32_t codes[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax>(integer_product(y[i], d, divide));
+    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax>(y[i], d, divide);
     if constexpr (kPerByte<Pool> == 2) {
 #pragma unroll
       for (int i = 0; i < N; i += 8) {
@@ -469,7 +506,7 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
 #pragma unroll
       for (int i = 0; i < N; i += 4)
         out.v[i / 4] = __byte_perm(__byte_perm(codes[i], codes[i + 1], 0x0040),
-                                   __byte_perm(codes[i + 2], codes[i + 3], 0x0040), 0x5410);
+                                   __byte_perm(codes[i + 2], codes[i + 3], 0x0040), 0x5410);  // low bytes
     }
   }
   return !divide;
@@ -477,17 +514,17 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
 
 // The same codes by the division (element by element, as numerics.h states the stores), for the
 // chunks product_words refuses: not inlined, so that the division stays on its own rarely taken
-// branch (inlined, the compiler may evaluate it for every chunk and select). `dynamic`: a
+// branch (inlined, the compiler may evaluate it for every chunk and select). DYNAMIC: a
 // scale-pool row's quotient (a zero scale stores zeros).
-template <typename Pool, int N>
-__device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, float s, bool dynamic) {
+template <typename Pool, int N, bool DYNAMIC>
+__device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, float s) {
   CodeWords<Pool, N> out;
   uint8_t bytes[N / kPerByte<Pool>];
 #pragma unroll
   for (int i = 0; i < N; i += kPerByte<Pool>) {
-    float const q0 = dynamic ? dynamic_quotient(y.v[i], s) : div_rn(y.v[i], s);
+    float const q0 = DYNAMIC ? dynamic_quotient(y.v[i], s) : div_rn(y.v[i], s);
     if constexpr (kPerByte<Pool> == 2) {
-      float const q1 = dynamic ? dynamic_quotient(y.v[i + 1], s) : div_rn(y.v[i + 1], s);
+      float const q1 = DYNAMIC ? dynamic_quotient(y.v[i + 1], s) : div_rn(y.v[i + 1], s);
       bytes[i / 2] = pack_int4(q0, q1);
     } else {
       bytes[i] = Pool::encode(q0);
@@ -499,15 +536,15 @@ __device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, float
 
 // The stored codes of y / s, as bytes: by the product where product_words proves it exact, else
 // divided.
-template <typename Pool, int N>
+template <typename Pool, int N, bool DYNAMIC>
 __device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(float const (&y)[N],
-                                                                            Divisor const& d, bool dynamic) {
+                                                                            Divisor const& d) {
   CodeWords<Pool, N> words;
   if (!d.by_product || !product_words<Pool, N>(y, d, words)) {
     Pack<float, N> values;
 #pragma unroll
     for (int i = 0; i < N; ++i) values.v[i] = y[i];
-    words = divided_words<Pool, N>(values, d.scale, dynamic);
+    words = divided_words<Pool, N, DYNAMIC>(values, d.scale);
   }
   Pack<uint8_t, N / kPerByte<Pool>> out;
   static_assert(sizeof(out) == sizeof(words), "the words are the pack");
@@ -521,7 +558,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
                                                                       Scale const& inv_scale) {
   Pack<typename Pool::Bits, VEC> out;
   if constexpr (kDividingPool<Pool> && VEC % 4 == 0) {
-    out = quotient_bytes<Pool, VEC>(y, inv_scale, false);
+    out = quotient_bytes<Pool, VEC, false>(y, inv_scale);
   } else if constexpr (kIsFp8<Pool> && VEC % 4 == 0 && DFLASH_FP8_HARDWARE) {
     // Four codes per word: two packed conversions, then one NaN mend for the four.
     static_assert(alignof(decltype(out)) >= 4, "FP8 packs of four or more codes are word-aligned");
@@ -1308,7 +1345,7 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
       if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
       if (!has) continue;
       store_pack(pool + (dst + channel) / kPerByte<Pool>,
-                 quotient_bytes<Pool, kGroupChunk>(x, divisor_of(scale), true));
+                 quotient_bytes<Pool, kGroupChunk, true>(x, divisor_of(scale)));
     }
   }
 }

@@ -347,44 +347,6 @@ DFLASH_HOST_DEVICE float dynamic_quotient(float y, float s) {
   return div_rn(y, s);  // s NaN: NaN
 }
 
-// ---- the divided stores without their division ------------------------------------------------------
-// int8 stores and every scale-pool store round q = RN(y / s), a float32 division, to the format's
-// grid. A correctly rounded division costs a dozen instructions per element, which at the pools'
-// bandwidth is most of the kernel's issue slots; so the CUDA kernels compute the product
-// p = RN(y * r) with r = RN(1 / s) and prove, element by element, that the grid rounds p and q
-// alike, dividing only where they cannot. The proof: with r normal and finite, r, p and q each
-// round once by at most 2^-24 relatively, so |p - q| < |p| * 2^-22 (where p or q is subnormal the
-// distance is below 2^-126, far from every boundary below). The stored bits are the division's;
-// tests/test_int8_pool.py and tests/test_dynamic_scales.py put quotients at every boundary.
-struct Divisor {
-  float scale = 1.0f;
-  float reciprocal = 1.0f;  // RN(1 / scale)
-  bool by_product = false;  // the reciprocal is normal and finite: the proof above holds
-};
-DFLASH_HOST_DEVICE Divisor divisor_of(float s) {
-  Divisor d;
-  d.scale = s;
-  d.reciprocal = div_rn(1.0f, s);
-  uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
-  d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
-  return d;
-}
-
-// The product standing in for y / s in an integer format of levels [-qmax, qmax] (qmax <= 127):
-// round_half_even of the product is the quotient's unless the product is within 2^-14 of some
-// k + 1/2 with |k| < 128 (for |p| >= 128 both saturate), or is not finite; then `divide` is set.
-// (For |p| < 128, |p - q| < 2^-15.)
-DFLASH_HOST_DEVICE float integer_product(float y, Divisor const& d, bool& divide) {
-  float const p = mul_rn(y, d.reciprocal);
-#if defined(__CUDA_ARCH__)
-  float const from_integer = fabsf(p - rintf(p));
-#else
-  float const from_integer = std::fabs(p - std::nearbyint(p));
-#endif
-  divide |= !(from_integer < 0.5f - 0x1p-14f);  // NaN (an inf or NaN product) divides; no branch
-  return p;
-}
-
 // ---- fused norms --------------------------------------------------------------------------------
 
 inline constexpr int64_t kNormChunk = 8;  // channels summed left to right before the tree
