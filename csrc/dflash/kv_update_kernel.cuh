@@ -131,8 +131,8 @@ template <typename T> inline constexpr bool kIsFp8 = std::is_same_v<T, E4M3> || 
 // A pool element type whose format stores values times the reciprocal of k_scale / v_scale
 // (contract.h): the kernels load the scales and pass their reciprocals to the stores.
 template <typename T> inline constexpr bool kScaledPool = takes_scales(T::kDType);
-// A scaled pool whose stores divide by the scale (contract.h's Conversion): they get the scale
-// itself where the others get its reciprocal.
+// A scaled pool whose stores divide by the scale (contract.h's Conversion): they get the scale's
+// Divisor (quotient_bytes) where the others get its reciprocal.
 template <typename T> inline constexpr bool kDividingPool = divides_by_scale(T::kDType);
 // A pool element type a scale pool can scale (static-scale formats and the dynamic-only ones).
 template <typename T> inline constexpr bool kScalePoolFormat =
@@ -1235,9 +1235,10 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
 // [8c, 8c + 8), which is the norm's chunk c (numerics.h, kNormChunk). Every value is loaded once and
 // held in registers: the norm's chunk sums are the lanes' own, its halving tree a shuffle down the
 // group (a G wider than the tree's leaves only adds zeros first, which changes no bits); the rotary
-// partner of a chunk is the chunk half / 8 lanes away; the row maximum a butterfly; each lane
-// stores its 8 (int4: 4 bytes of) elements with one vector store. Every lane runs every shuffle
-// (rows not written, lanes past D included): only loads and stores are guarded.
+// partner of a chunk is the chunk half / 8 lanes away; the row maximum a butterfly (of magnitude
+// bits); each lane stores its 8 (int4: 4 bytes of) quotients (quotient_bytes) with one vector
+// store. Every lane runs every shuffle (rows not written, lanes past D included): only loads and
+// stores are guarded.
 inline constexpr int kGroupThreads = 128;
 inline constexpr int kGroupChunk = 8;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
