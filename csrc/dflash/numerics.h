@@ -347,6 +347,53 @@ DFLASH_HOST_DEVICE float dynamic_quotient(float y, float s) {
   return div_rn(y, s);  // s NaN: NaN
 }
 
+#if defined(__CUDACC__)
+// ---- divided stores without their division (the CUDA kernels) ----------------------------------------
+// int8 stores and every scale-pool store round q = RN(y / s), a float32 division, to the format's
+// grid (SPEC.md). A correctly rounded division costs a dozen instructions per element, the
+// conversion to an integer a quarter-rate one; at the pools' bandwidth that is most of the
+// kernel's issue slots. So the stores take the product p = RN(y * r), r an approximate
+// reciprocal of s, and prove, element by element, that the grid rounds p and q alike; where the
+// proof fails they divide. The proof: r = rcp.approx(s) is within 1 ulp (2^-23 relatively) of
+// 1 / s wherever it is normal and finite, and p and q each round once by at most 2^-24, so
+// |p - q| < |p| * 2^-21 (where p or q is subnormal, the distance is below 2^-140, far from every
+// boundary below). The stored bits are the division's: tests/test_int8_pool.py and
+// tests/test_quotient_boundaries.py put quotients on and beside every boundary of each format;
+// tools/rcp_bound_check.cu checks the reciprocal's bound over every float32 s.
+struct Divisor {
+  float scale = 1.0f;
+  float reciprocal = 1.0f;  // within 1 ulp of 1 / scale where by_product
+  bool by_product = false;  // the reciprocal is normal and finite: the proof above holds
+};
+__device__ __forceinline__ Divisor divisor_of(float s) {
+  Divisor d;
+  d.scale = s;
+  // A subnormal s reads as zero (reciprocal infinite), one past 2^126 gives a zero reciprocal:
+  // both are refused below.
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(d.reciprocal) : "f"(s));
+  uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
+  d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
+  return d;
+}
+
+// The code of an integer format of levels [-QMAX, QMAX] (QMAX <= 127) for y / s, from the product:
+// clamped, then rounded half to even by the float add of 1.5 * 2^23, whose low bits are then the
+// two's-complement code. `divide` is set where the product may round otherwise than the
+// quotient: within 2^-13 of some k + 1/2 with |k| < QMAX (for |p| < 128, |p - q| < 2^-14; past
+// QMAX both saturate), or a NaN product.
+template <int QMAX>
+__device__ __forceinline__ uint32_t integer_code(float y, Divisor const& d, bool& divide) {
+  float const p = mul_rn(y, d.reciprocal);
+  float clamped;  // a NaN product stays NaN (max.NaN / min.NaN), so that it divides
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(clamped) : "f"(p), "f"(-float(QMAX)));
+  asm("min.NaN.f32 %0, %0, %1;" : "+f"(clamped) : "f"(float(QMAX)));
+  float const shifted = add_rn(clamped, 0x1.8p23f);
+  float const from_integer = fabsf(add_rn(clamped, -add_rn(shifted, -0x1.8p23f)));
+  divide |= !(from_integer < 0.5f - 0x1p-13f);  // bitwise: no branch per element
+  return bits_of(shifted);
+}
+#endif
+
 // ---- fused norms --------------------------------------------------------------------------------
 
 inline constexpr int64_t kNormChunk = 8;  // channels summed left to right before the tree
