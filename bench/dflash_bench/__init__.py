@@ -53,8 +53,8 @@ head and plane) + cos/sin rows read.
 Pool formats (``dtypes.DTYPES``): the delta dtypes, FP8 and int8 with per-head static scales,
 their ``-dynamic`` formats with per-token-head scales (a float32 scale pool beside the pool) and
 int4 (dynamic scales only, two elements per byte of a uint8 pool). With a scale pool the JAX
-contenders carry and donate ``(pool, scale_pool)``; the raw entries take no scale pool, so the
-raw contenders are skipped there, with the reason.
+contenders carry and donate ``(pool, scale_pool)``; the raw contenders call the by-name entries
+(``launch_form`` / ``update``), which update the scale pool in place with the pool.
 
 Correctness is checked once per shape and contender before timing: one update from a known pool,
 the first sequences' pages (a sample) compared against the NumPy reference of the contender's
