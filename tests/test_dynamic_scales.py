@@ -24,7 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_dflash
-from helpers.ops import FORM_OPS, FORMS, with_special_rows
+from helpers.ops import (
+    FORM_OPS,
+    FORMS,
+    assert_cuda_scale_pool_call_matches_the_reference,
+)
+from helpers.ops import run_with_scale_pool as _run
 from jax_dflash import reference
 from jax_dflash._shapes import POOL_FORMATS, check_call
 from jax_dflash.testing import (
@@ -82,14 +87,6 @@ def _problem(
         args = [*args[:4], slots]
     kwargs["scale_pool"] = _random_scale_pool(rng, args[2].shape)
     return args, kwargs
-
-
-def _run(form, args, kwargs, backend="cpu"):
-    device = jax.devices(backend)[0]
-    put = [jax.device_put(a, device) for a in args]
-    extra = dict(kwargs, scale_pool=jax.device_put(kwargs["scale_pool"], device))
-    pool, scales = OPS[form][0](*put, **extra)
-    return np.asarray(pool), np.asarray(scales)
 
 
 def _float32_rows(form, args, kwargs):
@@ -451,20 +448,17 @@ _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
 @pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (128, 128), (40, 8), (7, 0), (96, 64)])
 def test_cuda_matches_the_reference(form, pool_dtype, layers, norms, head_dim, rotary_dim):
-    for seed in range(3):
-        args, kwargs = _problem(
-            np.random.default_rng(seed),
+    def problem(rng, delta):
+        return _problem(
+            rng,
             form,
             pool_dtype,
             layers=layers,
             k_norm=norms,
             v_norm=norms,
-            delta=DELTA_DTYPES[seed % 3],
+            delta=delta,
             head_dim=head_dim,
             rotary_dim=rotary_dim,
         )
-        args = with_special_rows(args, np.random.default_rng(100 + seed))
-        pool, scales = _run(form, args, kwargs, backend="gpu")
-        want = OPS[form][1](*args, **kwargs)
-        assert_bits_equal(pool, want[0])
-        assert_bits_equal(scales, want[1])
+
+    assert_cuda_scale_pool_call_matches_the_reference(form, problem)

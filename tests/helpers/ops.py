@@ -11,7 +11,7 @@ import pytest
 
 import jax_dflash
 from jax_dflash import reference
-from jax_dflash.testing import PagedProblem, Problem
+from jax_dflash.testing import DELTA_DTYPES, PagedProblem, Problem, assert_bits_equal
 
 # Each addressing form's (JAX op, NumPy reference).
 FORM_OPS = {
@@ -86,6 +86,28 @@ def with_special_rows(args, rng):
             else:
                 rows[row, rng.integers(rows.shape[-1])] = special
     return [k, v, *args[2:]]
+
+
+def run_with_scale_pool(form, args, kwargs, backend="cpu"):
+    """``(pool, scale_pool)`` on the host after the op of ``form`` on ``backend``."""
+    device = jax.devices(backend)[0]
+    put = [jax.device_put(a, device) for a in args]
+    extra = dict(kwargs, scale_pool=jax.device_put(kwargs["scale_pool"], device))
+    pool, scales = FORM_OPS[form][0](*put, **extra)
+    return np.asarray(pool), np.asarray(scales)
+
+
+def assert_cuda_scale_pool_call_matches_the_reference(form, problem):
+    """Three calls ``problem(rng, delta_dtype) -> (args, kwargs)`` with a scale pool, each delta
+    dtype once, special rows mixed in (with_special_rows): the CUDA op's pool and scale pool
+    are the reference's, bit for bit."""
+    for seed in range(3):
+        args, kwargs = problem(np.random.default_rng(seed), DELTA_DTYPES[seed % 3])
+        args = with_special_rows(args, np.random.default_rng(100 + seed))
+        pool, scales = run_with_scale_pool(form, args, kwargs, backend="gpu")
+        want = FORM_OPS[form][1](*args, **kwargs)
+        assert_bits_equal(pool, want[0])
+        assert_bits_equal(scales, want[1])
 
 
 def cuda_extension():
