@@ -1186,37 +1186,56 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
   }
 }
 
-// The common heads (D a multiple of 8, at most 4 G channels; the rotary half a multiple of 8; the
-// tensors aligned for vector access): a group of G lanes per row, lane c holding channels
-// [8c, 8c + 8), which is the norm's chunk c (numerics.h, kNormChunk). Every value is loaded once and
-// held in registers: the norm's chunk sums are the lanes' own, its halving tree a shuffle down the
-// group (a G wider than the tree's leaves only adds zeros first, which changes no bits); the rotary
-// partner of a chunk is the chunk half / 8 lanes away; the row maximum a butterfly (of magnitude
-// bits); each lane stores its 8 (int4: 4 bytes of) quotients (quotient_bytes) with one vector
-// store. Every lane runs every shuffle (rows not written, lanes past D included): only loads and
-// stores are guarded.
+// The common heads (D a multiple of 8, at most 32 chunks of 8; the rotary half a multiple of 8; the
+// tensors aligned for vector access): a group of G lanes per row, lane c holding the CHUNKS chunks
+// c + kG (channels [8(c + kG), 8(c + kG) + 8)), which are the norm's chunks (numerics.h,
+// kNormChunk). Every value is loaded once and held in registers: the norm's chunk sums are the
+// lanes' own; of its halving tree, the level that adds chunk c + G to chunk c is the lane's own
+// addition (CHUNKS = 2: the tree has 2G leaves), the rest a shuffle down the group (a G wider than
+// the tree's leaves only adds zeros first, which changes no bits). The rotary partner of a chunk is
+// the chunk half / 8 away: with CHUNKS = 2 the kernel is taken only where that is the lane's other
+// chunk (R = D = 16G, or no rotation), so the rotation needs no shuffle; with CHUNKS = 1 it is
+// half / 8 lanes away. The row maximum is a butterfly (of magnitude bits); each lane stores each
+// chunk's 8 (int4: 4 bytes of) quotients (quotient_bytes) with one vector store. Every lane runs
+// every shuffle (rows not written, lanes past D included): only loads and stores are guarded.
+// Two chunks a lane halve the shuffles and double the bytes each thread has in flight: a row's
+// chain (loads, shuffles, scale, stores) is latency-bound, so bytes in flight set the speed.
 inline constexpr int kGroupThreads = 128;
 inline constexpr int kGroupChunk = 8;
+inline constexpr int kPairedGroup = 8;  // the group width of the two-chunk kernel
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 
-template <typename Delta, int G>
-__device__ __forceinline__ void group_norm(float (&x)[kGroupChunk], bool has, float eps, int64_t head_dim) {
-  float s = 0.0f;
-  if (has) {
-    s = mul_rn(x[0], x[0]);
+template <typename Delta, int G, int CHUNKS>
+__device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS], float eps,
+                                           int64_t head_dim) {
+  float s[CHUNKS];
 #pragma unroll
-    for (int i = 1; i < kGroupChunk; ++i) s = add_rn(s, mul_rn(x[i], x[i]));
+  for (int k = 0; k < CHUNKS; ++k) {
+    s[k] = 0.0f;
+    if (has[k]) {
+      s[k] = mul_rn(x[k][0], x[k][0]);
+#pragma unroll
+      for (int i = 1; i < kGroupChunk; ++i) s[k] = add_rn(s[k], mul_rn(x[k][i], x[k][i]));
+    }
   }
+  float sum = s[0];
+  if constexpr (CHUNKS == 2) sum = add_rn(s[0], s[1]);  // the tree's level h = G
 #pragma unroll
-  for (int h = G / 2; h >= 1; h /= 2) s = add_rn(s, __shfl_down_sync(0xffffffffu, s, h, G));
-  float const inv_rms = inverse_rms(__shfl_sync(0xffffffffu, s, 0, G), head_dim, eps);
+  for (int h = G / 2; h >= 1; h /= 2) sum = add_rn(sum, __shfl_down_sync(0xffffffffu, sum, h, G));
+  float const inv_rms = inverse_rms(__shfl_sync(0xffffffffu, sum, 0, G), head_dim, eps);
 #pragma unroll
-  for (int i = 0; i < kGroupChunk; ++i) x[i] = round_to(Delta::kDType, mul_rn(x[i], inv_rms));
+  for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+    for (int i = 0; i < kGroupChunk; ++i) x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], inv_rms));
 }
 
-template <Contract C, typename Delta, typename Pool, int G> __global__ void __launch_bounds__(kGroupThreads)
+// NORMS: whether the kernel carries the fused norms' code (false: a call with neither norm; the
+// norm weight's registers cost the plain calls occupancy).
+template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
+__global__ void __launch_bounds__(kGroupThreads)
     dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, int64_t layer_base, int64_t items,
                          bool rope_float4) {
+  static_assert(CHUNKS == 1 || CHUNKS == 2, "one chunk a lane, or a chunk and its rotary partner");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
   constexpr int kRowsPerWarp = 32 / G;
@@ -1225,16 +1244,22 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
   int const chunk = int(lane % G);
   int64_t const warp = (int64_t(blockIdx.x) * kGroupThreads + threadIdx.x) / 32;
   int64_t const warps = int64_t(gridDim.x) * (kGroupThreads / 32);
-  bool const has = int64_t(chunk) * kGroupChunk < p.head_dim;
+  int64_t channel[CHUNKS];
+  bool has[CHUNKS];
+#pragma unroll
+  for (int k = 0; k < CHUNKS; ++k) {
+    channel[k] = int64_t(chunk + k * G) * kGroupChunk;
+    has[k] = channel[k] < p.head_dim;
+  }
   bool const narrow = items + warps * kRowsPerWarp <= int64_t(UINT32_MAX);
   int64_t const half = p.rotary_dim / 2;
-  int64_t const channel = int64_t(chunk) * kGroupChunk;
-  bool const first = channel < half;
-  bool const rotary = channel < p.rotary_dim;
+  // CHUNKS = 1: this lane's chunk is in the first rotary half, the second, or past R.
+  bool const first = channel[0] < half;
+  bool const rotary = channel[0] < p.rotary_dim;
   int const partner_lane = first    ? chunk + int(half / kGroupChunk)
                            : rotary ? chunk - int(half / kGroupChunk)
                                     : chunk;
-  int64_t const rope_index = first ? channel : channel - half;
+  int64_t const rope_index = first ? channel[0] : channel[0] - half;
   auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
   for (int64_t base = warp * kRowsPerWarp; base < items;
        base += warps * kRowsPerWarp) {  // uniform in the warp
@@ -1246,16 +1271,18 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
                   : dynamic_coordinates<C, int64_t>(p, layer_base, item);
     // Every load this row needs, issued before the first store: the compiler may not move a
     // delta's load past a pool store (they could alias), so V's row would otherwise wait for K's.
-    DeltaPack rows[2] = {}, weight = {};
-    if (live && has) {
-      rows[0] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_delta) + it.src + channel);
-      rows[1] = load_pack<DeltaPack>(static_cast<DBits const*>(p.v_delta) + it.src + channel);
-      if (p.k_norm && p.k_norm_weight != nullptr)
-        weight = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
-                                      weight_offset(p, it.layer) + channel);
+    DeltaPack rows[2][CHUNKS] = {}, weight[CHUNKS] = {};
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      if (!live || !has[k]) continue;
+      rows[0][k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_delta) + it.src + channel[k]);
+      rows[1][k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.v_delta) + it.src + channel[k]);
+      if (NORMS && p.k_norm && p.k_norm_weight != nullptr)
+        weight[k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
+                                         weight_offset(p, it.layer) + channel[k]);
     }
     if (live) dynamic_address<C>(p, paged, it);
-    bool const rotate = live && has && rotary && it.cos_sin != nullptr;
+    bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
     float c[kGroupChunk], sn[kGroupChunk];
     if (rotate)
       load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c, sn);
@@ -1263,24 +1290,41 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
     int64_t const h = it.h;
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
-      float x[kGroupChunk];
+      float x[CHUNKS][kGroupChunk];
 #pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) x[i] = live && has ? Delta::decode(rows[plane].v[i]) : 0.0f;
-      if (plane == 0 ? p.k_norm : p.v_norm) {  // uniform in the launch
-        group_norm<Delta, G>(x, has, p.norm_eps, p.head_dim);
-        if (plane == 0 && p.k_norm_weight != nullptr && has) {
+      for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-          for (int i = 0; i < kGroupChunk; ++i)
-            x[i] = round_to(Delta::kDType, mul_rn(x[i], Delta::decode(weight.v[i])));
+        for (int i = 0; i < kGroupChunk; ++i) x[k][i] = live && has[k] ? Delta::decode(rows[plane][k].v[i]) : 0.0f;
+      if (NORMS && (plane == 0 ? p.k_norm : p.v_norm)) {  // uniform in the launch
+        group_norm<Delta, G, CHUNKS>(x, has, p.norm_eps, p.head_dim);
+        if (plane == 0 && p.k_norm_weight != nullptr) {
+#pragma unroll
+          for (int k = 0; k < CHUNKS; ++k) {
+            if (!has[k]) continue;
+#pragma unroll
+            for (int i = 0; i < kGroupChunk; ++i)
+              x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], Delta::decode(weight[k].v[i])));
+          }
         }
       }
-      if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch; the shuffles run in every lane
-        float partner[kGroupChunk];
+      if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch
+        if constexpr (CHUNKS == 2) {         // chunk 0 in the first half, its partner chunk 1
+          if (rotate) {
 #pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[i], partner_lane, G);
-        if (rotate) {
+            for (int i = 0; i < kGroupChunk; ++i) {
+              float const x0 = x[0][i], x1 = x[1][i];
+              x[0][i] = rope_channel(x0, x1, c[i], sn[i], true);
+              x[1][i] = rope_channel(x1, x0, c[i], sn[i], false);
+            }
+          }
+        } else {  // the shuffles run in every lane
+          float partner[kGroupChunk];
 #pragma unroll
-          for (int i = 0; i < kGroupChunk; ++i) x[i] = rope_channel(x[i], partner[i], c[i], sn[i], first);
+          for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[0][i], partner_lane, G);
+          if (rotate) {
+#pragma unroll
+            for (int i = 0; i < kGroupChunk; ++i) x[0][i] = rope_channel(x[0][i], partner[i], c[i], sn[i], first);
+          }
         }
       }
       // The row's maximum magnitude as float32 bits: for magnitudes the bits order as the values,
@@ -1288,7 +1332,9 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
       // maximum gives RowMax's max and finiteness at once.
       uint32_t magnitude = 0;
 #pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) magnitude = max(magnitude, bits_of(x[i]) & 0x7fffffffu);
+      for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) magnitude = max(magnitude, bits_of(x[k][i]) & 0x7fffffffu);
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
         magnitude = max(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
@@ -1300,15 +1346,20 @@ template <Contract C, typename Delta, typename Pool, int G> __global__ void __la
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
       int64_t const dst = dynamic_dst(p, it, row, h);
       if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
-      if (!has) continue;
-      store_pack(pool + (dst + channel) / kPerByte<Pool>,
-                 quotient_bytes<Pool, kGroupChunk, true>(x, divisor_of(scale)));
+      Divisor const divisor = divisor_of(scale);
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        if (!has[k]) continue;
+        store_pack(pool + (dst + channel[k]) / kPerByte<Pool>,
+                   quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
+      }
     }
   }
 }
 
-// Whether a call takes dynamic_group_kernel (its comment's conditions), and the group width.
-template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams const& p) {
+// Whether a call takes dynamic_group_kernel (its comment's conditions): the group width, 0 for
+// none; *chunks, the chunks a lane holds.
+template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams const& p, int* chunks) {
   int64_t const delta_bytes = kGroupChunk * sizeof(typename Delta::Bits);
   int64_t const pool_bytes = kGroupChunk / kPerByte<Pool>;
   bool const fits = p.head_dim % kGroupChunk == 0 && p.head_dim <= 32 * kGroupChunk &&
@@ -1318,6 +1369,15 @@ template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams 
                     (!p.k_norm || p.k_norm_weight == nullptr ||
                      aligned(p.k_norm_weight, std::min<int64_t>(16, delta_bytes)));
   if (!fits) return 0;
+  // Two chunks a lane where the rotary partner is the lane's other chunk and the norm tree has 2G
+  // leaves: G = 8, the heads of 72 to 128 channels, R = D = 128 or no rotation (one instantiation
+  // more a format, for the common head; the others take one chunk a lane).
+  if (norm_tree_leaves(p.head_dim) == 2 * kPairedGroup && p.head_dim > kGroupChunk * kPairedGroup &&
+      (p.rotary_dim == 0 || p.rotary_dim == 2 * kGroupChunk * kPairedGroup)) {
+    *chunks = 2;
+    return kPairedGroup;
+  }
+  *chunks = 1;
   return p.head_dim <= 16 * kGroupChunk ? 16 : 32;
 }
 
@@ -1335,18 +1395,20 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     if constexpr (C == Contract::kPaged) paged = paged_addressing(p, layer);
     int64_t const items = layers * sequences * tokens * p.num_kv_heads;
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
-    if (int const g = dynamic_group_width<Delta, Pool>(p); g != 0) {
+    int chunks = 1;
+    if (int const g = dynamic_group_width<Delta, Pool>(p, &chunks); g != 0) {
       // A row per group, every row at once (up to the grid's limit): a group that loops over
       // rows waits for each row's stores before the next row's loads (they may alias).
       int64_t const rows_per_block = kGroupThreads / g;
       int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, INT32_MAX);
       bool const rope_float4 = aligned(p.rope_cos_sin, 16);
-      if (g == 16)
-        dynamic_group_kernel<C, Delta, Pool, 16>
-            <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
-      else
-        dynamic_group_kernel<C, Delta, Pool, 32>
-            <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
+      auto kernel = dynamic_group_kernel<C, Delta, Pool, 16, 1, true>;
+      if (chunks == 2)
+        kernel = p.k_norm || p.v_norm ? dynamic_group_kernel<C, Delta, Pool, kPairedGroup, 2, true>
+                                      : dynamic_group_kernel<C, Delta, Pool, kPairedGroup, 2, false>;
+      else if (g == 32)
+        kernel = dynamic_group_kernel<C, Delta, Pool, 32, 1, true>;
+      kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
     } else {
       int64_t const blocks = std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, 2 * max_blocks);
       dynamic_scale_kernel<C, Delta, Pool>
