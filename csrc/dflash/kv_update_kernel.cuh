@@ -1105,21 +1105,46 @@ struct DynamicItem {
   int64_t h = 0;            // the head
 };
 
-// The item's coordinates and source row, arithmetic only (no load), in Index arithmetic: uint32_t
-// when the launch's items fit (64-bit divisions cost more than the row's loads at decode sizes).
-template <Contract C, typename Index>
-__device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const& p, int64_t layer_base,
-                                                           int64_t item_) {
+// The divisors of an item's coordinates (dynamic_coordinates), decoded once at the launch.
+struct ItemDivisors {
+  Divisor31 heads, tokens, sequences;
+};
+template <Contract C> ItemDivisors item_divisors(KVUpdateParams const& p) {
+  ItemDivisors d;
+  d.heads = divisor31(cap_at_int32(p.num_kv_heads));
+  d.tokens = divisor31(cap_at_int32(C == Contract::kSlot ? p.delta_len : p.num_tokens));
+  d.sequences = divisor31(cap_at_int32(C == Contract::kSlot ? p.batch : 1));
+  return d;
+}
+// Items below this take the narrow path: uint32_t arithmetic and the divisors' multiply-shifts
+// (Divisor31: numerators below 2^31). 64-bit divisions cost more than the row's loads at decode
+// sizes, and their latency delays every load of the row.
+inline constexpr int64_t kNarrowItems = int64_t(1) << 31;
+
+// The item's coordinates and source row, arithmetic only (no load): NARROW, uint32_t arithmetic
+// with the divisors (item < kNarrowItems), else int64_t divisions.
+template <Contract C, bool NARROW>
+__device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const& p, ItemDivisors const& d,
+                                                           int64_t layer_base, int64_t item_) {
+  using Index = std::conditional_t<NARROW, uint32_t, int64_t>;
+  auto divide = [](Index n, Divisor31 const& v, Index divisor) -> Index {
+    if constexpr (NARROW)
+      return quotient(v, n);
+    else
+      return n / divisor;
+  };
   Index const item = Index(item_);
   Index const heads = Index(p.num_kv_heads);
   Index const tokens = Index(C == Contract::kSlot ? p.delta_len : p.num_tokens);
   Index const sequences = Index(C == Contract::kSlot ? p.batch : 1);
-  Index const token_row = item / heads;
-  Index const sequence_row = token_row / tokens;
+  Index const token_row = divide(item, d.heads, heads);
+  Index const sequence_row = divide(token_row, d.tokens, tokens);
   DynamicItem it;
   it.t = int64_t(token_row - sequence_row * tokens);
-  it.b = C == Contract::kSlot ? int64_t(sequence_row % sequences) : 0;
-  it.local_layer = int64_t(C == Contract::kSlot ? sequence_row / sequences : sequence_row);
+  Index const local_layer =
+      C == Contract::kSlot ? divide(sequence_row, d.sequences, sequences) : sequence_row;
+  it.b = C == Contract::kSlot ? int64_t(sequence_row - local_layer * sequences) : 0;
+  it.local_layer = int64_t(local_layer);
   it.h = int64_t(item - token_row * heads);
   it.layer = layer_base + it.local_layer;
   it.src = delta_token_offset(p, it.layer, it.b, it.t) + it.h * p.head_dim;
@@ -1168,7 +1193,7 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
   using DBits = typename Delta::Bits;
   int64_t const stride = int64_t(gridDim.x) * kDynamicRows;
   for (int64_t item = int64_t(blockIdx.x) * kDynamicRows + threadIdx.y; item < items; item += stride) {
-    DynamicItem it = dynamic_coordinates<C, int64_t>(p, layer_base, item);
+    DynamicItem it = dynamic_coordinates<C, false>(p, ItemDivisors{}, layer_base, item);
     dynamic_address<C>(p, paged, it);
     if (it.rows.k_row < 0) continue;
     int64_t const h = it.h;
@@ -1206,8 +1231,8 @@ inline constexpr int kPairedGroup = 8;  // the group width of the two-chunk kern
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 
 template <typename Delta, int G, int CHUNKS>
-__device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS], float eps,
-                                           int64_t head_dim) {
+__device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS],
+                                           float eps, int64_t head_dim) {
   float s[CHUNKS];
 #pragma unroll
   for (int k = 0; k < CHUNKS; ++k) {
@@ -1233,8 +1258,8 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 // norm weight's registers cost the plain calls occupancy).
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
 __global__ void __launch_bounds__(kGroupThreads)
-    dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, int64_t layer_base, int64_t items,
-                         bool rope_float4) {
+    dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, ItemDivisors divisors, int64_t layer_base,
+                         int64_t items, bool rope_float4) {
   static_assert(CHUNKS == 1 || CHUNKS == 2, "one chunk a lane, or a chunk and its rotary partner");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
@@ -1251,7 +1276,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     channel[k] = int64_t(chunk + k * G) * kGroupChunk;
     has[k] = channel[k] < p.head_dim;
   }
-  bool const narrow = items + warps * kRowsPerWarp <= int64_t(UINT32_MAX);
+  bool const narrow = items + warps * kRowsPerWarp <= kNarrowItems;
   int64_t const half = p.rotary_dim / 2;
   // CHUNKS = 1: this lane's chunk is in the first rotary half, the second, or past R.
   bool const first = channel[0] < half;
@@ -1267,8 +1292,8 @@ __global__ void __launch_bounds__(kGroupThreads)
     bool const live = item < items;
     DynamicItem it;
     if (live)
-      it = narrow ? dynamic_coordinates<C, uint32_t>(p, layer_base, item)
-                  : dynamic_coordinates<C, int64_t>(p, layer_base, item);
+      it = narrow ? dynamic_coordinates<C, true>(p, divisors, layer_base, item)
+                  : dynamic_coordinates<C, false>(p, divisors, layer_base, item);
     // Every load this row needs, issued before the first store: the compiler may not move a
     // delta's load past a pool store (they could alias), so V's row would otherwise wait for K's.
     DeltaPack rows[2][CHUNKS] = {}, weight[CHUNKS] = {};
@@ -1294,7 +1319,8 @@ __global__ void __launch_bounds__(kGroupThreads)
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) x[k][i] = live && has[k] ? Delta::decode(rows[plane][k].v[i]) : 0.0f;
+        for (int i = 0; i < kGroupChunk; ++i)
+          x[k][i] = live && has[k] ? Delta::decode(rows[plane][k].v[i]) : 0.0f;
       if (NORMS && (plane == 0 ? p.k_norm : p.v_norm)) {  // uniform in the launch
         group_norm<Delta, G, CHUNKS>(x, has, p.norm_eps, p.head_dim);
         if (plane == 0 && p.k_norm_weight != nullptr) {
@@ -1323,7 +1349,8 @@ __global__ void __launch_bounds__(kGroupThreads)
           for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[0][i], partner_lane, G);
           if (rotate) {
 #pragma unroll
-            for (int i = 0; i < kGroupChunk; ++i) x[0][i] = rope_channel(x[0][i], partner[i], c[i], sn[i], first);
+            for (int i = 0; i < kGroupChunk; ++i)
+              x[0][i] = rope_channel(x[0][i], partner[i], c[i], sn[i], first);
           }
         }
       }
@@ -1408,7 +1435,8 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
                                       : dynamic_group_kernel<C, Delta, Pool, kPairedGroup, 2, false>;
       else if (g == 32)
         kernel = dynamic_group_kernel<C, Delta, Pool, 32, 1, true>;
-      kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, layer, items, rope_float4);
+      kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items,
+                                                             rope_float4);
     } else {
       int64_t const blocks = std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, 2 * max_blocks);
       dynamic_scale_kernel<C, Delta, Pool>
