@@ -1278,7 +1278,7 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
   bool const narrow = items + warps * kRowsPerWarp <= kNarrowItems;
   int64_t const half = p.rotary_dim / 2;
-  // CHUNKS = 1: this lane's chunk is in the first rotary half, the second, or past R.
+  // The lane's (first) chunk: in the first rotary half, the second, or past R (CHUNKS = 2: the first).
   bool const first = channel[0] < half;
   bool const rotary = channel[0] < p.rotary_dim;
   int const partner_lane = first    ? chunk + int(half / kGroupChunk)
