@@ -446,9 +446,9 @@ _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
-# Every CUDA kernel of a scale pool: two chunks a lane ((128, 128), (128, 0), and (96, 0), whose
-# second chunks exist in half the lanes), one chunk a lane ((16, 16), (96, 64), (128, 64)), and the
-# warp-per-row kernel ((40, 8), (7, 0)).
+# Every CUDA kernel of a scale pool: several chunks a lane, 4 for 16-bit deltas and 2 for float32
+# ((128, 128), (128, 0), and (96, 0), whose last chunks exist in some lanes or none), one chunk a
+# lane ((16, 16), (96, 64), (128, 64)), and the warp-per-row kernel ((40, 8), (7, 0)).
 @pytest.mark.parametrize(
     "head_dim, rotary_dim",
     [(16, 16), (128, 128), (128, 0), (96, 0), (128, 64), (40, 8), (7, 0), (96, 64)],

@@ -400,8 +400,8 @@ _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
-# Every CUDA kernel, as in test_dynamic_scales.py: two chunks a lane ((128, 128), (96, 0)), one
-# ((16, 16), (96, 64)), the warp-per-row kernel ((40, 8), (6, 0)).
+# Every CUDA kernel, as in test_dynamic_scales.py: several chunks a lane ((128, 128), (96, 0)),
+# one ((16, 16), (96, 64)), the warp-per-row kernel ((40, 8), (6, 0)).
 @pytest.mark.parametrize(
     "head_dim, rotary_dim", [(16, 16), (128, 128), (96, 0), (40, 8), (6, 0), (96, 64)]
 )

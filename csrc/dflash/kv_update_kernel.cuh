@@ -421,10 +421,10 @@ template <typename Pool, int N> struct CodeWords {
 
 // The stored codes of the quotients y[i] / s of N elements from their products with the
 // reciprocal. Returns false where the proof fails for some element; the caller then divides
-// (divided_words).
-template <typename Pool, int N> __device__ __forceinline__ bool product_words(float const (&y)[N],
-                                                                              Divisor const& d,
-                                                                              CodeWords<Pool, N>& out) {
+// (divided_words). BOUNDED: the elements are a dynamic-scale row's own (integer_code).
+template <typename Pool, int N, bool BOUNDED>
+__device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const& d,
+                                              CodeWords<Pool, N>& out) {
   bool divide = false;
   if constexpr (kIsFp8<Pool>) {
     // lo and hi bracket q: |p - q| < |p| 2^-21 and each bound rounds by at most 2^-24, so
@@ -449,7 +449,7 @@ template <typename Pool, int N> __device__ __forceinline__ bool product_words(fl
     constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
     uint32_t codes[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax>(y[i], d, divide);
+    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
     if constexpr (kPerByte<Pool> == 2) {
 #pragma unroll
       for (int i = 0; i < N; i += 8) {
@@ -496,7 +496,7 @@ template <typename Pool, int N, bool DYNAMIC>
 __device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(float const (&y)[N],
                                                                             Divisor const& d) {
   CodeWords<Pool, N> words;
-  if (!d.by_product || !product_words<Pool, N>(y, d, words)) {
+  if (!d.by_product || !product_words<Pool, N, DYNAMIC>(y, d, words)) {
     Pack<float, N> values;
 #pragma unroll
     for (int i = 0; i < N; ++i) values.v[i] = y[i];
@@ -1215,20 +1215,72 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
 // tensors aligned for vector access): a group of G lanes per row, lane c holding the CHUNKS chunks
 // c + kG (channels [8(c + kG), 8(c + kG) + 8)), which are the norm's chunks (numerics.h,
 // kNormChunk). Every value is loaded once and held in registers: the norm's chunk sums are the
-// lanes' own; of its halving tree, the level that adds chunk c + G to chunk c is the lane's own
-// addition (CHUNKS = 2: the tree has 2G leaves), the rest a shuffle down the group (a G wider than
-// the tree's leaves only adds zeros first, which changes no bits). The rotary partner of a chunk is
-// the chunk half / 8 away: with CHUNKS = 2 the kernel is taken only where that is the lane's other
-// chunk (R = D = 16G, or no rotation), so the rotation needs no shuffle; with CHUNKS = 1 it is
-// half / 8 lanes away. The row maximum is a butterfly (of magnitude bits); each lane stores each
-// chunk's 8 (int4: 4 bytes of) quotients (quotient_bytes) with one vector store. Every lane runs
-// every shuffle (rows not written, lanes past D included): only loads and stores are guarded.
-// Two chunks a lane halve the shuffles and double the bytes each thread has in flight: a row's
-// chain (loads, shuffles, scale, stores) is latency-bound, so bytes in flight set the speed.
+// lanes' own; of its halving tree, the levels that add chunk c + wG to chunk c (w = CHUNKS / 2,
+// ..., 1: the tree has CHUNKS * G leaves) are the lane's own additions, the rest a shuffle down the
+// group (a G wider than the tree's leaves only adds zeros first, which changes no bits). The
+// rotary partner of a chunk is the chunk half / 8 away: with several chunks a lane the kernel is
+// taken only where that is the lane's chunk k + CHUNKS / 2 (R = D = 8 CHUNKS G, or no rotation),
+// so the rotation needs no shuffle; with CHUNKS = 1 it is half / 8 lanes away. The row maximum is a
+// butterfly; each lane stores each chunk's 8 (int4: 4 bytes of) quotients (quotient_bytes) with
+// one vector store. Every lane runs every shuffle (rows not written, lanes past D included): only
+// loads and stores are guarded. Each lane's share of a row's work (its coordinates, addresses and
+// scale) is the same for any CHUNKS, so more chunks a lane spread it over more channels.
+//
+// The grid is resident (launch_group), each warp looping over row groups. A row cannot store
+// until its whole row's maximum is known; rather than hold its deltas in registers across that
+// chain, each thread copies its chunks of the rows kGroupStages - 1 groups ahead into shared
+// memory (cp.async: nothing held in registers while they are in flight) and reads the current
+// group's back once they have landed; every thread reads only what it copied itself, so no
+// barrier is needed. The copies of later rows are issued before this row's stores: the deltas and
+// the pool are distinct tensors (a scale pool's codes are 8-bit, the deltas 16- or 32-bit floats),
+// so the order changes no bits. On the H200 this kernel is bound by issued instructions more than
+// by bytes in flight (BENCHMARKS.md): hence the wide kernel's several chunks a lane.
 inline constexpr int kGroupThreads = 128;
 inline constexpr int kGroupChunk = 8;
-inline constexpr int kPairedGroup = 8;  // the group width of the two-chunk kernel
+// The wide kernel, for the heads of 72 to 128 channels (a norm tree of 16 leaves): CHUNKS chunks a
+// lane, 4 for 16-bit deltas, 2 for float32 ones (whose 4 would need more shared memory a block than
+// a static allocation has).
+template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Delta::Bits) == 4 ? 2 : 4;
+template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
+// Row groups in shared memory per warp (the current one and those being copied): at most 32 KB a
+// block, so that the registers, not the shared memory, bound the resident blocks.
+template <typename Delta, int CHUNKS> inline constexpr int kGroupStageBytes =
+    int(sizeof(typename Delta::Bits)) * CHUNKS * 2 * kGroupChunk * kGroupThreads;
+template <typename Delta, int CHUNKS> inline constexpr int kGroupStages =
+    kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3 : 2;
+
+// 16 bytes from global memory into shared memory, asynchronously; read = false fills them with
+// zeros instead (src is not read).
+__device__ __forceinline__ void copy_async_16(void* dst, void const* src, bool read) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned const shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(src), "r"(read ? 16 : 0)
+               : "memory");
+#else
+  *static_cast<uint4*>(dst) = read ? *static_cast<uint4 const*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+// The copies issued since the last commit, as one group.
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most PENDING groups of this thread's copies are in flight; what the others
+// copied is then in shared memory, visible to this thread.
+template <int PENDING> __device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// The larger magnitude of m and x, NaN when either is NaN (max.NaN; fmaxf would drop it).
+__device__ __forceinline__ float max_magnitude(float m, float x) {
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(m), "f"(fabsf(x)));
+  return out;
+}
 
 template <typename Delta, int G, int CHUNKS>
 __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS],
@@ -1243,8 +1295,11 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
       for (int i = 1; i < kGroupChunk; ++i) s[k] = add_rn(s[k], mul_rn(x[k][i], x[k][i]));
     }
   }
+#pragma unroll
+  for (int w = CHUNKS / 2; w >= 1; w /= 2)  // the tree's levels h = wG: the lane's own chunks
+#pragma unroll
+    for (int k = 0; k < w; ++k) s[k] = add_rn(s[k], s[k + w]);
   float sum = s[0];
-  if constexpr (CHUNKS == 2) sum = add_rn(s[0], s[1]);  // the tree's level h = G
 #pragma unroll
   for (int h = G / 2; h >= 1; h /= 2) sum = add_rn(sum, __shfl_down_sync(0xffffffffu, sum, h, G));
   float const inv_rms = inverse_rms(__shfl_sync(0xffffffffu, sum, 0, G), head_dim, eps);
@@ -1259,68 +1314,107 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
 __global__ void __launch_bounds__(kGroupThreads)
     dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, ItemDivisors divisors, int64_t layer_base,
-                         int64_t items, bool rope_float4) {
-  static_assert(CHUNKS == 1 || CHUNKS == 2, "one chunk a lane, or a chunk and its rotary partner");
+                         int64_t items) {
+  static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
   constexpr int kRowsPerWarp = 32 / G;
+  constexpr int kStages = kGroupStages<Delta, CHUNKS>;
+  constexpr int kWords = int(sizeof(DeltaPack)) / 16;  // 16-byte copies a chunk
+  constexpr int kWordElems = 16 / int(sizeof(DBits));
+  static_assert(sizeof(DeltaPack) % 16 == 0, "a chunk is whole 16-byte copies");
+  static_assert(kGroupStageBytes<Delta, CHUNKS> * kStages <= 48 * 1024, "a static shared allocation");
+  // [stage][plane * CHUNKS + chunk][word][thread]: a warp's 16-byte accesses are consecutive.
+  __shared__ uint4 staged[kStages][2 * CHUNKS][kWords][kGroupThreads];
   constexpr unsigned kAll = 0xffffffffu;
   unsigned const lane = threadIdx.x % 32;
   int const chunk = int(lane % G);
   int64_t const warp = (int64_t(blockIdx.x) * kGroupThreads + threadIdx.x) / 32;
   int64_t const warps = int64_t(gridDim.x) * (kGroupThreads / 32);
-  int64_t channel[CHUNKS];
+  int64_t const step = warps * kRowsPerWarp;  // rows between a warp's groups
+  int channel[CHUNKS];  // D <= 256 here (dynamic_group_width)
   bool has[CHUNKS];
 #pragma unroll
   for (int k = 0; k < CHUNKS; ++k) {
-    channel[k] = int64_t(chunk + k * G) * kGroupChunk;
-    has[k] = channel[k] < p.head_dim;
+    channel[k] = (chunk + k * G) * kGroupChunk;
+    has[k] = channel[k] < int(p.head_dim);
   }
-  bool const narrow = items + warps * kRowsPerWarp <= kNarrowItems;
-  int64_t const half = p.rotary_dim / 2;
-  // The lane's (first) chunk: in the first rotary half, the second, or past R (CHUNKS = 2: the first).
+  bool const narrow = items + kStages * step <= kNarrowItems;
+  auto coordinates = [&](int64_t item) {
+    return narrow ? dynamic_coordinates<C, true>(p, divisors, layer_base, item)
+                  : dynamic_coordinates<C, false>(p, divisors, layer_base, item);
+  };
+  DBits const* const deltas[2] = {static_cast<DBits const*>(p.k_delta), static_cast<DBits const*>(p.v_delta)};
+  // The lane's chunks of the group at `base` into stage `slot`, as one group of copies (zeros for
+  // rows past the last and channels past D).
+  auto stage_group = [&](int64_t base, int slot) {
+    int64_t const item = base + lane / G;
+    bool const live = item < items;
+    int64_t const src = live ? coordinates(item).src : 0;
+#pragma unroll
+    for (int plane = 0; plane < 2; ++plane)
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
+                        deltas[plane] + (live && has[k] ? src + channel[k] + w * kWordElems : 0),
+                        live && has[k]);
+    commit_copies();
+  };
+  int const half = int(p.rotary_dim / 2);
+  // The lane's (first) chunk: in the first rotary half, the second, or past R (several chunks a
+  // lane: the first).
   bool const first = channel[0] < half;
-  bool const rotary = channel[0] < p.rotary_dim;
-  int const partner_lane = first    ? chunk + int(half / kGroupChunk)
-                           : rotary ? chunk - int(half / kGroupChunk)
-                                    : chunk;
-  int64_t const rope_index = first ? channel[0] : channel[0] - half;
+  bool const rotary = channel[0] < 2 * half;
+  int const partner_lane = first ? chunk + half / kGroupChunk : rotary ? chunk - half / kGroupChunk : chunk;
+  // The rotary chunks whose cos/sin the lane reads: its first-half ones (CHUNKS / 2 of them), or
+  // with one chunk a lane that chunk, of either half.
+  constexpr int kRopeChunks = CHUNKS == 1 ? 1 : CHUNKS / 2;
   auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
-  for (int64_t base = warp * kRowsPerWarp; base < items;
-       base += warps * kRowsPerWarp) {  // uniform in the warp
+  int64_t base = warp * kRowsPerWarp;
+#pragma unroll
+  for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
+  int slot = 0;
+  for (; base < items; base += step) {  // uniform in the warp
+    stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
     int64_t const item = base + lane / G;
     bool const live = item < items;
     DynamicItem it;
-    if (live)
-      it = narrow ? dynamic_coordinates<C, true>(p, divisors, layer_base, item)
-                  : dynamic_coordinates<C, false>(p, divisors, layer_base, item);
-    // Every load this row needs, issued before the first store: the compiler may not move a
-    // delta's load past a pool store (they could alias), so V's row would otherwise wait for K's.
-    DeltaPack rows[2][CHUNKS] = {}, weight[CHUNKS] = {};
+    if (live) it = coordinates(item);
+    DeltaPack weight[CHUNKS] = {};
+    if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      if (!live || !has[k]) continue;
-      rows[0][k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_delta) + it.src + channel[k]);
-      rows[1][k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.v_delta) + it.src + channel[k]);
-      if (NORMS && p.k_norm && p.k_norm_weight != nullptr)
-        weight[k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
-                                         weight_offset(p, it.layer) + channel[k]);
+      for (int k = 0; k < CHUNKS; ++k)
+        if (live && has[k])
+          weight[k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
+                                           weight_offset(p, it.layer) + channel[k]);
     }
     if (live) dynamic_address<C>(p, paged, it);
     bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-    float c[kGroupChunk], sn[kGroupChunk];
-    if (rotate)
-      load_cos_sin<kGroupChunk>(it.cos_sin + rope_index, it.cos_sin + half + rope_index, rope_float4, c, sn);
+    float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
+    if (rotate) {
+#pragma unroll
+      for (int k = 0; k < kRopeChunks; ++k) {
+        int const index = first ? channel[k] : channel[k] - half;
+        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, true, c[k], sn[k]);
+      }
+    }
     bool const write = live && it.rows.k_row >= 0;
     int64_t const h = it.h;
+    wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
       float x[CHUNKS][kGroupChunk];
 #pragma unroll
-      for (int k = 0; k < CHUNKS; ++k)
+      for (int k = 0; k < CHUNKS; ++k) {
+        DeltaPack row;
 #pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i)
-          x[k][i] = live && has[k] ? Delta::decode(rows[plane][k].v[i]) : 0.0f;
+        for (int w = 0; w < kWords; ++w)
+          memcpy(reinterpret_cast<uint4*>(&row) + w, &staged[slot][plane * CHUNKS + k][w][threadIdx.x], 16);
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) x[k][i] = Delta::decode(row.v[i]);
+      }
       if (NORMS && (plane == 0 ? p.k_norm : p.v_norm)) {  // uniform in the launch
         group_norm<Delta, G, CHUNKS>(x, has, p.norm_eps, p.head_dim);
         if (plane == 0 && p.k_norm_weight != nullptr) {
@@ -1334,14 +1428,16 @@ __global__ void __launch_bounds__(kGroupThreads)
         }
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch
-        if constexpr (CHUNKS == 2) {         // chunk 0 in the first half, its partner chunk 1
+        if constexpr (CHUNKS > 1) {          // chunk k in the first half, its partner k + CHUNKS / 2
           if (rotate) {
 #pragma unroll
-            for (int i = 0; i < kGroupChunk; ++i) {
-              float const x0 = x[0][i], x1 = x[1][i];
-              x[0][i] = rope_channel(x0, x1, c[i], sn[i], true);
-              x[1][i] = rope_channel(x1, x0, c[i], sn[i], false);
-            }
+            for (int k = 0; k < CHUNKS / 2; ++k)
+#pragma unroll
+              for (int i = 0; i < kGroupChunk; ++i) {
+                float const x0 = x[k][i], x1 = x[k + CHUNKS / 2][i];
+                x[k][i] = rope_channel(x0, x1, c[k][i], sn[k][i], true);
+                x[k + CHUNKS / 2][i] = rope_channel(x1, x0, c[k][i], sn[k][i], false);
+              }
           }
         } else {  // the shuffles run in every lane
           float partner[kGroupChunk];
@@ -1350,24 +1446,23 @@ __global__ void __launch_bounds__(kGroupThreads)
           if (rotate) {
 #pragma unroll
             for (int i = 0; i < kGroupChunk; ++i)
-              x[0][i] = rope_channel(x[0][i], partner[i], c[i], sn[i], first);
+              x[0][i] = rope_channel(x[0][i], partner[i], c[0][i], sn[0][i], first);
           }
         }
       }
-      // The row's maximum magnitude as float32 bits: for magnitudes the bits order as the values,
-      // and every non-finite magnitude's bits lie above the largest finite one, so one integer
-      // maximum gives RowMax's max and finiteness at once.
-      uint32_t magnitude = 0;
+      // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
+      // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
+      float magnitude = 0.0f;
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) magnitude = max(magnitude, bits_of(x[k][i]) & 0x7fffffffu);
+        for (int i = 0; i < kGroupChunk; ++i) magnitude = max_magnitude(magnitude, x[k][i]);
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
-        magnitude = max(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
+        magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
       RowMax r;
-      r.max = float_of(magnitude);
-      r.finite = magnitude < 0x7f800000u;
+      r.max = magnitude;
+      r.finite = bits_of(magnitude) < 0x7f800000u;  // false for inf and NaN (of either sign)
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
@@ -1381,7 +1476,9 @@ __global__ void __launch_bounds__(kGroupThreads)
                    quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
       }
     }
+    slot = slot + 1 == kStages ? 0 : slot + 1;
   }
+  wait_copies<0>();  // the copies of groups past the last (zeros) land before the block leaves
 }
 
 // Whether a call takes dynamic_group_kernel (its comment's conditions): the group width, 0 for
@@ -1394,18 +1491,42 @@ template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams 
                     aligned(p.k_delta, std::min<int64_t>(16, delta_bytes)) &&
                     aligned(p.v_delta, std::min<int64_t>(16, delta_bytes)) && aligned(p.pool, pool_bytes) &&
                     (!p.k_norm || p.k_norm_weight == nullptr ||
-                     aligned(p.k_norm_weight, std::min<int64_t>(16, delta_bytes)));
+                     aligned(p.k_norm_weight, std::min<int64_t>(16, delta_bytes))) &&
+                    (p.rotary_dim == 0 || aligned(p.rope_cos_sin, 16));  // cos/sin as float4
   if (!fits) return 0;
-  // Two chunks a lane where the rotary partner is the lane's other chunk and the norm tree has 2G
-  // leaves: G = 8, the heads of 72 to 128 channels, R = D = 128 or no rotation (one instantiation
-  // more a format, for the common head; the others take one chunk a lane).
-  if (norm_tree_leaves(p.head_dim) == 2 * kPairedGroup && p.head_dim > kGroupChunk * kPairedGroup &&
-      (p.rotary_dim == 0 || p.rotary_dim == 2 * kGroupChunk * kPairedGroup)) {
-    *chunks = 2;
-    return kPairedGroup;
+  // The wide kernel where the rotary partners are the lane's own chunks and the norm tree has
+  // kWideChunks * G leaves: the heads of 72 to 128 channels, R = D = 128 or no rotation (one
+  // instantiation more a format, for the common head; the others take one chunk a lane).
+  constexpr int kChunks = kWideChunks<Delta>, kGroup = kWideGroup<Delta>;
+  if (norm_tree_leaves(p.head_dim) == kChunks * kGroup && p.head_dim > kGroupChunk * kChunks * kGroup / 2 &&
+      (p.rotary_dim == 0 || p.rotary_dim == kGroupChunk * kChunks * kGroup)) {
+    *chunks = kChunks;
+    return kGroup;
   }
   *chunks = 1;
   return p.head_dim <= 16 * kGroupChunk ? 16 : 32;
+}
+
+// One launch of dynamic_group_kernel over `items` rows from layer `layer`: a row per group, every
+// row at once up to the blocks that are resident together (counted once per instantiation);
+// beyond that each warp loops over row groups (the kernel's comment).
+template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
+void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
+                  cudaStream_t stream) {
+  auto* const kernel = dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS>;
+  static int const resident_per_multiprocessor = [kernel] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGroupThreads, 0) != cudaSuccess ||
+        blocks < 1) {
+      (void)cudaGetLastError();  // the launch reports any real problem
+      blocks = 1;
+    }
+    return blocks;
+  }();
+  int64_t const rows_per_block = kGroupThreads / G;
+  int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
+                                           int64_t(resident_per_multiprocessor) * multiprocessor_count());
+  kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items);
 }
 
 // The launch of a call with a scale pool; per-layer rings in launches of 64 layers (the ring bits
@@ -1424,19 +1545,15 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
     int chunks = 1;
     if (int const g = dynamic_group_width<Delta, Pool>(p, &chunks); g != 0) {
-      // A row per group, every row at once (up to the grid's limit): a group that loops over
-      // rows waits for each row's stores before the next row's loads (they may alias).
-      int64_t const rows_per_block = kGroupThreads / g;
-      int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block, INT32_MAX);
-      bool const rope_float4 = aligned(p.rope_cos_sin, 16);
-      auto kernel = dynamic_group_kernel<C, Delta, Pool, 16, 1, true>;
-      if (chunks == 2)
-        kernel = p.k_norm || p.v_norm ? dynamic_group_kernel<C, Delta, Pool, kPairedGroup, 2, true>
-                                      : dynamic_group_kernel<C, Delta, Pool, kPairedGroup, 2, false>;
+      constexpr int kChunks = kWideChunks<Delta>, kGroup = kWideGroup<Delta>;
+      if (chunks > 1 && (p.k_norm || p.v_norm))
+        launch_group<C, Delta, Pool, kGroup, kChunks, true>(p, paged, layer, items, stream);
+      else if (chunks > 1)
+        launch_group<C, Delta, Pool, kGroup, kChunks, false>(p, paged, layer, items, stream);
       else if (g == 32)
-        kernel = dynamic_group_kernel<C, Delta, Pool, 32, 1, true>;
-      kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items,
-                                                             rope_float4);
+        launch_group<C, Delta, Pool, 32, 1, true>(p, paged, layer, items, stream);
+      else
+        launch_group<C, Delta, Pool, 16, 1, true>(p, paged, layer, items, stream);
     } else {
       int64_t const blocks = std::min<int64_t>((items + kDynamicRows - 1) / kDynamicRows, 2 * max_blocks);
       dynamic_scale_kernel<C, Delta, Pool>

@@ -380,13 +380,17 @@ __device__ __forceinline__ Divisor divisor_of(float s) {
 // clamped, then rounded half to even by the float add of 1.5 * 2^23, whose low bits are then the
 // two's-complement code. `divide` is set where the product may round otherwise than the
 // quotient: within 2^-13 of some k + 1/2 with |k| < QMAX (for |p| < 128, |p - q| < 2^-14; past
-// QMAX both saturate), or a NaN product.
-template <int QMAX>
+// QMAX both saturate), or a NaN product. BOUNDED: y is an element of the row whose own maximum
+// magnitude a gave s = RN(a / QMAX) (a dynamic scale), so |p| <= QMAX (1 + 2^-21) < QMAX + 1/2:
+// the product rounds to at most QMAX without the clamp, and the quotient clamps to the same code.
+template <int QMAX, bool BOUNDED = false>
 __device__ __forceinline__ uint32_t integer_code(float y, Divisor const& d, bool& divide) {
   float const p = mul_rn(y, d.reciprocal);
-  float clamped;  // a NaN product stays NaN (max.NaN / min.NaN), so that it divides
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(clamped) : "f"(p), "f"(-float(QMAX)));
-  asm("min.NaN.f32 %0, %0, %1;" : "+f"(clamped) : "f"(float(QMAX)));
+  float clamped = p;  // a NaN product stays NaN (max.NaN / min.NaN), so that it divides
+  if constexpr (!BOUNDED) {
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(clamped) : "f"(p), "f"(-float(QMAX)));
+    asm("min.NaN.f32 %0, %0, %1;" : "+f"(clamped) : "f"(float(QMAX)));
+  }
   float const shifted = add_rn(clamped, 0x1.8p23f);
   float const from_integer = fabsf(add_rn(clamped, -add_rn(shifted, -0x1.8p23f)));
   divide |= !(from_integer < 0.5f - 0x1p-13f);  // bitwise: no branch per element
