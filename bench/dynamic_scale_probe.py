@@ -6,43 +6,26 @@ scale pool, each without and with the fused k-norm.
 
     python3 bench/dynamic_scale_probe.py
 
-A quick look between whole benchmark runs (bench/bench_kv_update.py has the same formats as
-rows, against the copy floor); the best of three timed calls, no L2 rotation.
+The problem is bench/profile_one_update.py's (slot_update_inputs). A quick look between whole
+benchmark runs (bench/bench_kv_update.py has the same formats as rows, against the copy floor);
+the best of three timed calls, no L2 rotation.
 """
 
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 import jax_dflash
+from profile_one_update import slot_update_inputs
+
+# The probe's names of the pool formats, as profile_one_update's problem builder names them.
+_POOLS = {"f16": "fp16", "i8": "int8", "e4m3": "e4m3", "i4": "int4"}
 
 
 def run(B, L, pool, dyn, k_norm, iters):
-    H, D, P = 8, 128, 16
-    pps = (L + 2 * P - 1) // P + 1
-    rng = np.random.default_rng(0)
-    N = B * pps
-    k = jnp.asarray(rng.standard_normal((B, L, H, D), np.float32).astype(np.float16))
-    v = jnp.asarray(rng.standard_normal((B, L, H, D), np.float32).astype(np.float16))
-    dt = {"f16": np.float16, "i8": np.int8, "e4m3": ml_dtypes.float8_e4m3fn, "i4": np.uint8}[pool]
-    last = D // 2 if pool == "i4" else D
-    pool_a = jnp.zeros((2, N, P, H, last), dt)
-    rope = jnp.asarray(rng.uniform(-1, 1, (1, pps * P, D)).astype(np.float32))
-    starts = jnp.zeros((B,), jnp.int32)
-    lengths = jnp.full((B,), L, jnp.int32)
-    kw = dict(pages_per_slot=pps)
-    if k_norm:
-        kw["k_norm_weight"] = jnp.ones((D,), jnp.float16)
-    sp = None
-    if dyn:
-        sp = jnp.zeros((2, N, P, H), jnp.float32)
-    elif pool in ("i8", "e4m3"):
-        kw["k_scale"] = jnp.full((H,), 0.05, jnp.float32)
-        kw["v_scale"] = jnp.full((H,), 0.05, jnp.float32)
+    (k, v, pool_a, rope, starts, lengths), kw = slot_update_inputs(B, L, _POOLS[pool], dyn, k_norm)
+    sp = kw.pop("scale_pool", None)
     if sp is None:
 
         def body(i, pl):
@@ -72,6 +55,7 @@ def run(B, L, pool, dyn, k_norm, iters):
         best = min(best, time.perf_counter() - t)
     us = best / iters * 1e6
     elem = {"f16": 2, "i8": 1, "e4m3": 1, "i4": 0.5}[pool]
+    H, D = k.shape[-2:]
     byts = B * L * H * D * 2 * 2 + B * L * H * D * 2 * elem + (B * L * H * 2 * 4 if dyn else 0)
     return us, byts / us / 1e6
 

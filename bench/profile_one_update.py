@@ -64,27 +64,40 @@ def parse(argv):
     return args
 
 
-def run(args, device):
-    """The state after args.calls updates on `device`: (pool,) or (pool, scale_pool)."""
-    B, L, H, D = args.batch, args.length, HEADS, HEAD_DIM
+def slot_update_inputs(batch, length, pool, dynamic, k_norm, device=None):
+    """The slot op's inputs for this module's problem (also bench/dynamic_scale_probe.py's):
+    ``(args, kwargs)``, ``kwargs`` with ``scale_pool`` where ``dynamic``, else with static
+    per-head scales for an int8 or FP8 pool. ``pool`` is a key of POOLS."""
+    B, L, H, D = batch, length, HEADS, HEAD_DIM
     pages_per_slot = (L + 2 * PAGE - 1) // PAGE + 1
     N = B * pages_per_slot
     rng = np.random.default_rng(0)
     put = lambda a: jax.device_put(a, device)  # noqa: E731
     k = put(rng.standard_normal((B, L, H, D), np.float32).astype(np.float16))
     v = put(rng.standard_normal((B, L, H, D), np.float32).astype(np.float16))
-    last = D // 2 if args.pool == "int4" else D
-    pool = put(np.zeros((2, N, PAGE, H, last), POOLS[args.pool]))
+    last = D // 2 if pool == "int4" else D
+    pool_array = put(np.zeros((2, N, PAGE, H, last), POOLS[pool]))
     rope = put(rng.uniform(-1, 1, (1, pages_per_slot * PAGE, D)).astype(np.float32))
     starts = put(np.zeros((B,), np.int32))
     lengths = put(np.full((B,), L, np.int32))
     kw = dict(pages_per_slot=pages_per_slot)
-    if args.k_norm:
+    if k_norm:
         kw["k_norm_weight"] = put(np.ones((D,), np.float16))
-    dynamic = args.pool != "fp16" and args.scales == "dynamic"
-    if args.pool != "fp16" and not dynamic:
+    if dynamic:
+        kw["scale_pool"] = put(np.zeros((2, N, PAGE, H), np.float32))
+    elif pool != "fp16":
         kw["k_scale"] = put(np.full((H,), 0.05, np.float32))
         kw["v_scale"] = put(np.full((H,), 0.05, np.float32))
+    return (k, v, pool_array, rope, starts, lengths), kw
+
+
+def run(args, device):
+    """The state after args.calls updates on `device`: (pool,) or (pool, scale_pool)."""
+    dynamic = args.pool != "fp16" and args.scales == "dynamic"
+    (k, v, pool, rope, starts, lengths), kw = slot_update_inputs(
+        args.batch, args.length, args.pool, dynamic, args.k_norm, device
+    )
+    scale_pool = kw.pop("scale_pool", None)
 
     def update(state):
         extra = {"scale_pool": state[1]} if dynamic else {}
@@ -93,7 +106,7 @@ def run(args, device):
         )
         return tuple(out) if dynamic else (out,)
 
-    state = (pool, put(np.zeros((2, N, PAGE, H), np.float32))) if dynamic else (pool,)
+    state = (pool, scale_pool) if dynamic else (pool,)
     step = jax.jit(update, donate_argnums=0)
     for _ in range(args.calls):
         state = step(state)
