@@ -1346,7 +1346,9 @@ __global__ void __launch_bounds__(kGroupThreads)
   };
   DBits const* const deltas[2] = {static_cast<DBits const*>(p.k_delta), static_cast<DBits const*>(p.v_delta)};
   // The lane's chunks of the group at `base` into stage `slot`, as one group of copies (zeros for
-  // rows past the last and channels past D).
+  // rows past the last and channels past D). The group's coordinates are computed again when it
+  // is stored: held instead, they would take registers for kGroupStages - 1 more groups, and the
+  // kernel's occupancy is bound by its registers.
   auto stage_group = [&](int64_t base, int slot) {
     int64_t const item = base + lane / G;
     bool const live = item < items;
