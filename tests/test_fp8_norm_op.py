@@ -490,6 +490,51 @@ for name in ("float8_e4m3fn", "float8_e5m2"):
         bad = np.flatnonzero(got != want)
         assert bad.size == 0, (name, scale, bad.size, hex(bits[bad[0]]), got[bad[0]], want[bad[0]])
 
+# int8 stores with static scales over the same patterns: y / s, rounded half to even, clamped.
+for scale in (1.0, 0.37):
+    pool = np.zeros((2, pages, page, heads, head_dim), np.int8)
+    s = np.full((heads,), scale, np.float32)
+    _dflash_cpu.target_kv_cache_update_paged(k, v, pool, rope, positions, owners, table, s, s,
+                                             pool_dtype="int8")
+    with np.errstate(all="ignore"):
+        want = reference.round_int8(values / np.float32(scale))
+    bad = np.flatnonzero(pool[1].reshape(-1) != want)
+    assert bad.size == 0, ("int8", scale, bad.size, hex(bits[bad[0]]))
+
+# Scale-pool stores (every format) over the same patterns, in rows of neighbouring patterns and
+# in shuffled rows (mixed exponents; rows with infinities and NaNs), plus rows whose scale is 0:
+# zeros of both signs, and the smallest subnormals (whose maximum / qmax underflows).
+tiny = np.full((4, head_dim), 1e-45, np.float32)
+tiny[1] = -tiny[1]
+zeros = np.zeros((2, head_dim), np.float32)
+zeros[1] = -0.0
+for order in ("neighbours", "shuffled"):
+    rows = values if order == "neighbours" else values[rng.permutation(values.size)]
+    rows = np.concatenate([rows.reshape(-1, head_dim), tiny, zeros])
+    rows = rows[: rows.shape[0] // page * page]  # whole pages (drops the last few shuffled rows)
+    n = rows.shape[0]
+    vv = rows.reshape(n, heads, head_dim)
+    kk = np.zeros_like(vv)
+    p_rows = np.arange(n, dtype=np.int32)
+    p_owners = np.zeros(n, np.int32)
+    p_pages = n // page
+    p_table = np.stack([np.arange(p_pages), p_pages + np.arange(p_pages)]).astype(np.int32)[None]
+    p_rope = np.zeros((n, 0), np.float32)
+    for name in ("int8", "float8_e4m3fn", "float8_e5m2", "int4"):
+        last = head_dim // 2 if name == "int4" else head_dim
+        pool = np.zeros((2, p_pages, page, heads, last), np.int8 if name == "int8" else np.uint8)
+        scales = np.zeros((2, p_pages, page, heads), np.float32)
+        fp8 = name.startswith("float8")  # given as bytes, named
+        _dflash_cpu.update("paged", [kk, vv, pool, p_rope, p_rows, p_owners, p_table],
+                           scale_pool=scales, pool_dtype=name if fp8 else "")
+        pool_dtype = np.dtype(np.uint8) if name == "int4" else np.dtype(getattr(ml_dtypes, name, name))
+        want, want_scales = reference.dynamic_store(rows, pool_dtype)
+        got = pool[1].reshape(n, last)
+        got_scales = scales[1].reshape(n)
+        bad = np.flatnonzero(np.any(got.view(np.uint8) != want.view(np.uint8).reshape(n, last), axis=1))
+        assert bad.size == 0, (name, order, bad.size, rows[bad[0]])
+        testing.assert_bits_equal(got_scales, want_scales)
+
 # Norms, cross-dtype and FP8 pools on rows of every width class (8-channel blocks and tails).
 for delta in testing.DELTA_DTYPES:
     for pool_dtype in testing.POOL_DTYPES:

@@ -134,37 +134,130 @@ __attribute__((target("avx2,f16c"))) int64_t narrow_16bit_avx2(float const* y, u
   for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_loadu_ps(y + j), bf16);
   return j;
 }
-// out[0, n) <- y times inv_scale in the FP8 format F: float_to_fp8_bits (numerics.h) on 8 lanes,
-// the same integer steps and the same float add for subnormals, so the same bits.
 __attribute__((target("avx2,f16c"))) inline __m256i splat(uint32_t v) { return _mm256_set1_epi32(int(v)); }
 
+// The FP8 codes (format F) of 8 quotients, in the low 8 bytes: float_to_fp8_bits (numerics.h) on 8
+// lanes, the same integer steps and the same float add for subnormals, so the same bits.
+template <typename F> __attribute__((target("avx2,f16c"))) inline __m128i fp8_codes8(__m256 q) {
+  __m256 const magic = _mm256_castsi256_ps(splat(F::kSubnormalMagicBits));
+  __m256i const u = _mm256_castps_si256(q);
+  __m256i const sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), splat(0x80u));
+  __m256i const a = _mm256_and_si256(u, splat(0x7fffffffu));  // >= 0: signed compares below are exact
+  __m256i r = _mm256_add_epi32(a, splat((1u << (F::kShift - 1)) - 1u));
+  r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(a, F::kShift), splat(1u)));
+  __m256i const exponent = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), splat(127u - F::kBias));
+  __m256i const normal =
+      _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
+                      _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
+  __m256i const subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
+  __m256i code = _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
+  code = _mm256_blendv_epi8(code, splat(F::kMaxCode), _mm256_cmpgt_epi32(a, splat(F::kMaxBits - 1u)));
+  code = _mm256_or_si256(code, sign);
+  code = _mm256_blendv_epi8(code, splat(kFloat8NaN), _mm256_cmpgt_epi32(a, splat(0x7f800000u)));
+  __m128i const words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  return _mm_packus_epi16(words, words);
+}
+
+// The integer codes of 8 quotients (int8, or int4 with qmax 7), as int32 lanes: float_to_int8_bits
+// and float_to_int4_bits on 8 lanes. NaN gives 0; the clamp comes before the rounding (to nearest
+// even, explicitly: the same as nearbyint under the default rounding mode).
+__attribute__((target("avx2,f16c"))) inline __m256i integer_codes8(__m256 q, float qmax) {
+  __m256 const clamped = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-qmax)), _mm256_set1_ps(qmax));
+  __m256 const ordered = _mm256_and_ps(clamped, _mm256_cmp_ps(q, q, _CMP_ORD_Q));  // NaN: +0
+  return _mm256_cvttps_epi32(_mm256_round_ps(ordered, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// The 8 int8 codes of integer_codes8's lanes, in order, in the low 8 bytes (each within +-127:
+// the saturating packs keep it).
+__attribute__((target("avx2,f16c"))) inline __m128i int8_bytes8(__m256i codes) {
+  __m128i const words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+  return _mm_packs_epi16(words, words);
+}
+// The 4 int4 bytes of integer_codes8's lanes (element 2j in byte j's low nibble, 2j + 1 in its
+// high one), in the low 4 bytes.
+__attribute__((target("avx2,f16c"))) inline uint32_t int4_bytes8(__m256i codes) {
+  __m128i const words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+  // 32-bit lane j of `words`: code 2j in its low half, code 2j + 1 in its high half.
+  __m128i const pairs = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi32(0x0f)),
+                                     _mm_and_si128(_mm_srli_epi32(words, 12), _mm_set1_epi32(0xf0)));
+  __m128i const halves = _mm_packus_epi32(pairs, pairs);
+  return uint32_t(_mm_cvtsi128_si32(_mm_packus_epi16(halves, halves)));
+}
+
+// out[0, n) <- y times inv_scale in the FP8 format F; returns the elements done (whole 8s).
 template <typename F> __attribute__((target("avx2,f16c"))) int64_t narrow_fp8_avx2(float const* y,
                                                                                    uint8_t* out, int64_t n,
                                                                                    float inv_scale) {
   __m256 const inv = _mm256_set1_ps(inv_scale);
-  __m256 const magic = _mm256_castsi256_ps(splat(F::kSubnormalMagicBits));
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j),
+                     fp8_codes8<F>(_mm256_mul_ps(_mm256_loadu_ps(y + j), inv)));
+  return j;
+}
+
+// out[0, n) <- the int8 codes of y / scale; returns the elements done (whole 8s).
+__attribute__((target("avx2,f16c"))) int64_t narrow_int8_avx2(float const* y, uint8_t* out, int64_t n,
+                                                              float scale) {
+  __m256 const s = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j),
+                     int8_bytes8(integer_codes8(_mm256_div_ps(_mm256_loadu_ps(y + j), s), 127.0f)));
+  return j;
+}
+
+// A row's RowMax over its first whole 8s (returned: the elements covered), 8 lanes at a time: the
+// maximum magnitude (exact in any order) and whether every element is finite.
+__attribute__((target("avx2,f16c"))) int64_t row_max_avx2(float const* y, int64_t n, RowMax* r) {
+  __m256 largest = _mm256_setzero_ps();
+  __m256i nonfinite = _mm256_setzero_si256();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    __m256i const u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(y + j), inv));
-    __m256i const sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), splat(0x80u));
-    __m256i const a = _mm256_and_si256(u, splat(0x7fffffffu));  // >= 0: signed compares below are exact
-    __m256i r = _mm256_add_epi32(a, splat((1u << (F::kShift - 1)) - 1u));
-    r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(a, F::kShift), splat(1u)));
-    __m256i const exponent = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), splat(127u - F::kBias));
-    __m256i const normal =
-        _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
-                        _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
-    __m256i const subnormal = _mm256_sub_epi32(
-        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
-    __m256i code =
-        _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
-    code = _mm256_blendv_epi8(code, splat(F::kMaxCode), _mm256_cmpgt_epi32(a, splat(F::kMaxBits - 1u)));
-    code = _mm256_or_si256(code, sign);
-    code = _mm256_blendv_epi8(code, splat(kFloat8NaN), _mm256_cmpgt_epi32(a, splat(0x7f800000u)));
-    __m128i const words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(words, words));
+    __m256i const magnitude =
+        _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(y + j)), splat(0x7fffffffu));
+    nonfinite = _mm256_or_si256(nonfinite, _mm256_cmpgt_epi32(magnitude, splat(0x7f7fffffu)));
+    largest = _mm256_max_ps(largest, _mm256_castsi256_ps(magnitude));  // NaN lanes: the row is non-finite
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  for (float const lane : lanes) r->max = lane > r->max ? lane : r->max;
+  r->finite = r->finite && _mm256_testz_si256(nonfinite, nonfinite);
+  return j;
+}
+
+// out <- the codes (format FORMAT, a scale-pool format) of y_j / s of a row with a nonzero scale s
+// (NaN: the row is non-finite); returns the elements done (whole 8s).
+template <DType FORMAT>
+__attribute__((target("avx2,f16c"))) int64_t dynamic_codes_avx2(float const* y, uint8_t* out, int64_t n,
+                                                                float scale) {
+  __m256 const s = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 const q = _mm256_div_ps(_mm256_loadu_ps(y + j), s);
+    auto* const bytes8 = reinterpret_cast<__m128i*>(out + j);
+    if constexpr (FORMAT == DType::kFloat8E4M3) {
+      _mm_storel_epi64(bytes8, fp8_codes8<E4M3Format>(q));
+    } else if constexpr (FORMAT == DType::kFloat8E5M2) {
+      _mm_storel_epi64(bytes8, fp8_codes8<E5M2Format>(q));
+    } else if constexpr (FORMAT == DType::kInt8) {
+      _mm_storel_epi64(bytes8, int8_bytes8(integer_codes8(q, 127.0f)));
+    } else {  // int4: 4 bytes of 8 elements
+      uint32_t const bytes = int4_bytes8(integer_codes8(q, 7.0f));
+      std::memcpy(out + j / 2, &bytes, sizeof(bytes));
+    }
   }
   return j;
+}
+__attribute__((target("avx2,f16c"))) int64_t dynamic_codes_avx2(DType dtype, float const* y, uint8_t* out,
+                                                                int64_t n, float scale) {
+  switch (dtype) {
+    case DType::kFloat8E4M3: return dynamic_codes_avx2<DType::kFloat8E4M3>(y, out, n, scale);
+    case DType::kFloat8E5M2: return dynamic_codes_avx2<DType::kFloat8E5M2>(y, out, n, scale);
+    case DType::kInt8: return dynamic_codes_avx2<DType::kInt8>(y, out, n, scale);
+    case DType::kUInt8: return dynamic_codes_avx2<DType::kUInt8>(y, out, n, scale);
+    default: return 0;
+  }
 }
 
 // v rounded to the 16-bit dtype and widened again, in registers (a NaN stays a NaN; its payload
@@ -297,7 +390,11 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       return narrow_fp8<E5M2Format>(y, static_cast<uint8_t*>(dst), begin, end, inv_scale);
     case DType::kInt8: {
       uint8_t* const out = static_cast<uint8_t*>(dst);
-      for (int64_t j = begin; j < end; ++j) out[j] = float_to_int8_bits(div_rn(y[j], inv_scale));
+      int64_t j = begin;
+#if DFLASH_X86
+      if (vector_rows()) j += narrow_int8_avx2(y + begin, out + begin, end - begin, inv_scale);
+#endif
+      for (; j < end; ++j) out[j] = float_to_int8_bits(div_rn(y[j], inv_scale));
       return;
     }
     default: return;
@@ -308,22 +405,30 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
 // "Dynamic scales": s = max_j |y_j| / qmax, the elements y / s in the pool's conversion).
 void store_dynamic(DType dtype, float const* y, void* dst, int64_t n, float* scale) {
   RowMax r;
-  for (int64_t j = 0; j < n; ++j) r.add(y[j]);
+  int64_t first = 0;
+#if DFLASH_X86
+  if (vector_rows()) first = row_max_avx2(y, n, &r);
+#endif
+  for (int64_t j = first; j < n; ++j) r.add(y[j]);
   float const s = dynamic_scale(r, pool_format(dtype)->max_finite);
   *scale = s;
   uint8_t* const out = static_cast<uint8_t*>(dst);
+  int64_t j = 0;
+#if DFLASH_X86
+  if (vector_rows() && s != 0.0f) j = dynamic_codes_avx2(dtype, y, out, n, s);  // s == 0: the zeros below
+#endif
   switch (dtype) {
     case DType::kFloat8E4M3:
-      for (int64_t j = 0; j < n; ++j) out[j] = float_to_fp8_bits<E4M3Format>(dynamic_quotient(y[j], s));
+      for (; j < n; ++j) out[j] = float_to_fp8_bits<E4M3Format>(dynamic_quotient(y[j], s));
       return;
     case DType::kFloat8E5M2:
-      for (int64_t j = 0; j < n; ++j) out[j] = float_to_fp8_bits<E5M2Format>(dynamic_quotient(y[j], s));
+      for (; j < n; ++j) out[j] = float_to_fp8_bits<E5M2Format>(dynamic_quotient(y[j], s));
       return;
     case DType::kInt8:
-      for (int64_t j = 0; j < n; ++j) out[j] = float_to_int8_bits(dynamic_quotient(y[j], s));
+      for (; j < n; ++j) out[j] = float_to_int8_bits(dynamic_quotient(y[j], s));
       return;
     case DType::kUInt8:  // int4: n is even (the checker's rule), byte j holds elements 2j, 2j + 1
-      for (int64_t j = 0; j + 1 < n; j += 2)
+      for (; j + 1 < n; j += 2)
         out[j / 2] = pack_int4(dynamic_quotient(y[j], s), dynamic_quotient(y[j + 1], s));
       return;
     default: return;
