@@ -65,13 +65,15 @@ def _problem(
     v_norm=False,
     head_dim=16,
     rotary_dim=None,
+    **sizes,
 ):
     """``(args, kwargs)`` of one hostile call of ``form`` with a scale pool (no static scales):
-    negative, padded and past-the-pool positions, owners, page ids and slots."""
+    negative, padded and past-the-pool positions, owners, page ids and slots. ``sizes``: the
+    problem builder's own (batch, heads, tokens, pages), default its small ones."""
     common = dict(dtype=delta, pool_dtype=pool_dtype, layers=layers, k_norm=k_norm, v_norm=v_norm)
-    common.update(head_dim=head_dim, rotary_dim=rotary_dim)
+    common.update(head_dim=head_dim, rotary_dim=rotary_dim, **sizes)
     if form == "slot":
-        problem = make_problem(rng, rope_seq_len=5, **common)
+        problem = make_problem(rng, **{"rope_seq_len": 5, **common})
     else:
         problem = make_paged_problem(rng, **common)
     kwargs = {k: v for k, v in problem.kwargs().items() if k not in ("k_scale", "v_scale")}
@@ -441,14 +443,51 @@ def test_sharded_on_layers_and_heads_the_scale_pool_follows_the_pool():
 _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 
 
+# 65536 rows of a 128-channel head: more than one pass of the resident blocks of the four-chunk
+# kernel on any current GPU, which such calls take (16-bit deltas; the small calls above take two
+# chunks a lane). Rotated rows throughout (the slot form's rope table covers every position).
+_WIDE_SIZES = {
+    "slot": dict(
+        batch=8, delta_len=1024, heads=8, page_size=16, pages_per_slot=64, rope_seq_len=None
+    ),
+    "paged": dict(tokens=8192, batch=8, heads=8, num_pages=512, page_size=16, table_pages=64),
+}
+_WIDE_SIZES["slot_mapping"] = _WIDE_SIZES["paged"]
+
+
+@pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "norms, rotary_dim",
+    [(False, 128), (True, 128), (True, 0)],
+    ids=["plain", "norms", "norms-unrotated"],
+)
+def test_cuda_wide_calls_match_the_reference(form, pool_dtype, norms, rotary_dim):
+    def problem(rng, delta):
+        return _problem(
+            rng,
+            form,
+            pool_dtype,
+            k_norm=norms,
+            v_norm=norms,
+            delta=delta,
+            head_dim=128,
+            rotary_dim=rotary_dim,
+            **_WIDE_SIZES[form],
+        )
+
+    assert_cuda_scale_pool_call_matches_the_reference(form, problem)
+
+
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
-# Every CUDA kernel of a scale pool: several chunks a lane, 4 for 16-bit deltas and 2 for float32
-# ((128, 128), (128, 0), and (96, 0), whose last chunks exist in some lanes or none), one chunk a
-# lane ((16, 16), (96, 64), (128, 64)), and the warp-per-row kernel ((40, 8), (7, 0)).
+# Every CUDA kernel of a scale pool: two chunks a lane at these sizes ((128, 128), (128, 0), and
+# (96, 0), whose second chunks exist in half the lanes; four chunks: the wide calls above), one
+# chunk a lane ((16, 16), (96, 64), (128, 64)), and the warp-per-row kernel ((40, 8), (7, 0)).
 @pytest.mark.parametrize(
     "head_dim, rotary_dim",
     [(16, 16), (128, 128), (128, 0), (96, 0), (128, 64), (40, 8), (7, 0), (96, 64)],

@@ -56,7 +56,7 @@ def _problem(rng, form, *, layers=None, delta=np.float16, k_norm=False, v_norm=F
     common = dict(dtype=delta, pool_dtype=np.float32, layers=layers, k_norm=k_norm, v_norm=v_norm)
     common.update(dims)
     if form == "slot":
-        problem = make_problem(rng, rope_seq_len=5, **common)
+        problem = make_problem(rng, **{"rope_seq_len": 5, **common})
     else:
         problem = make_paged_problem(rng, **common)
     kwargs = dict(problem.kwargs())
@@ -400,8 +400,8 @@ _NO_GPU = "no GPU backend in this JAX: the CUDA suite runs on the H200"
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
-# Every CUDA kernel, as in test_dynamic_scales.py: several chunks a lane ((128, 128), (96, 0)),
-# one ((16, 16), (96, 64)), the warp-per-row kernel ((40, 8), (6, 0)).
+# Every CUDA kernel, as in test_dynamic_scales.py: two chunks a lane ((128, 128), (96, 0); four:
+# the wide calls below), one ((16, 16), (96, 64)), the warp-per-row kernel ((40, 8), (6, 0)).
 @pytest.mark.parametrize(
     "head_dim, rotary_dim", [(16, 16), (128, 128), (96, 0), (40, 8), (6, 0), (96, 64)]
 )
@@ -420,3 +420,30 @@ def test_cuda_matches_the_reference(form, layers, norms, head_dim, rotary_dim):
         return args, kwargs
 
     assert_cuda_scale_pool_call_matches_the_reference(form, problem)
+
+
+@pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
+def test_cuda_wide_calls_match_the_reference(norms):
+    """65536 rows of a 128-channel head, rotated: the four-chunk kernel (16-bit deltas), as in
+    test_dynamic_scales.py's wide calls."""
+
+    def problem(rng, delta):
+        args, kwargs, _ = _problem(
+            rng,
+            "slot",
+            k_norm=norms,
+            v_norm=norms,
+            delta=delta,
+            head_dim=128,
+            rotary_dim=128,
+            batch=8,
+            delta_len=1024,
+            heads=8,
+            page_size=16,
+            pages_per_slot=64,
+            rope_seq_len=None,
+        )
+        return args, kwargs
+
+    assert_cuda_scale_pool_call_matches_the_reference("slot", problem)

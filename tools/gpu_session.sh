@@ -3,6 +3,7 @@
 #
 #   tools/gpu_session.sh                         # all stages: info build extras test parity flashinfer bench sanitize workload probe
 #   tools/gpu_session.sh build bench             # only these stages, in this order
+#   tools/gpu_session.sh variants                # kernel variants by kbench (not in the default run)
 #
 # Every stage runs even when an earlier one failed (a failed build makes the later ones fail
 # too, loudly); each stage's output is tee'd to $OUT/<stage>.log, and a summary of exit codes
@@ -11,8 +12,9 @@
 # Environment: OUT (where logs and results go; default /tmp/gpu_session_out), PYTHON (python3),
 # BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"),
 # <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=240,
-# BENCH_TIMEOUT=540, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240, WORKLOAD_TIMEOUT=300). A whole
-# benchmark run (every contender, 12 shapes) takes more than 330 s: give it a device call of its own.
+# BENCH_TIMEOUT=540, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240, WORKLOAD_TIMEOUT=300,
+# VARIANTS_TIMEOUT=420). A whole benchmark run (every contender, 12 shapes) takes more than 330 s:
+# give it a device call of its own.
 # The bench stage writes kv_update_gpu.{json,png} into $OUT/bench_results (never into the
 # repository) and its printed tables and targets into $OUT/bench.log.
 # Carry to the GPU machine: .whl/ (the FlashInfer sdist, and the nvidia-cuda-sanitizer-api wheel
@@ -134,6 +136,23 @@ stage_probe() {
     echo "== positions L2-resident (2 sets), K/V rotated" && /tmp/probe/decode_probe 2 0
 }
 
+# Kernel variants (bench/kernel_variants/make_variants.py's NAMED, or VARIANTS="a,b"), each timed by
+# kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
+# $VARIANT_DIR (e.g. built on a CPU machine with nvcc and carried) are not built again.
+stage_variants() {
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows} name missing=() status=0
+  for name in ${names//,/ }; do [ -x "$dir/kb_$name" ] || missing+=("$name"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    local IFS=,
+    "$PY" bench/kernel_variants/make_variants.py "$dir" --only "${missing[*]}" || return 1
+  fi
+  for name in ${names//,/ }; do
+    echo "== kb_$name"
+    KB_SHAPES=${KB_SHAPES:-64x16,8x2048} "$dir/kb_$name" || status=1
+  done
+  return $status
+}
+
 stage_bench() {
   # GPU clocks and power every 200 ms while the benchmark runs (read-only queries).
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
@@ -180,7 +199,7 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300 [variants]=420)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
@@ -207,8 +226,8 @@ stages=("$@")
 if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test parity flashinfer bench sanitize workload probe); fi
 for s in "${stages[@]}"; do
   case "$s" in
-    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe) run_stage "$s" ;;
-    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload or probe"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe|variants) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload, probe or variants"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
   esac
 done
 

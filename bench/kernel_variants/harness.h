@@ -103,18 +103,31 @@ inline dflash::KVUpdateParams checked(std::vector<dflash::TensorDesc> const& ope
 }
 
 // Slot contract, layers = 1 or more: k/v [(layers,) B, L, H, D], pool [(layers,) 2, B * pps, P, H, D].
-// The dtypes and extras of an update: fp16 deltas and pool by default; an FP8 pool takes per-head
-// scales [H], the fused k-norm a weight [D] in the delta dtype.
+// The dtypes and extras of an update: fp16 deltas and pool by default; an FP8 or int8 pool takes
+// per-head scales [H], or with scale_pool per-token-head scales (the pool's dims without D; the
+// only kind an int4 pool, uint8 with D / 2 bytes a head row, takes); the fused k-norm a weight [D]
+// in the delta dtype.
 struct Flavor {
   dflash::DType delta = dflash::DType::kFloat16;
   dflash::DType pool = dflash::DType::kFloat16;
-  float const* scales = nullptr;       // k_scale = v_scale = these [H] (FP8 pools)
+  float const* scales = nullptr;       // k_scale = v_scale = these [H] (FP8 and int8 pools)
   void const* k_norm_weight = nullptr;  // fused k-norm when set
+  float* scale_pool = nullptr;          // per-token-head scales, in place of `scales`
 };
+
+// The last dim of a pool of this flavor: D, or D / 2 bytes for int4.
+inline int64_t pool_last(Flavor const& f) { return f.pool == dflash::DType::kUInt8 ? D / 2 : D; }
 
 inline void add_extras(std::vector<dflash::TensorDesc>& ops, dflash::UpdateAttrs& attrs, Flavor const& f) {
   using dflash::DType;
-  if (f.pool == DType::kFloat8E4M3 || f.pool == DType::kFloat8E5M2) {
+  if (f.scale_pool != nullptr) {
+    dflash::TensorDesc scale_pool = ops[2];  // the pool's dims without D
+    scale_pool.dtype = DType::kFloat32;
+    scale_pool.rank -= 1;
+    scale_pool.data = f.scale_pool;
+    ops.push_back(scale_pool);
+    attrs.scale_pool = true;
+  } else if (f.pool == DType::kFloat8E4M3 || f.pool == DType::kFloat8E5M2 || f.pool == DType::kInt8) {
     ops.push_back(desc(DType::kFloat32, {H}, f.scales));
     ops.push_back(desc(DType::kFloat32, {H}, f.scales));
   }
@@ -132,10 +145,10 @@ inline dflash::KVUpdateParams slot_params(int layers, int B, int L, int pps, voi
   std::vector<dflash::TensorDesc> ops;
   if (layers > 1) {
     ops = {desc(f.delta, {layers, B, L, H, D}, k), desc(f.delta, {layers, B, L, H, D}, v),
-           desc(f.pool, {layers, 2, N, P, H, D}, pool)};
+           desc(f.pool, {layers, 2, N, P, H, pool_last(f)}, pool)};
   } else {
     ops = {desc(f.delta, {B, L, H, D}, k), desc(f.delta, {B, L, H, D}, v),
-           desc(f.pool, {2, N, P, H, D}, pool)};
+           desc(f.pool, {2, N, P, H, pool_last(f)}, pool)};
   }
   ops.push_back(desc(DType::kFloat32, {1, rope_len, R}, rope));
   ops.push_back(desc(DType::kInt32, {B}, starts));
@@ -155,9 +168,10 @@ inline dflash::KVUpdateParams paged_params(int layers, int T, int B, int M, int 
   std::vector<dflash::TensorDesc> ops;
   if (layers > 1) {
     ops = {desc(f.delta, {layers, T, H, D}, k), desc(f.delta, {layers, T, H, D}, v),
-           desc(f.pool, {layers, 2, N, P, H, D}, pool)};
+           desc(f.pool, {layers, 2, N, P, H, pool_last(f)}, pool)};
   } else {
-    ops = {desc(f.delta, {T, H, D}, k), desc(f.delta, {T, H, D}, v), desc(f.pool, {2, N, P, H, D}, pool)};
+    ops = {desc(f.delta, {T, H, D}, k), desc(f.delta, {T, H, D}, v),
+           desc(f.pool, {2, N, P, H, pool_last(f)}, pool)};
   }
   ops.push_back(desc(DType::kFloat32, {T, R}, rope));
   ops.push_back(desc(DType::kInt32, {T}, positions));

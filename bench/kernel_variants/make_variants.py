@@ -2,10 +2,10 @@
 
 Each variant is the shipped kernel (csrc/dflash) compiled with its tuning macros set by -D
 (build.py), linked with kbench.cu (a CUDA-graph timing harness, both contracts, fp16 H=8 D=128
-R=128 P=128, plain, with the k-norm, bf16 and into an e4m3 pool):
+R=128 P=128, plain, with the k-norm, bf16, into an e4m3 pool and into an int8 pool):
 kb_cs{1,0}_b{128,256,512}_v{16,8} for DFLASH_STREAMING_STORES, DFLASH_BLOCK_THREADS and
-DFLASH_MAX_VEC_BYTES. Run each binary on the GPU machine; it prints one
-line per contract and shape. Needs nvcc (sm_90).
+DFLASH_MAX_VEC_BYTES, and the named variants of NAMED (kb_shipped: no -D at all). Run each binary
+on the GPU machine; it prints one line per contract and shape. Needs nvcc (sm_90).
 
     python bench/kernel_variants/make_variants.py OUTDIR [--only cs1_b128_v16,...] [--jobs N]
 """
@@ -26,10 +26,21 @@ GRID = {
 }
 
 
+# Variants outside the grid, each the shipped defaults but for its own knobs.
+NAMED = {
+    "shipped": {},
+    # 16-channel items from 16-bit deltas into 1-byte pools (int8, FP8 with static scales).
+    "bytevec16": {"DFLASH_BYTE_POOL_VEC": 16},
+    # Scale-pool calls of wide heads below a pass of the four-chunk kernel take two chunks a lane.
+    "wide_by_rows": {"DFLASH_WIDE_BY_ROWS": 1},
+}
+
+
 def variants() -> dict[str, dict[str, int]]:
     out = {}
     for cs, block, vec in itertools.product(*GRID.values()):
         out[f"cs{cs}_b{block}_v{vec}"] = dict(zip(GRID, (cs, block, vec)))
+    out.update(NAMED)
     return out
 
 

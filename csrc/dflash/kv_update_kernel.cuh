@@ -31,6 +31,18 @@
 #ifndef DFLASH_MAX_VEC_BYTES
 #define DFLASH_MAX_VEC_BYTES 32  // widest delta vector per work item (two 16-byte loads)
 #endif
+#ifndef DFLASH_BYTE_POOL_VEC
+// Channels of a work item from 16-bit deltas into a 1-byte pool (int8, FP8 with static scales): 8,
+// or 16 (two 16-byte delta loads and one 16-byte store a vector, half the items and so half the
+// per-item addressing a channel; not compiled in unless set).
+#define DFLASH_BYTE_POOL_VEC 8
+#endif
+static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_BYTE_POOL_VEC: 8 or 16");
+#ifndef DFLASH_WIDE_BY_ROWS
+// 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
+// resident blocks take two chunks a lane; 0: four at every size.
+#define DFLASH_WIDE_BY_ROWS 0
+#endif
 // Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
 // 8 fused norm into an FP8 pool from float16 or float32 deltas, 16 the same from bfloat16 deltas.
@@ -966,8 +978,13 @@ cudaError_t launch(KVUpdateParams const& p, cudaStream_t stream) {
       });
 }
 
-// The widest vector (VEC in {8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of delta) that
-// divides the head and the rotary half and that every tensor's alignment allows.
+// Whether a call from Delta into Pool may take 16-channel items (DFLASH_BYTE_POOL_VEC).
+template <typename Delta, typename Pool> inline constexpr bool kByteVec16 =
+    DFLASH_BYTE_POOL_VEC == 16 && sizeof(typename Delta::Bits) == 2 && sizeof(typename Pool::Bits) == 1 &&
+    kPerByte<Pool> == 1;
+
+// The widest vector (VEC in {16 (kByteVec16), 8, 2, 1} channels, at most DFLASH_MAX_VEC_BYTES of
+// delta) that divides the head and the rotary half and that every tensor's alignment allows.
 template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p) {
   auto fits = [&](int vec) {
     auto bytes = [vec](int64_t elem) { return std::min<int64_t>(16, vec * elem); };
@@ -976,6 +993,7 @@ template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p)
            aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
            aligned(p.pool, bytes(pool));
   };
+  if (kByteVec16<Delta, Pool> && fits(16)) return 16;
   if (fits(8)) return 8;
   if (fits(2)) return 2;
   return 1;
@@ -985,6 +1003,9 @@ template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p)
 template <Contract C, typename Delta, typename Pool>
 cudaError_t launch_static(KVUpdateParams const& p, cudaStream_t stream) {
   switch (widest_vec<Delta, Pool>(p)) {
+    case 16:
+      if constexpr (kByteVec16<Delta, Pool>) return launch<C, Delta, Pool, 16>(p, stream);
+      [[fallthrough]];
     case 8: return launch<C, Delta, Pool, 8>(p, stream);
     case 2: return launch<C, Delta, Pool, 2>(p, stream);
     default: return launch<C, Delta, Pool, 1>(p, stream);
@@ -1016,6 +1037,9 @@ cudaError_t plan_widest(KVUpdateParams const& p, std::vector<KernelLaunch>* out)
     return cudaErrorNotSupported;
   } else {
     switch (widest_vec<Delta, Pool>(p)) {
+      case 16:
+        if constexpr (kByteVec16<Delta, Pool>) return plan_vec<C, Delta, Pool, 16>(p, out);
+        [[fallthrough]];
       case 8: return plan_vec<C, Delta, Pool, 8>(p, out);
       case 2: return plan_vec<C, Delta, Pool, 2>(p, out);
       default: return plan_vec<C, Delta, Pool, 1>(p, out);
@@ -1239,7 +1263,8 @@ inline constexpr int kGroupThreads = 128;
 inline constexpr int kGroupChunk = 8;
 // The wide kernel, for the heads of 72 to 128 channels (a norm tree of 16 leaves): CHUNKS chunks a
 // lane, 4 for 16-bit deltas, 2 for float32 ones (whose 4 would need more shared memory a block than
-// a static allocation has).
+// a static allocation has); calls of fewer rows than a pass of its resident blocks take 2
+// (launch_wide).
 template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Delta::Bits) == 4 ? 2 : 4;
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
@@ -1509,26 +1534,51 @@ template <typename Delta, typename Pool> int dynamic_group_width(KVUpdateParams 
   return p.head_dim <= 16 * kGroupChunk ? 16 : 32;
 }
 
-// One launch of dynamic_group_kernel over `items` rows from layer `layer`: a row per group, every
-// row at once up to the blocks that are resident together (counted once per instantiation);
-// beyond that each warp loops over row groups (the kernel's comment).
-template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
-void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
-                  cudaStream_t stream) {
-  auto* const kernel = dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS>;
-  static int const resident_per_multiprocessor = [kernel] {
+// The rows one pass of an instantiation of dynamic_group_kernel covers: its blocks resident
+// together (the occupancy API, asked once per instantiation) times the rows of a block.
+template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS> int64_t resident_rows() {
+  static int const per_multiprocessor = [] {
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGroupThreads, 0) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks,
+                                                      dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS>,
+                                                      kGroupThreads, 0) != cudaSuccess ||
         blocks < 1) {
       (void)cudaGetLastError();  // the launch reports any real problem
       blocks = 1;
     }
     return blocks;
   }();
+  return int64_t(per_multiprocessor) * multiprocessor_count() * (kGroupThreads / G);
+}
+
+// One launch of dynamic_group_kernel over `items` rows from layer `layer`: a row per group, every
+// row at once up to one pass of the resident blocks; beyond that each warp loops over row groups
+// (the kernel's comment).
+template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
+void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
+                  cudaStream_t stream) {
   int64_t const rows_per_block = kGroupThreads / G;
-  int64_t const blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
-                                           int64_t(resident_per_multiprocessor) * multiprocessor_count());
-  kernel<<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items);
+  int64_t const blocks =
+      std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
+                        resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
+  dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS>
+      <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items);
+}
+
+// The kernel for the wide heads (dynamic_group_width's chunks > 1): kWideChunks chunks a lane,
+// or with DFLASH_WIDE_BY_ROWS four chunks a lane (16-bit deltas) only where their rows fill a pass
+// of the resident blocks, else two. Four chunks a lane leave half the warps of two; below a full
+// pass the row's chain of dependent loads sets the time, and fewer warps hide less of it
+// (BENCHMARKS.md: at B=64 L=16 four chunks were 9-14% slower, at B=8 L=2048 10-17% faster).
+template <Contract C, typename Delta, typename Pool, bool NORMS>
+void launch_wide(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
+                 cudaStream_t stream) {
+  constexpr int kChunks = kWideChunks<Delta>, kGroup = kWideGroup<Delta>;
+  if (kChunks == 2 ||
+      (DFLASH_WIDE_BY_ROWS && items < resident_rows<C, Delta, Pool, kGroup, kChunks, NORMS>()))
+    launch_group<C, Delta, Pool, 16 / 2, 2, NORMS>(p, paged, layer, items, stream);  // the same tree
+  else
+    launch_group<C, Delta, Pool, kGroup, kChunks, NORMS>(p, paged, layer, items, stream);
 }
 
 // The launch of a call with a scale pool; per-layer rings in launches of 64 layers (the ring bits
@@ -1547,11 +1597,10 @@ cudaError_t launch_dynamic(KVUpdateParams const& p, cudaStream_t stream) {
     int64_t const max_blocks = int64_t(multiprocessor_count()) * 32;
     int chunks = 1;
     if (int const g = dynamic_group_width<Delta, Pool>(p, &chunks); g != 0) {
-      constexpr int kChunks = kWideChunks<Delta>, kGroup = kWideGroup<Delta>;
       if (chunks > 1 && (p.k_norm || p.v_norm))
-        launch_group<C, Delta, Pool, kGroup, kChunks, true>(p, paged, layer, items, stream);
+        launch_wide<C, Delta, Pool, true>(p, paged, layer, items, stream);
       else if (chunks > 1)
-        launch_group<C, Delta, Pool, kGroup, kChunks, false>(p, paged, layer, items, stream);
+        launch_wide<C, Delta, Pool, false>(p, paged, layer, items, stream);
       else if (g == 32)
         launch_group<C, Delta, Pool, 32, 1, true>(p, paged, layer, items, stream);
       else
