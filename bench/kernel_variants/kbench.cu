@@ -234,20 +234,22 @@ int main() {
       double const scales_written = r.flavor.scale_pool ? double(delta) / D * 2 * 4 : 0.0;
       double const row_bytes =
           double(delta) * 2 * (2 + pool_elem) + scales_written + double(layers) * T * R * 4;
-      float const us = time_graph(
-          st,
-          [&](int i) {
-            int j = i % sets;
-            if (r.paged)
-              launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[shared_rope ? 0 : j],
-                                  positions[j], owners, table, r.flavor),
-                     st);
-            else
-              launch(slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths,
-                                 r.flavor),
-                     st);
-          },
-          reps, false, 30, replays);
+      auto const enqueue = [&](int i) {
+        int j = i % sets;
+        if (r.paged)
+          launch(paged_params(layers, T, B, M, N, ks[j], vs[j], pool_mem, paged_rope[shared_rope ? 0 : j],
+                              positions[j], owners, table, r.flavor),
+                 st);
+        else
+          launch(
+              slot_params(layers, B, L, M, ks[j], vs[j], pool_mem, rope, cap, starts[j], lengths, r.flavor),
+              st);
+      };
+      // One launch outside the graph first: the launcher's one-time queries (the scale-pool
+      // kernel's resident blocks) happen before the capture.
+      enqueue(0);
+      CK(cudaStreamSynchronize(st));
+      float const us = time_graph(st, enqueue, reps, false, 30, replays);
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", r.name, B, L, layers, us,
                   row_bytes / us / 1e3, stamp().c_str());
     }
