@@ -140,7 +140,7 @@ stage_probe() {
 # kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
 # $VARIANT_DIR (e.g. built on a CPU machine with nvcc and carried) are not built again.
 stage_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows} name missing=() status=0
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5} name missing=() status=0
   for name in ${names//,/ }; do [ -x "$dir/kb_$name" ] || missing+=("$name"); done
   if [ ${#missing[@]} -gt 0 ]; then
     local IFS=,

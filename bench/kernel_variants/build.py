@@ -3,8 +3,8 @@
 The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
 (DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_PAGED_STREAMING_LOADS,
 DFLASH_STREAMING_LOADS_BYTES, DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_INDEX_BRANCH,
-DFLASH_BYTE_POOL_VEC, DFLASH_WIDE_BY_ROWS): a variant is the shipped code compiled with other
-values, never an edited copy of it. Used by make_variants.py and make_probe.py.
+DFLASH_BYTE_POOL_VEC, DFLASH_WIDE_BY_ROWS, DFLASH_GROUP_MIN_BLOCKS): a variant is the shipped code
+compiled with other values, never an edited copy of it. Used by make_variants.py and make_probe.py.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ KNOBS = (
     "DFLASH_PAGED_INDEX_BRANCH",
     "DFLASH_BYTE_POOL_VEC",
     "DFLASH_WIDE_BY_ROWS",
+    "DFLASH_GROUP_MIN_BLOCKS",
 )
 
 

@@ -33,6 +33,9 @@ NAMED = {
     "bytevec16": {"DFLASH_BYTE_POOL_VEC": 16},
     # Scale-pool calls of wide heads below a pass of the four-chunk kernel take two chunks a lane.
     "wide_by_rows": {"DFLASH_WIDE_BY_ROWS": 1},
+    # The scale-pool group kernel held to 96 registers (5 blocks per SM; the four-chunk one takes
+    # 128, 4 blocks, by default), with a few spills.
+    "group_min5": {"DFLASH_GROUP_MIN_BLOCKS": 5},
 }
 
 

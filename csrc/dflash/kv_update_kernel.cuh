@@ -38,6 +38,17 @@
 #define DFLASH_BYTE_POOL_VEC 8
 #endif
 static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_BYTE_POOL_VEC: 8 or 16");
+#ifndef DFLASH_GROUP_MIN_BLOCKS
+// Blocks per SM the scale-pool group kernel is compiled for (__launch_bounds__'s minimum): 0, the
+// compiler's choice (4 for the four-chunk kernel, at 128 registers); 5 holds it to 96 registers,
+// with 56 bytes of spills a thread for float16 deltas.
+#define DFLASH_GROUP_MIN_BLOCKS 0
+#endif
+#if DFLASH_GROUP_MIN_BLOCKS > 0
+#define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads, DFLASH_GROUP_MIN_BLOCKS)
+#else
+#define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads)
+#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane; 0: four at every size.
@@ -1337,9 +1348,9 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 // NORMS: whether the kernel carries the fused norms' code (false: a call with neither norm; the
 // norm weight's registers cost the plain calls occupancy).
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
-__global__ void __launch_bounds__(kGroupThreads)
-    dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged, ItemDivisors divisors, int64_t layer_base,
-                         int64_t items) {
+__global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged,
+                                                         ItemDivisors divisors, int64_t layer_base,
+                                                         int64_t items) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
