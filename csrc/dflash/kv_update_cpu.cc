@@ -145,10 +145,10 @@ template <typename F> __attribute__((target("avx2,f16c"))) inline __m128i fp8_co
   __m256i const a = _mm256_and_si256(u, splat(0x7fffffffu));  // >= 0: signed compares below are exact
   __m256i r = _mm256_add_epi32(a, splat((1u << (F::kShift - 1)) - 1u));
   r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(a, F::kShift), splat(1u)));
-  __m256i const exponent = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), splat(127u - F::kBias));
+  // (exponent - 127 + bias) << MANT | mantissa in one subtraction: r >> kShift is the exponent
+  // field above the rounded mantissa, and for a normal result that exponent is above 127 - bias.
   __m256i const normal =
-      _mm256_or_si256(_mm256_slli_epi32(exponent, F::kMant),
-                      _mm256_and_si256(_mm256_srli_epi32(r, F::kShift), splat(F::kMantMask)));
+      _mm256_sub_epi32(_mm256_srli_epi32(r, F::kShift), splat((127u - F::kBias) << F::kMant));
   __m256i const subnormal = _mm256_sub_epi32(
       _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), magic)), splat(F::kSubnormalMagicBits));
   __m256i code = _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(a, splat(F::kMinNormalBits - 1u)));
