@@ -1274,8 +1274,8 @@ inline constexpr int kGroupThreads = 128;
 inline constexpr int kGroupChunk = 8;
 // The wide kernel, for the heads of 72 to 128 channels (a norm tree of 16 leaves): CHUNKS chunks a
 // lane, 4 for 16-bit deltas, 2 for float32 ones (whose 4 would need more shared memory a block than
-// a static allocation has); calls of fewer rows than a pass of its resident blocks take 2
-// (launch_wide).
+// a static allocation has); with DFLASH_WIDE_BY_ROWS, calls of fewer rows than a pass of the
+// four-chunk kernel's resident blocks take 2 (launch_wide).
 template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Delta::Bits) == 4 ? 2 : 4;
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
@@ -1585,11 +1585,13 @@ template <Contract C, typename Delta, typename Pool, bool NORMS>
 void launch_wide(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
                  cudaStream_t stream) {
   constexpr int kChunks = kWideChunks<Delta>, kGroup = kWideGroup<Delta>;
-  if (kChunks == 2 ||
-      (DFLASH_WIDE_BY_ROWS && items < resident_rows<C, Delta, Pool, kGroup, kChunks, NORMS>()))
-    launch_group<C, Delta, Pool, 16 / 2, 2, NORMS>(p, paged, layer, items, stream);  // the same tree
-  else
-    launch_group<C, Delta, Pool, kGroup, kChunks, NORMS>(p, paged, layer, items, stream);
+  if constexpr (kChunks == 4 && DFLASH_WIDE_BY_ROWS) {
+    if (items < resident_rows<C, Delta, Pool, kGroup, kChunks, NORMS>()) {
+      launch_group<C, Delta, Pool, 16 / 2, 2, NORMS>(p, paged, layer, items, stream);  // the same tree
+      return;
+    }
+  }
+  launch_group<C, Delta, Pool, kGroup, kChunks, NORMS>(p, paged, layer, items, stream);
 }
 
 // The launch of a call with a scale pool; per-layer rings in launches of 64 layers (the ring bits
