@@ -4,6 +4,7 @@
 #   tools/gpu_session.sh                         # all stages: info build extras test parity flashinfer bench sanitize workload probe
 #   tools/gpu_session.sh build bench             # only these stages, in this order
 #   tools/gpu_session.sh variants                # kernel variants by kbench (not in the default run)
+#   tools/gpu_session.sh build extras quantized  # the quantized pools' tests and benchmark rows alone
 #
 # Every stage runs even when an earlier one failed (a failed build makes the later ones fail
 # too, loudly); each stage's output is tee'd to $OUT/<stage>.log, and a summary of exit codes
@@ -13,8 +14,8 @@
 # BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"),
 # <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=240,
 # BENCH_TIMEOUT=540, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240, WORKLOAD_TIMEOUT=300,
-# VARIANTS_TIMEOUT=420). A whole benchmark run (every contender, 12 shapes) takes more than 330 s:
-# give it a device call of its own.
+# VARIANTS_TIMEOUT=420, QUANTIZED_TIMEOUT=300). A whole benchmark run (every contender, 12
+# shapes) takes more than 330 s: give it a device call of its own.
 # The bench stage writes kv_update_gpu.{json,png} into $OUT/bench_results (never into the
 # repository) and its printed tables and targets into $OUT/bench.log.
 # Carry to the GPU machine: .whl/ (the FlashInfer sdist, and the nvidia-cuda-sanitizer-api wheel
@@ -136,6 +137,21 @@ stage_probe() {
     echo "== positions L2-resident (2 sets), K/V rotated" && /tmp/probe/decode_probe 2 0
 }
 
+# The quantized pools alone: their GPU tests (int8, scale pools, int4, the quotient boundaries),
+# then their benchmark rows beside the fp16 pool's and the copy floors (the scale-pool table of
+# BENCHMARKS.md), into $OUT/bench_results_quantized.
+stage_quantized() {
+  local workers=() status=0
+  if "$PY" -c 'import xdist' 2>/dev/null; then workers=(-n "${TEST_WORKERS:-8}"); fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" \
+    tests/test_int8_pool.py tests/test_dynamic_scales.py tests/test_int4_pool.py tests/test_quotient_boundaries.py ||
+    status=1
+  "$PY" bench/bench_kv_update.py --backend gpu --repeats 5 --contenders ours_jax,copy \
+    --shapes decode_b64,prefill_b8_l2048,decode_b64_int8,prefill_b8_l2048_int8,decode_b64_int8_dynamic,prefill_b8_l2048_int8_dynamic,decode_b64_fp8,prefill_b8_l2048_fp8,decode_b64_fp8_dynamic,prefill_b8_l2048_fp8_dynamic,decode_b64_int4,prefill_b8_l2048_int4 \
+    --out "$OUT/bench_results_quantized" || status=1
+  return $status
+}
+
 # Kernel variants (bench/kernel_variants/make_variants.py's NAMED, or VARIANTS="a,b"), each timed by
 # kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
 # $VARIANT_DIR (e.g. built on a CPU machine with nvcc and carried) are not built again.
@@ -199,7 +215,7 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300 [variants]=420)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300 [variants]=420 [quantized]=300)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
@@ -226,8 +242,8 @@ stages=("$@")
 if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test parity flashinfer bench sanitize workload probe); fi
 for s in "${stages[@]}"; do
   case "$s" in
-    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe|variants) run_stage "$s" ;;
-    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload, probe or variants"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe|variants|quantized) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload, probe, variants or quantized"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
   esac
 done
 
