@@ -196,17 +196,6 @@ template <typename F> __attribute__((target("avx2,f16c"))) int64_t narrow_fp8_av
   return j;
 }
 
-// out[0, n) <- the int8 codes of y / scale; returns the elements done (whole 8s).
-__attribute__((target("avx2,f16c"))) int64_t narrow_int8_avx2(float const* y, uint8_t* out, int64_t n,
-                                                              float scale) {
-  __m256 const s = _mm256_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j),
-                     int8_bytes8(integer_codes8(_mm256_div_ps(_mm256_loadu_ps(y + j), s), 127.0f)));
-  return j;
-}
-
 // A row's RowMax over its first whole 8s (returned: the elements covered), 8 lanes at a time: the
 // maximum magnitude (exact in any order) and whether every element is finite.
 __attribute__((target("avx2,f16c"))) int64_t row_max_avx2(float const* y, int64_t n, RowMax* r) {
@@ -226,10 +215,10 @@ __attribute__((target("avx2,f16c"))) int64_t row_max_avx2(float const* y, int64_
   return j;
 }
 
-// out <- the codes (format FORMAT, a scale-pool format) of y_j / s of a row with a nonzero scale s
-// (NaN: the row is non-finite); returns the elements done (whole 8s).
+// out <- the codes in FORMAT (int8, or a scale-pool format) of y_j / s: an int8 pool's static
+// scale, or a row's dynamic one; returns the elements done (whole 8s).
 template <DType FORMAT>
-__attribute__((target("avx2,f16c"))) int64_t dynamic_codes_avx2(float const* y, uint8_t* out, int64_t n,
+__attribute__((target("avx2,f16c"))) int64_t divided_codes_avx2(float const* y, uint8_t* out, int64_t n,
                                                                 float scale) {
   __m256 const s = _mm256_set1_ps(scale);
   int64_t j = 0;
@@ -249,13 +238,13 @@ __attribute__((target("avx2,f16c"))) int64_t dynamic_codes_avx2(float const* y, 
   }
   return j;
 }
-__attribute__((target("avx2,f16c"))) int64_t dynamic_codes_avx2(DType dtype, float const* y, uint8_t* out,
+__attribute__((target("avx2,f16c"))) int64_t divided_codes_avx2(DType dtype, float const* y, uint8_t* out,
                                                                 int64_t n, float scale) {
   switch (dtype) {
-    case DType::kFloat8E4M3: return dynamic_codes_avx2<DType::kFloat8E4M3>(y, out, n, scale);
-    case DType::kFloat8E5M2: return dynamic_codes_avx2<DType::kFloat8E5M2>(y, out, n, scale);
-    case DType::kInt8: return dynamic_codes_avx2<DType::kInt8>(y, out, n, scale);
-    case DType::kUInt8: return dynamic_codes_avx2<DType::kUInt8>(y, out, n, scale);
+    case DType::kFloat8E4M3: return divided_codes_avx2<DType::kFloat8E4M3>(y, out, n, scale);
+    case DType::kFloat8E5M2: return divided_codes_avx2<DType::kFloat8E5M2>(y, out, n, scale);
+    case DType::kInt8: return divided_codes_avx2<DType::kInt8>(y, out, n, scale);
+    case DType::kUInt8: return divided_codes_avx2<DType::kUInt8>(y, out, n, scale);
     default: return 0;
   }
 }
@@ -392,7 +381,8 @@ void narrow_row(DType dtype, float const* y, void* dst, int64_t begin, int64_t e
       uint8_t* const out = static_cast<uint8_t*>(dst);
       int64_t j = begin;
 #if DFLASH_X86
-      if (vector_rows()) j += narrow_int8_avx2(y + begin, out + begin, end - begin, inv_scale);
+      if (vector_rows())
+        j += divided_codes_avx2<DType::kInt8>(y + begin, out + begin, end - begin, inv_scale);
 #endif
       for (; j < end; ++j) out[j] = float_to_int8_bits(div_rn(y[j], inv_scale));
       return;
@@ -415,7 +405,7 @@ void store_dynamic(DType dtype, float const* y, void* dst, int64_t n, float* sca
   uint8_t* const out = static_cast<uint8_t*>(dst);
   int64_t j = 0;
 #if DFLASH_X86
-  if (vector_rows() && s != 0.0f) j = dynamic_codes_avx2(dtype, y, out, n, s);  // s == 0: the zeros below
+  if (vector_rows() && s != 0.0f) j = divided_codes_avx2(dtype, y, out, n, s);  // s == 0: the zeros below
 #endif
   switch (dtype) {
     case DType::kFloat8E4M3:
