@@ -11,7 +11,8 @@
 # and durations ends the run (also in $OUT/summary.txt). Exit status: 0 when every stage passed.
 #
 # Environment: OUT (where logs and results go; default /tmp/gpu_session_out), PYTHON (python3),
-# BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"),
+# BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"), CUDA_KNOBS
+# (the build's CUDA kernel knobs, e.g. "-DDFLASH_WIDE_BY_ROWS=1 -DDFLASH_BRACKETED_CODES=1"),
 # <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=240,
 # BENCH_TIMEOUT=540, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240, WORKLOAD_TIMEOUT=300,
 # VARIANTS_TIMEOUT=420, QUANTIZED_TIMEOUT=300). A whole benchmark run (every contender, 12
@@ -48,7 +49,12 @@ stage_info() {
 }
 
 stage_build() {
-  "$PY" -m pip install --no-build-isolation --no-deps -e . &&
+  local knobs=()
+  if [ -n "${CUDA_KNOBS:-}" ]; then
+    echo "CUDA kernel knobs: $CUDA_KNOBS"
+    knobs=(-C "cmake.define.CMAKE_CUDA_FLAGS=$CUDA_KNOBS")
+  fi
+  "$PY" -m pip install --no-build-isolation --no-deps -e . "${knobs[@]}" &&
     "$PY" -c 'import jax_dflash._dflash_cuda as m; print("CUDA extension:", m.__file__)'
 }
 
@@ -156,7 +162,7 @@ stage_quantized() {
 # kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
 # $VARIANT_DIR (e.g. built on a CPU machine with nvcc and carried) are not built again.
 stage_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5} name missing=() status=0
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5} name missing=() status=0
   for name in ${names//,/ }; do [ -x "$dir/kb_$name" ] || missing+=("$name"); done
   if [ ${#missing[@]} -gt 0 ]; then
     local IFS=,

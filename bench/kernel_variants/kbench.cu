@@ -1,16 +1,16 @@
 // Times one build of the shipped kernel (make_variants.py compiles csrc/dflash with its tuning
 // macros set by -D, then links this harness): both contracts at H=8 D=128 R=128 P=128, in fp16,
-// with the fused k-norm, in bf16, into an e4m3 pool, into an int8 pool (per-head and per-token-head
-// scales) and into an int4 pool; the benchmark's shapes, 20 launches per CUDA graph rotating among input sets
-// (8, or 2 where 8 would exceed 200 MB), median of 30 replays. One line per row and shape. KB_TABLE=identity
-// gives each sequence its pages in order, KB_TABLE=grouped a random permutation of runs of 8 pages (2 MB of a
-// float16 plane) with the pages of a run in order (default: a random permutation of the pool's pages, as in
-// the main benchmark). KB_SETS=n rotates among n input sets at every shape. KB_ROPE=shared gives every input
-// set of the paged rows the same token-aligned rope rows (as in L2 right after the gather that writes them),
-// instead of rotating them with the deltas. KB_SHAPES and KB_REPLAYS (see main) select shapes and lengthen
-// the samples; KB_STAMP prints the time each row ended. The copy rows (one layer) are floors of the paged
-// rows' memory traffic, without RoPE or checks: the K and V deltas copied, 16 bytes per thread, into the pool
-// rows the page table gives them
+// with the fused k-norm, in bf16, into an e4m3 pool (per-head and per-token-head scales), into an int8
+// pool (both) and into an int4 pool; the benchmark's shapes, 20 launches per CUDA graph rotating among input
+// sets (8, or 2 where 8 would exceed 200 MB), median of 30 replays. One line per row and shape.
+// KB_TABLE=identity gives each sequence its pages in order, KB_TABLE=grouped a random permutation of runs of
+// 8 pages (2 MB of a float16 plane) with the pages of a run in order (default: a random permutation of the
+// pool's pages, as in the main benchmark). KB_SETS=n rotates among n input sets at every shape.
+// KB_ROPE=shared gives every input set of the paged rows the same token-aligned rope rows (as in L2 right
+// after the gather that writes them), instead of rotating them with the deltas. KB_SHAPES and KB_REPLAYS (see
+// main) select shapes and lengthen the samples; KB_STAMP prints the time each row ended. The copy rows (one
+// layer) are floors of the paged rows' memory traffic, without RoPE or checks: the K and V deltas copied, 16
+// bytes per thread, into the pool rows the page table gives them
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
 // into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
 // or at once ("copy flat"). The chunk rows move the same traffic (+rope) with each block looping
@@ -195,6 +195,7 @@ int main(int, char** argv) {
     Flavor const e4m3{DType::kFloat16, DType::kFloat8E4M3, scales};
     Flavor const int8{DType::kFloat16, DType::kInt8, scales};
     Flavor const int8_dynamic{DType::kFloat16, DType::kInt8, nullptr, nullptr, scale_pool};
+    Flavor const e4m3_dynamic{DType::kFloat16, DType::kFloat8E4M3, nullptr, nullptr, scale_pool};
     Flavor const int4{DType::kFloat16, DType::kUInt8, nullptr, nullptr, scale_pool};
     Row const rows[] = {
         {"slot ", false, {}},
@@ -212,6 +213,7 @@ int main(int, char** argv) {
         {"paged int8", true, int8},
         {"slot  int8 dynamic", false, int8_dynamic},
         {"paged int8 dynamic", true, int8_dynamic},
+        {"slot  e4m3 dynamic", false, e4m3_dynamic},
         {"slot  int4", false, int4},
     };
     char const* rope_kind = std::getenv("KB_ROPE");

@@ -36,6 +36,25 @@ NAMED = {
     # The scale-pool group kernel held to 96 registers (5 blocks per SM; the four-chunk one takes
     # 128, 4 blocks, by default), with a few spills.
     "group_min5": {"DFLASH_GROUP_MIN_BLOCKS": 5},
+    # Divided stores proved by two products that bracket the quotient (int8 static and every scale
+    # pool): two FMAs and a comparison a code instead of a product, three adds and a comparison.
+    "bracketed": {"DFLASH_BRACKETED_CODES": 1},
+    # The scale-pool group kernel takes its rows' offsets from their indices, not their coordinates.
+    "lean_offsets": {"DFLASH_LEAN_OFFSETS": 1},
+    # The candidates not yet measured, together; and held to 5 blocks per SM (96 registers).
+    "candidates": {
+        "DFLASH_BRACKETED_CODES": 1,
+        "DFLASH_LEAN_OFFSETS": 1,
+        "DFLASH_WIDE_BY_ROWS": 1,
+        "DFLASH_BYTE_POOL_VEC": 16,
+    },
+    "candidates_min5": {
+        "DFLASH_BRACKETED_CODES": 1,
+        "DFLASH_LEAN_OFFSETS": 1,
+        "DFLASH_WIDE_BY_ROWS": 1,
+        "DFLASH_BYTE_POOL_VEC": 16,
+        "DFLASH_GROUP_MIN_BLOCKS": 5,
+    },
 }
 
 

@@ -49,6 +49,13 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #else
 #define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads)
 #endif
+#ifndef DFLASH_LEAN_OFFSETS
+// 1: the scale-pool group kernel takes a row's offsets from indices: its deltas' from its item
+// index (the deltas' head rows in launch order) instead of from its coordinates (three divisions
+// a row), its pool row's from its scale's index (one head row a scale); 0: from the coordinates
+// and the layout's strides.
+#define DFLASH_LEAN_OFFSETS 0
+#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane; 0: four at every size.
@@ -450,17 +457,23 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
                                               CodeWords<Pool, N>& out) {
   bool divide = false;
   if constexpr (kIsFp8<Pool>) {
-    // lo and hi bracket q: |p - q| < |p| 2^-21 and each bound rounds by at most 2^-24, so
-    // p (1 - 2^-19) <= q <= p (1 + 2^-19) as magnitudes (a subnormal p is within 2^-140 of q, and
-    // both convert to a zero of the product's sign). The conversion is monotonic: where lo's and
-    // hi's codes agree, q's is the same. One packed conversion gives both (lo in the low byte).
+    // lo and hi bracket q: with the product's distance, |p - q| < |p| 2^-21 and each bound rounds
+    // by at most 2^-24, so p (1 - 2^-19) <= q <= p (1 + 2^-19) as magnitudes (a subnormal p is
+    // within 2^-140 of q, and both convert to a zero of the product's sign); with the bracket,
+    // fp8_bracket. The conversion is monotonic: where lo's and hi's codes agree, q's is the same.
+    // One packed conversion gives both (lo in the low byte).
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
       uint32_t pairs[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        float const p = mul_rn(y[i + k], d.reciprocal);
-        float const lo = mul_rn(p, 1.0f - 0x1p-19f), hi = mul_rn(p, 1.0f + 0x1p-19f);
+        float lo, hi;
+        if constexpr (DFLASH_BRACKETED_CODES) {
+          fp8_bracket(y[i + k], d, lo, hi);
+        } else {
+          float const p = mul_rn(y[i + k], d.reciprocal);
+          lo = mul_rn(p, 1.0f - 0x1p-19f), hi = mul_rn(p, 1.0f + 0x1p-19f);
+        }
         pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
       }
       uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
@@ -1381,23 +1394,40 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
                   : dynamic_coordinates<C, false>(p, divisors, layer_base, item);
   };
   DBits const* const deltas[2] = {static_cast<DBits const*>(p.k_delta), static_cast<DBits const*>(p.v_delta)};
+  // The launch's first head row in the deltas: [layers, tokens of a layer, H, D], items in order.
+  int64_t const first_row = layer_base * tokens_per_layer(p) * p.num_kv_heads;
   // The lane's chunks of the group at `base` into stage `slot`, as one group of copies (zeros for
   // rows past the last and channels past D). The group's coordinates are computed again when it
   // is stored: held instead, they would take registers for kGroupStages - 1 more groups, and the
-  // kernel's occupancy is bound by its registers.
+  // kernel's occupancy is bound by its registers. (With DFLASH_LEAN_OFFSETS the copies need none.)
   auto stage_group = [&](int64_t base, int slot) {
     int64_t const item = base + lane / G;
     bool const live = item < items;
-    int64_t const src = live ? coordinates(item).src : 0;
+    if constexpr (DFLASH_LEAN_OFFSETS) {
+      // The deltas' head rows are the items, in order. The lane's other chunks lie at fixed
+      // distances from its first; a copy that does not read (a row past the last, channels past
+      // D) reads nothing at its address.
+      int64_t const src = (first_row + (live ? item : 0)) * p.head_dim + channel[0];
 #pragma unroll
-    for (int plane = 0; plane < 2; ++plane)
+      for (int plane = 0; plane < 2; ++plane)
 #pragma unroll
-      for (int k = 0; k < CHUNKS; ++k)
+        for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
-                        deltas[plane] + (live && has[k] ? src + channel[k] + w * kWordElems : 0),
-                        live && has[k]);
+          for (int w = 0; w < kWords; ++w)
+            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
+                          deltas[plane] + src + k * G * kGroupChunk + w * kWordElems, live && has[k]);
+    } else {
+      int64_t const src = live ? coordinates(item).src : 0;
+#pragma unroll
+      for (int plane = 0; plane < 2; ++plane)
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+          for (int w = 0; w < kWords; ++w)
+            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
+                          deltas[plane] + (live && has[k] ? src + channel[k] + w * kWordElems : 0),
+                          live && has[k]);
+    }
     commit_copies();
   };
   int const half = int(p.rotary_dim / 2);
@@ -1504,14 +1534,28 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
-      int64_t const dst = dynamic_dst(p, it, row, h);
-      if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
-      Divisor const divisor = divisor_of(scale);
+      if constexpr (DFLASH_LEAN_OFFSETS) {
+        // The pool's head rows are the scale pool's entries; the lane's chunks at fixed distances.
+        int64_t const entry = scale_pool_index(p, it.layer, row, h);
+        if (chunk == 0) p.scale_pool[entry] = scale;
+        Divisor const divisor = divisor_of(scale);
+        auto* const out = pool + (entry * p.head_dim + channel[0]) / kPerByte<Pool>;
 #pragma unroll
-      for (int k = 0; k < CHUNKS; ++k) {
-        if (!has[k]) continue;
-        store_pack(pool + (dst + channel[k]) / kPerByte<Pool>,
-                   quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
+        for (int k = 0; k < CHUNKS; ++k) {
+          if (!has[k]) continue;
+          store_pack(out + k * G * kGroupChunk / kPerByte<Pool>,
+                     quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
+        }
+      } else {
+        int64_t const dst = dynamic_dst(p, it, row, h);
+        if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
+        Divisor const divisor = divisor_of(scale);
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) {
+          if (!has[k]) continue;
+          store_pack(pool + (dst + channel[k]) / kPerByte<Pool>,
+                     quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
+        }
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;

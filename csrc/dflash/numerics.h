@@ -92,6 +92,14 @@ DFLASH_HOST_DEVICE float sqrt_rn(float a) {
   return std::sqrt(a);
 #endif
 }
+// a * b + c with one rounding: only where a proof needs the exact product (bracketed codes).
+DFLASH_HOST_DEVICE float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
 
 // ---- RoPE ---------------------------------------------------------------------------------------
 
@@ -347,52 +355,112 @@ DFLASH_HOST_DEVICE float dynamic_quotient(float y, float s) {
   return div_rn(y, s);  // s NaN: NaN
 }
 
-#if defined(__CUDACC__)
 // ---- divided stores without their division (the CUDA kernels) ----------------------------------------
 // int8 stores and every scale-pool store round q = RN(y / s), a float32 division, to the format's
 // grid (SPEC.md). A correctly rounded division costs a dozen instructions per element, the
 // conversion to an integer a quarter-rate one; at the pools' bandwidth that is most of the
-// kernel's issue slots. So the stores take the product p = RN(y * r), r an approximate
-// reciprocal of s, and prove, element by element, that the grid rounds p and q alike; where the
-// proof fails they divide. The proof: r = rcp.approx(s) is within 1 ulp (2^-23 relatively) of
-// 1 / s wherever it is normal and finite, and p and q each round once by at most 2^-24, so
-// |p - q| < |p| * 2^-21 (where p or q is subnormal, the distance is below 2^-140, far from every
-// boundary below). The stored bits are the division's: tests/test_int8_pool.py and
-// tests/test_quotient_boundaries.py put quotients on and beside every boundary of each format;
-// tools/rcp_bound_check.cu checks the reciprocal's bound over every float32 s.
+// kernel's issue slots. So the stores take products with r, an approximate reciprocal of s, and
+// prove, element by element, that the grid rounds them and q alike; where the proof fails they
+// divide. r = rcp.approx(s) is within 2^-23 of 1 / s relatively wherever it is normal and finite
+// (tools/rcp_bound_check.cu checks that over every float32 s), and q rounds y / s by at most
+// 2^-24, so q is within y r (1 +- 0.75 * 2^-22) wherever it is normal. Two proofs:
+// - the product's distance (DFLASH_BRACKETED_CODES=0): p = RN(y r) is within |p| 2^-21 of q, so
+//   p rounds as q unless it lies that close to a boundary;
+// - the bracket (DFLASH_BRACKETED_CODES=1): below = RN(r (1 - 2^-21)) and above = RN(r (1 + 2^-21))
+//   are beyond r (1 -+ 2^-22), so y below and y above (exact, inside an FMA; or each rounded once
+//   more by 2^-24 for FP8) bracket q. Rounding to the grid is monotonic, so where both ends round
+//   to the same code, so does q: two products and one comparison a code. A subnormal q is within
+//   2^-150 of the bracket, far from every boundary of these grids, and takes the ends' code.
+// The stored bits are the division's: tests/test_int8_pool.py and tests/test_quotient_boundaries.py
+// put quotients on and beside every boundary of each format, and tests/test_bracketed_codes.py
+// checks the bracket's own code (host-compiled) against the division for every reciprocal the bound
+// admits.
+#ifndef DFLASH_BRACKETED_CODES
+#define DFLASH_BRACKETED_CODES 0  // not compiled in unless set: not yet measured on the H200
+#endif
 struct Divisor {
   float scale = 1.0f;
-  float reciprocal = 1.0f;  // within 1 ulp of 1 / scale where by_product
-  bool by_product = false;  // the reciprocal is normal and finite: the proof above holds
+  float reciprocal = 1.0f;  // within 2^-23 of 1 / scale (relatively) where by_product
+  float below = 1.0f;       // the bracket's ends: RN(reciprocal (1 - 2^-21)), RN(reciprocal (1 + 2^-21))
+  float above = 1.0f;
+  bool by_product = false;  // the bound above holds: the proofs hold
 };
+// A Divisor's proofs from its reciprocal: whether they hold (by_product), and the bracket's ends.
+DFLASH_HOST_DEVICE void prove_reciprocal(Divisor& d) {
+  // A subnormal s reads as zero (reciprocal infinite), one past 2^126 gives a zero reciprocal:
+  // both are refused. The bracket's ends must be normal and finite too (every r of a normal s
+  // below 2^125 has them).
+  uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
+  d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
+#if DFLASH_BRACKETED_CODES
+  d.below = mul_rn(d.reciprocal, 1.0f - 0x1p-21f);
+  d.above = mul_rn(d.reciprocal, 1.0f + 0x1p-21f);
+  d.by_product = d.by_product && (bits_of(d.below) & 0x7fffffffu) >= 0x00800000u &&
+                 (bits_of(d.above) & 0x7fffffffu) < 0x7f800000u;
+#endif
+}
+// The Divisor of s with reciprocal r (tools/bracket_check.cc: every r the hardware may give).
+DFLASH_HOST_DEVICE Divisor divisor_with(float s, float r) {
+  Divisor d;
+  d.scale = s;
+  d.reciprocal = r;
+  prove_reciprocal(d);
+  return d;
+}
+#if defined(__CUDACC__)
+// The Divisor of s with the hardware's reciprocal.
 __device__ __forceinline__ Divisor divisor_of(float s) {
   Divisor d;
   d.scale = s;
-  // A subnormal s reads as zero (reciprocal infinite), one past 2^126 gives a zero reciprocal:
-  // both are refused below.
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(d.reciprocal) : "f"(s));
-  uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
-  d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
+  prove_reciprocal(d);
   return d;
 }
+#endif
 
+// Adding 1.5 * 2^23 to a float below 2^22 in magnitude rounds it to an integer, half to even (the
+// sum's ulp is 1); its low bits are then the integer's two's-complement code.
+inline constexpr float kIntegerMagic = 0x1.8p23f;
+
+// The code of an integer format of levels [-QMAX, QMAX] (QMAX <= 127) for y / s by the bracket:
+// each end rounded to an integer by the magic add, inside its FMA. `divide` is set where the ends
+// round apart (or are NaN). Clamped after the rounding (monotonic as well; an end at or past 2^22
+// still rounds to a value past QMAX). BOUNDED: y is an element of the row whose own maximum
+// magnitude a gave s = RN(a / QMAX) (a dynamic scale), so |q| <= QMAX (1 + 2^-23) < QMAX + 1/2 and
+// the code needs no clamp.
+template <int QMAX, bool BOUNDED = false>
+DFLASH_HOST_DEVICE uint32_t bracketed_integer_code(float y, Divisor const& d, bool& divide) {
+  float const low = fma_rn(y, d.below, kIntegerMagic);
+  float const high = fma_rn(y, d.above, kIntegerMagic);
+  divide |= !(low == high);
+  float code = low;
+  if constexpr (!BOUNDED) code = fminf(fmaxf(low, kIntegerMagic - float(QMAX)), kIntegerMagic + float(QMAX));
+  return bits_of(code);
+}
+// The ends of an FP8 code's bracket: y below and y above, each rounded.
+DFLASH_HOST_DEVICE void fp8_bracket(float y, Divisor const& d, float& low, float& high) {
+  low = mul_rn(y, d.below);
+  high = mul_rn(y, d.above);
+}
+
+#if defined(__CUDACC__)
 // The code of an integer format of levels [-QMAX, QMAX] (QMAX <= 127) for y / s, from the product:
-// clamped, then rounded half to even by the float add of 1.5 * 2^23, whose low bits are then the
+// clamped, then rounded half to even by the magic add, whose low bits are then the
 // two's-complement code. `divide` is set where the product may round otherwise than the
 // quotient: within 2^-13 of some k + 1/2 with |k| < QMAX (for |p| < 128, |p - q| < 2^-14; past
-// QMAX both saturate), or a NaN product. BOUNDED: y is an element of the row whose own maximum
-// magnitude a gave s = RN(a / QMAX) (a dynamic scale), so |p| <= QMAX (1 + 2^-21) < QMAX + 1/2:
-// the product rounds to at most QMAX without the clamp, and the quotient clamps to the same code.
+// QMAX both saturate), or a NaN product. BOUNDED: as for bracketed_integer_code, |p| <= QMAX
+// (1 + 2^-21) < QMAX + 1/2: the product rounds to at most QMAX without the clamp.
 template <int QMAX, bool BOUNDED = false>
 __device__ __forceinline__ uint32_t integer_code(float y, Divisor const& d, bool& divide) {
+  if constexpr (DFLASH_BRACKETED_CODES) return bracketed_integer_code<QMAX, BOUNDED>(y, d, divide);
   float const p = mul_rn(y, d.reciprocal);
   float clamped = p;  // a NaN product stays NaN (max.NaN / min.NaN), so that it divides
   if constexpr (!BOUNDED) {
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(clamped) : "f"(p), "f"(-float(QMAX)));
     asm("min.NaN.f32 %0, %0, %1;" : "+f"(clamped) : "f"(float(QMAX)));
   }
-  float const shifted = add_rn(clamped, 0x1.8p23f);
-  float const from_integer = fabsf(add_rn(clamped, -add_rn(shifted, -0x1.8p23f)));
+  float const shifted = add_rn(clamped, kIntegerMagic);
+  float const from_integer = fabsf(add_rn(clamped, -add_rn(shifted, -kIntegerMagic)));
   divide |= !(from_integer < 0.5f - 0x1p-13f);  // bitwise: no branch per element
   return bits_of(shifted);
 }
