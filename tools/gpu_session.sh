@@ -5,6 +5,7 @@
 #   tools/gpu_session.sh build bench             # only these stages, in this order
 #   tools/gpu_session.sh variants                # kernel variants by kbench (not in the default run)
 #   tools/gpu_session.sh build extras quantized  # the quantized pools' tests and benchmark rows alone
+#   tools/gpu_session.sh pack_variants           # on a CPU machine: build the variants to carry
 #
 # Every stage runs even when an earlier one failed (a failed build makes the later ones fail
 # too, loudly); each stage's output is tee'd to $OUT/<stage>.log, and a summary of exit codes
@@ -158,11 +159,25 @@ stage_quantized() {
   return $status
 }
 
+# The sources the kernel-variant binaries are built from, as one digest.
+variant_sources_digest() {
+  find csrc bench/kernel_variants -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.cc' \) |
+    LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1
+}
+
 # Kernel variants (bench/kernel_variants/make_variants.py's NAMED, or VARIANTS="a,b"), each timed by
 # kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
-# $VARIANT_DIR (e.g. built on a CPU machine with nvcc and carried) are not built again.
+# $VARIANT_DIR are not built again; nor are those built on a CPU machine with nvcc and carried as
+# .whl/kv_variants.tar.xz (`tools/gpu_session.sh pack_variants` there), when built from these sources.
 stage_variants() {
   local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5} name missing=() status=0
+  if [ -f .whl/kv_variants.tar.xz ] && [ ! -d "$dir" ]; then
+    mkdir -p "$dir" && tar -xJf .whl/kv_variants.tar.xz -C "$dir"
+    if [ "$(cat "$dir/SOURCES.sha256" 2>/dev/null)" != "$(variant_sources_digest)" ]; then
+      echo "carried variants were built from other sources: building them again"
+      rm -f "$dir"/kb_*
+    fi
+  fi
   for name in ${names//,/ }; do [ -x "$dir/kb_$name" ] || missing+=("$name"); done
   if [ ${#missing[@]} -gt 0 ]; then
     local IFS=,
@@ -173,6 +188,18 @@ stage_variants() {
     KB_SHAPES=${KB_SHAPES:-64x16,8x2048} "$dir/kb_$name" || status=1
   done
   return $status
+}
+
+# On a CPU machine with nvcc: builds the variants (VARIANTS, as above) into $VARIANT_DIR and packs
+# them, with the digest of their sources, into .whl/kv_variants.tar.xz for the variants stage.
+stage_pack_variants() {
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5}
+  "$PY" bench/kernel_variants/make_variants.py "$dir" --only "$names" || return 1
+  variant_sources_digest > "$dir/SOURCES.sha256"
+  local binaries=() name
+  for name in ${names//,/ }; do binaries+=("kb_$name"); done
+  mkdir -p .whl && tar -C "$dir" -cf - SOURCES.sha256 "${binaries[@]}" | xz -T0 -9 > .whl/kv_variants.tar.xz &&
+    ls -l .whl/kv_variants.tar.xz
 }
 
 stage_bench() {
@@ -221,13 +248,13 @@ declare -a ORDER
 run_stage() {
   local name=$1 limit_var start status
   limit_var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_TIMEOUT"
-  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300 [variants]=420 [quantized]=300)
+  local -A defaults=([info]=60 [build]=300 [extras]=60 [test]=240 [parity]=90 [flashinfer]=240 [bench]=540 [sanitize]=240 [probe]=240 [workload]=300 [variants]=420 [quantized]=300 [pack_variants]=3600)
   local limit=${!limit_var:-${defaults[$name]}}
   echo "=================== $name (limit ${limit} s) ==================="
   start=$(date +%s)
   # A subshell per stage, so that `timeout` can run it; exports it makes (PYTHONPATH) are
   # repeated at the top of this script for later stages.
-  export -f "stage_$name" find_sanitizer flashinfer_warm_up
+  export -f "stage_$name" find_sanitizer flashinfer_warm_up variant_sources_digest
   export PY FI_SDIST FI_DIR
   timeout --kill-after=10 "$limit" bash -c "set -o pipefail; stage_$name" 2>&1 | tee "$OUT/$name.log"
   status=$?
@@ -248,8 +275,8 @@ stages=("$@")
 if [ ${#stages[@]} -eq 0 ]; then stages=(info build extras test parity flashinfer bench sanitize workload probe); fi
 for s in "${stages[@]}"; do
   case "$s" in
-    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe|variants|quantized) run_stage "$s" ;;
-    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload, probe, variants or quantized"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
+    info|build|extras|test|parity|flashinfer|bench|sanitize|workload|probe|variants|quantized|pack_variants) run_stage "$s" ;;
+    *) echo "unknown stage '$s': expected info, build, extras, test, parity, flashinfer, bench, sanitize, workload, probe, variants, quantized or pack_variants"; RC[$s]=2; ORDER+=("$s"); SECONDS_TAKEN[$s]=0 ;;
   esac
 done
 

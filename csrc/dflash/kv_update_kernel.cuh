@@ -1404,10 +1404,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     int64_t const item = base + lane / G;
     bool const live = item < items;
     if constexpr (DFLASH_LEAN_OFFSETS) {
-      // The deltas' head rows are the items, in order. The lane's other chunks lie at fixed
-      // distances from its first; a copy that does not read (a row past the last, channels past
-      // D) reads nothing at its address.
-      int64_t const src = (first_row + (live ? item : 0)) * p.head_dim + channel[0];
+      // The deltas' head rows are the items, in order. A copy that does not read (a row past the
+      // last, channels past D) still gets an address inside the deltas: its row's start.
+      int64_t const src = (first_row + (live ? item : 0)) * p.head_dim;
 #pragma unroll
       for (int plane = 0; plane < 2; ++plane)
 #pragma unroll
@@ -1415,7 +1414,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
           for (int w = 0; w < kWords; ++w)
             copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
-                          deltas[plane] + src + k * G * kGroupChunk + w * kWordElems, live && has[k]);
+                          deltas[plane] + src + (has[k] ? channel[k] + w * kWordElems : 0), live && has[k]);
     } else {
       int64_t const src = live ? coordinates(item).src : 0;
 #pragma unroll
