@@ -1403,30 +1403,26 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   auto stage_group = [&](int64_t base, int slot) {
     int64_t const item = base + lane / G;
     bool const live = item < items;
-    if constexpr (DFLASH_LEAN_OFFSETS) {
-      // The deltas' head rows are the items, in order. A copy that does not read (a row past the
-      // last, channels past D) still gets an address inside the deltas: its row's start.
-      int64_t const src = (first_row + (live ? item : 0)) * p.head_dim;
+    // With DFLASH_LEAN_OFFSETS the deltas' head rows are the items, in order; a copy that does not
+    // read (a row past the last, channels past D) still gets an address inside the deltas (its
+    // row's start).
+    int64_t src = 0;
+    if constexpr (DFLASH_LEAN_OFFSETS)
+      src = (first_row + (live ? item : 0)) * p.head_dim;
+    else
+      src = live ? coordinates(item).src : 0;
 #pragma unroll
-      for (int plane = 0; plane < 2; ++plane)
+    for (int plane = 0; plane < 2; ++plane)
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k)
+      for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-          for (int w = 0; w < kWords; ++w)
-            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
-                          deltas[plane] + src + (has[k] ? channel[k] + w * kWordElems : 0), live && has[k]);
-    } else {
-      int64_t const src = live ? coordinates(item).src : 0;
-#pragma unroll
-      for (int plane = 0; plane < 2; ++plane)
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k)
-#pragma unroll
-          for (int w = 0; w < kWords; ++w)
-            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
-                          deltas[plane] + (live && has[k] ? src + channel[k] + w * kWordElems : 0),
-                          live && has[k]);
-    }
+        for (int w = 0; w < kWords; ++w) {
+          int64_t const offset = DFLASH_LEAN_OFFSETS
+                                     ? src + (has[k] ? channel[k] + w * kWordElems : 0)
+                                     : (live && has[k] ? src + channel[k] + w * kWordElems : 0);
+          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], deltas[plane] + offset,
+                        live && has[k]);
+        }
     commit_copies();
   };
   int const half = int(p.rotary_dim / 2);
