@@ -87,9 +87,10 @@ std::vector<float> admissible_reciprocals(float s) {
   std::vector<float> out;
   float const nearest = 1.0f / s;
   auto admitted = [s](float r) { return std::fabs(double(r) * double(s) - 1.0) <= 0x1p-23; };
+  float const outward = std::copysign(INFINITY, s);  // away from zero, either sign
   float r = nearest;
   while (admitted(std::nextafter(r, 0.0f))) r = std::nextafter(r, 0.0f);
-  for (; admitted(r); r = std::nextafter(r, INFINITY)) out.push_back(r);
+  for (; admitted(r); r = std::nextafter(r, outward)) out.push_back(r);
   return out;
 }
 
@@ -156,8 +157,11 @@ int main(int argc, char** argv) {
       float magnitude = float(std::ldexp(1.0 + (n % 5 == 0 ? 0.0 : unit(rng)), exponent));
       if (n == 1) magnitude = FLT_MIN;
       if (n == 2) magnitude = 0x1.fffffep124f;
-      float const s = gi.bounded ? dflash::div_rn(magnitude, gi.qmax) : magnitude;
-      if (!(std::fpclassify(s) == FP_NORMAL) || s >= 0x1p125f) continue;  // those divide (rcp_bound_check)
+      // A static scale may be negative (every other scale of each grid is, for int8).
+      float const sign = g == Grid::kInt8 && n % 2 == 1 ? -1.0f : 1.0f;
+      float const s = gi.bounded ? dflash::div_rn(magnitude, gi.qmax) : sign * magnitude;
+      if (!(std::fpclassify(s) == FP_NORMAL) || std::fabs(s) >= 0x1p125f)
+        continue;  // those divide (rcp_bound_check)
       float const limit = gi.bounded ? magnitude : INFINITY;  // a bounded row's elements: |y| <= a
       std::vector<float> const reciprocals = admissible_reciprocals(s);
       auto try_y = [&](float y, bool random) {
