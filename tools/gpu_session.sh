@@ -170,7 +170,7 @@ variant_sources_digest() {
 # $VARIANT_DIR are not built again; nor are those built on a CPU machine with nvcc and carried as
 # .whl/kv_variants.tar.xz (`tools/gpu_session.sh pack_variants` there), when built from these sources.
 stage_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5} name missing=() status=0
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5,candidates_rope5} name missing=() status=0
   if [ -f .whl/kv_variants.tar.xz ] && [ ! -d "$dir" ]; then
     mkdir -p "$dir" && tar -xJf .whl/kv_variants.tar.xz -C "$dir"
     if [ "$(cat "$dir/SOURCES.sha256" 2>/dev/null)" != "$(variant_sources_digest)" ]; then
@@ -193,7 +193,7 @@ stage_variants() {
 # On a CPU machine with nvcc: builds the variants (VARIANTS, as above) into $VARIANT_DIR and packs
 # them, with the digest of their sources, into .whl/kv_variants.tar.xz for the variants stage.
 stage_pack_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5}
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5,candidates_rope5}
   "$PY" bench/kernel_variants/make_variants.py "$dir" --only "$names" || return 1
   variant_sources_digest > "$dir/SOURCES.sha256"
   local binaries=() name

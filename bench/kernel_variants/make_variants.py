@@ -55,6 +55,15 @@ NAMED = {
         "DFLASH_BYTE_POOL_VEC": 16,
         "DFLASH_GROUP_MIN_BLOCKS": 5,
     },
+    # The same with each rotary chunk's cos/sin loaded at its use (fewer spills at 96 registers).
+    "candidates_rope5": {
+        "DFLASH_BRACKETED_CODES": 1,
+        "DFLASH_LEAN_OFFSETS": 1,
+        "DFLASH_WIDE_BY_ROWS": 1,
+        "DFLASH_BYTE_POOL_VEC": 16,
+        "DFLASH_GROUP_MIN_BLOCKS": 5,
+        "DFLASH_ROPE_AT_USE": 1,
+    },
 }
 
 

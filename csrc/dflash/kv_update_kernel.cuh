@@ -56,6 +56,12 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // and the layout's strides.
 #define DFLASH_LEAN_OFFSETS 0
 #endif
+#ifndef DFLASH_ROPE_AT_USE
+// 1: the scale-pool group kernel's lanes of several chunks load each rotary chunk's cos/sin just
+// before its rotation (fewer registers: 112 instead of 128 without the norm); 0: all of them
+// before the copies' wait.
+#define DFLASH_ROPE_AT_USE 0
+#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane; 0: four at every size.
@@ -1434,6 +1440,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // The rotary chunks whose cos/sin the lane reads: its first-half ones (CHUNKS / 2 of them), or
   // with one chunk a lane that chunk, of either half.
   constexpr int kRopeChunks = CHUNKS == 1 ? 1 : CHUNKS / 2;
+  // DFLASH_ROPE_AT_USE: a lane of several chunks loads each rotary chunk's cos/sin just before
+  // its rotation, not before the copies' wait (16 registers fewer held, the loads' latency less
+  // hidden).
+  constexpr bool kRopeAtUse = DFLASH_ROPE_AT_USE && CHUNKS > 1;
   auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
   int64_t base = warp * kRowsPerWarp;
 #pragma unroll
@@ -1456,7 +1466,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     if (live) dynamic_address<C>(p, paged, it);
     bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
     float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
-    if (rotate) {
+    if (rotate && !kRopeAtUse) {
 #pragma unroll
       for (int k = 0; k < kRopeChunks; ++k) {
         int const index = first ? channel[k] : channel[k] - half;
@@ -1494,13 +1504,18 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
         if constexpr (CHUNKS > 1) {          // chunk k in the first half, its partner k + CHUNKS / 2
           if (rotate) {
 #pragma unroll
-            for (int k = 0; k < CHUNKS / 2; ++k)
+            for (int k = 0; k < CHUNKS / 2; ++k) {
+              if constexpr (kRopeAtUse) {  // chunk k is in the first half
+                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], true, c[k],
+                                          sn[k]);
+              }
 #pragma unroll
               for (int i = 0; i < kGroupChunk; ++i) {
                 float const x0 = x[k][i], x1 = x[k + CHUNKS / 2][i];
                 x[k][i] = rope_channel(x0, x1, c[k][i], sn[k][i], true);
                 x[k + CHUNKS / 2][i] = rope_channel(x1, x0, c[k][i], sn[k][i], false);
               }
+            }
           }
         } else {  // the shuffles run in every lane
           float partner[kGroupChunk];
