@@ -58,8 +58,8 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #endif
 #ifndef DFLASH_ROPE_AT_USE
 // 1: the scale-pool group kernel's lanes of several chunks load each rotary chunk's cos/sin just
-// before its rotation (fewer registers: 112 instead of 128 without the norm); 0: all of them
-// before the copies' wait.
+// before its rotation (fewer registers: 116 instead of 128 without the norm, with the other
+// candidates); 0: all of them before the copies' wait.
 #define DFLASH_ROPE_AT_USE 0
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
