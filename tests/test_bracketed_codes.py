@@ -66,8 +66,8 @@ def test_bracketed_codes_are_the_division(bracket_check):
 
 
 def test_the_check_refuses_a_build_without_the_bracket(tmp_path):
-    """The check is of the bracket's code: built without it, it must not compile (so that a
-    silently default build cannot pass for one)."""
+    """The check is of the bracket's code: built with the bracket off, it must not compile (so
+    that a build of the other proof cannot pass for one)."""
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         pytest.skip("no C++ compiler on PATH (c++, g++ or clang++) to build tools/bracket_check.cc")
@@ -76,6 +76,7 @@ def test_the_check_refuses_a_build_without_the_bracket(tmp_path):
             compiler,
             "-std=c++17",
             "-fsyntax-only",
+            "-DDFLASH_BRACKETED_CODES=0",
             f"-I{ROOT / 'csrc'}",
             str(ROOT / "tools" / "bracket_check.cc"),
         ],

@@ -13,7 +13,7 @@
 #
 # Environment: OUT (where logs and results go; default /tmp/gpu_session_out), PYTHON (python3),
 # BENCH_ARGS (extra arguments for the benchmark, e.g. "--shapes decode_b64 --quick"), CUDA_KNOBS
-# (the build's CUDA kernel knobs, e.g. "-DDFLASH_WIDE_BY_ROWS=1 -DDFLASH_BRACKETED_CODES=1"),
+# (the build's CUDA kernel knobs, e.g. "-DDFLASH_WIDE_BY_ROWS=0 -DDFLASH_BRACKETED_CODES=0"),
 # <STAGE>_TIMEOUT in seconds (BUILD_TIMEOUT=300, TEST_TIMEOUT=240, FLASHINFER_TIMEOUT=240,
 # BENCH_TIMEOUT=540, SANITIZE_TIMEOUT=240, PROBE_TIMEOUT=240, WORKLOAD_TIMEOUT=300,
 # VARIANTS_TIMEOUT=420, QUANTIZED_TIMEOUT=300). A whole benchmark run (every contender, 12
@@ -170,7 +170,7 @@ variant_sources_digest() {
 # $VARIANT_DIR are not built again; nor are those built on a CPU machine with nvcc and carried as
 # .whl/kv_variants.tar.xz (`tools/gpu_session.sh pack_variants` there), when built from these sources.
 stage_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5,candidates_rope5} name missing=() status=0
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,previous,unbracketed,coordinate_offsets,four_chunks} name missing=() status=0
   if [ -f .whl/kv_variants.tar.xz ] && [ ! -d "$dir" ]; then
     mkdir -p "$dir" && tar -xJf .whl/kv_variants.tar.xz -C "$dir"
     if [ "$(cat "$dir/SOURCES.sha256" 2>/dev/null)" != "$(variant_sources_digest)" ]; then
@@ -193,7 +193,7 @@ stage_variants() {
 # On a CPU machine with nvcc: builds the variants (VARIANTS, as above) into $VARIANT_DIR and packs
 # them, with the digest of their sources, into .whl/kv_variants.tar.xz for the variants stage.
 stage_pack_variants() {
-  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,bytevec16,wide_by_rows,group_min5,bracketed,lean_offsets,candidates,candidates_min5,candidates_rope5}
+  local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,previous,unbracketed,coordinate_offsets,four_chunks}
   "$PY" bench/kernel_variants/make_variants.py "$dir" --only "$names" || return 1
   variant_sources_digest > "$dir/SOURCES.sha256"
   local binaries=() name

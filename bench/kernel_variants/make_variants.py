@@ -29,41 +29,18 @@ GRID = {
 # Variants outside the grid, each the shipped defaults but for its own knobs.
 NAMED = {
     "shipped": {},
-    # 16-channel items from 16-bit deltas into 1-byte pools (int8, FP8 with static scales).
+    # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
+    # choice of the wide kernel were measured and made the defaults; and each of them alone off.
+    "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},
+    "unbracketed": {"DFLASH_BRACKETED_CODES": 0},
+    "coordinate_offsets": {"DFLASH_LEAN_OFFSETS": 0},
+    "four_chunks": {"DFLASH_WIDE_BY_ROWS": 0},
+    # Measured slower (BENCHMARKS.md), kept as knobs: 16-channel items from 16-bit deltas into
+    # 1-byte pools; the scale-pool group kernel held to 5 blocks per SM (96 registers, spills), and
+    # that with each rotary chunk's cos/sin loaded at its use.
     "bytevec16": {"DFLASH_BYTE_POOL_VEC": 16},
-    # Scale-pool calls of wide heads below a pass of the four-chunk kernel take two chunks a lane.
-    "wide_by_rows": {"DFLASH_WIDE_BY_ROWS": 1},
-    # The scale-pool group kernel held to 96 registers (5 blocks per SM; the four-chunk one takes
-    # 128, 4 blocks, by default), with a few spills.
     "group_min5": {"DFLASH_GROUP_MIN_BLOCKS": 5},
-    # Divided stores proved by two products that bracket the quotient (int8 static and every scale
-    # pool): two FMAs and a comparison a code instead of a product, three adds and a comparison.
-    "bracketed": {"DFLASH_BRACKETED_CODES": 1},
-    # The scale-pool group kernel takes its rows' offsets from their indices, not their coordinates.
-    "lean_offsets": {"DFLASH_LEAN_OFFSETS": 1},
-    # The candidates not yet measured, together; and held to 5 blocks per SM (96 registers).
-    "candidates": {
-        "DFLASH_BRACKETED_CODES": 1,
-        "DFLASH_LEAN_OFFSETS": 1,
-        "DFLASH_WIDE_BY_ROWS": 1,
-        "DFLASH_BYTE_POOL_VEC": 16,
-    },
-    "candidates_min5": {
-        "DFLASH_BRACKETED_CODES": 1,
-        "DFLASH_LEAN_OFFSETS": 1,
-        "DFLASH_WIDE_BY_ROWS": 1,
-        "DFLASH_BYTE_POOL_VEC": 16,
-        "DFLASH_GROUP_MIN_BLOCKS": 5,
-    },
-    # The same with each rotary chunk's cos/sin loaded at its use (fewer spills at 96 registers).
-    "candidates_rope5": {
-        "DFLASH_BRACKETED_CODES": 1,
-        "DFLASH_LEAN_OFFSETS": 1,
-        "DFLASH_WIDE_BY_ROWS": 1,
-        "DFLASH_BYTE_POOL_VEC": 16,
-        "DFLASH_GROUP_MIN_BLOCKS": 5,
-        "DFLASH_ROPE_AT_USE": 1,
-    },
+    "rope5": {"DFLASH_GROUP_MIN_BLOCKS": 5, "DFLASH_ROPE_AT_USE": 1},
 }
 
 

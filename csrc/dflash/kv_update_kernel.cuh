@@ -53,8 +53,9 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 1: the scale-pool group kernel takes a row's offsets from indices: its deltas' from its item
 // index (the deltas' head rows in launch order) instead of from its coordinates (three divisions
 // a row), its pool row's from its scale's index (one head row a scale); 0: from the coordinates
-// and the layout's strides.
-#define DFLASH_LEAN_OFFSETS 0
+// and the layout's strides. With the bracket (numerics.h) 2-8% faster on every scale-pool row
+// of bench/kernel_variants (BENCHMARKS.md).
+#define DFLASH_LEAN_OFFSETS 1
 #endif
 #ifndef DFLASH_ROPE_AT_USE
 // 1: the scale-pool group kernel's lanes of several chunks load each rotary chunk's cos/sin just
@@ -64,8 +65,9 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
-// resident blocks take two chunks a lane; 0: four at every size.
-#define DFLASH_WIDE_BY_ROWS 0
+// resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
+// 0: four at every size.
+#define DFLASH_WIDE_BY_ROWS 1
 #endif
 // Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,

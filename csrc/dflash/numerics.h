@@ -376,7 +376,7 @@ DFLASH_HOST_DEVICE float dynamic_quotient(float y, float s) {
 // checks the bracket's own code (host-compiled) against the division for every reciprocal the bound
 // admits.
 #ifndef DFLASH_BRACKETED_CODES
-#define DFLASH_BRACKETED_CODES 0  // not compiled in unless set: not yet measured on the H200
+#define DFLASH_BRACKETED_CODES 1  // 0: the product's distance
 #endif
 struct Divisor {
   float scale = 1.0f;
