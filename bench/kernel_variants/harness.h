@@ -31,16 +31,59 @@ namespace harness {
 
 constexpr int H = 8, D = 128, R = 128, P = 128;
 
-__global__ void fill_half(__half* p, size_t n, unsigned seed) {
+// The deltas: 2001 values on a grid in [-1, 1] (the default), or with KB_DATA=normal unit-normal
+// values (Box-Muller of two hashes), as the main benchmark draws them (and rope rows of real
+// angles, fill_rope, where the default leaves zeros: zero keys, whose scale-pool rows store zeros).
+// The grid repeats values, so that some element of most rows is half its row's maximum: a
+// quotient on a rounding boundary in a scale-pool row (127 y / a = 63.5), which the kernel stores
+// by division; unit-normal rows have about a tenth as many.
+inline bool normal_data() {
+  static bool const normal = [] {
+    char const* data = std::getenv("KB_DATA");
+    return data != nullptr && std::string(data) == "normal";
+  }();
+  return normal;
+}
+__device__ unsigned hash32(size_t i, unsigned seed) {
+  unsigned h = unsigned(i) * 2654435761u ^ (unsigned(i >> 32) + seed) * 2246822519u;
+  h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
+  return h;
+}
+__global__ void fill_half(__half* p, size_t n, unsigned seed, bool normal) {
   size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  if (i < n) p[i] = __float2half(float((i * 2654435761u + seed) % 2001) / 1000.f - 1.f);
+  if (i >= n) return;
+  if (!normal) {
+    p[i] = __float2half(float((i * 2654435761u + seed) % 2001) / 1000.f - 1.f);
+    return;
+  }
+  float const u1 = (float(hash32(i, seed) >> 8) + 0.5f) * 0x1p-24f;
+  float const u2 = float(hash32(i, seed ^ 0x9e3779b9u) >> 8) * 0x1p-24f;
+  p[i] = __float2half(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
 }
 
 inline __half* device_halves(size_t n, unsigned seed) {
   __half* p;
   CK(cudaMalloc(&p, n * sizeof(__half)));
-  fill_half<<<unsigned((n + 255) / 256), 256>>>(p, n, seed);
+  fill_half<<<unsigned((n + 255) / 256), 256>>>(p, n, seed, normal_data());
   return p;
+}
+
+// `rows` rope rows of R floats (R / 2 cosines, then R / 2 sines) at positions 1, 2, ... with the
+// usual frequencies (base 10000): KB_DATA=normal's rows; zeros otherwise.
+__global__ void fill_rope_rows(float* rope, int rows) {
+  int const row = blockIdx.x, i = threadIdx.x;  // R / 2 threads
+  if (row >= rows || i >= R / 2) return;
+  float const angle = float(row + 1) * exp2f(-float(2 * i) / float(R) * log2f(10000.0f));
+  rope[size_t(row) * R + i] = cosf(angle);
+  rope[size_t(row) * R + R / 2 + i] = sinf(angle);
+}
+inline void fill_rope(float* rope, int rows) {
+  if (!normal_data()) {
+    CK(cudaMemset(rope, 0, size_t(rows) * R * 4));
+    return;
+  }
+  fill_rope_rows<<<unsigned(rows), R / 2>>>(rope, rows);
+  CK(cudaGetLastError());
 }
 
 template <typename T> T* device_copy(std::vector<T> const& host) {

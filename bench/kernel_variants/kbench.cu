@@ -6,6 +6,7 @@
 // KB_TABLE=identity gives each sequence its pages in order, KB_TABLE=grouped a random permutation of runs of
 // 8 pages (2 MB of a float16 plane) with the pages of a run in order (default: a random permutation of the
 // pool's pages, as in the main benchmark). KB_SETS=n rotates among n input sets at every shape.
+// KB_DATA=normal draws unit-normal deltas, as the main benchmark does (harness.h).
 // KB_ROPE=shared gives every input set of the paged rows the same token-aligned rope rows (as in L2 right
 // after the gather that writes them), instead of rotating them with the deltas. KB_SHAPES and KB_REPLAYS (see
 // main) select shapes and lengthen the samples; KB_STAMP prints the time each row ended. The copy rows (one
@@ -148,7 +149,7 @@ int main(int, char** argv) {
     std::vector<float*> paged_rope(sets);
     for (int i = 0; i < sets; ++i) {
       CK(cudaMalloc(&paged_rope[i], size_t(T) * R * 4));
-      CK(cudaMemset(paged_rope[i], 0, size_t(T) * R * 4));
+      fill_rope(paged_rope[i], T);
     }
     std::vector<int> owner_host(T), length_host(B, L);
     for (int t = 0; t < T; ++t) owner_host[t] = t / L;
@@ -180,7 +181,7 @@ int main(int, char** argv) {
     CK(cudaMemset(scale_pool, 0, pool / D * 4));
     float* rope;
     CK(cudaMalloc(&rope, size_t(cap) * R * 4));
-    CK(cudaMemset(rope, 0, size_t(cap) * R * 4));
+    fill_rope(rope, cap);
     CK(cudaDeviceSynchronize());
     // The rows: fp16 both contracts, the fused k-norm in both, bf16 deltas and pool, and an e4m3
     // pool (per-head scales) in both, the paged one with the k-norm too (from fp16 and from bf16

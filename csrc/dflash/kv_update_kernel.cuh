@@ -457,6 +457,16 @@ template <typename Pool, int N> struct CodeWords {
   uint32_t v[N / 4 / kPerByte<Pool>];
 };
 
+// Two values that bracket an FP8 code's quotient q = y / s (product_words' comment).
+__device__ __forceinline__ void fp8_ends(float y, Divisor const& d, float& lo, float& hi) {
+  if constexpr (DFLASH_BRACKETED_CODES) {
+    fp8_bracket(y, d, lo, hi);
+  } else {
+    float const p = mul_rn(y, d.reciprocal);
+    lo = mul_rn(p, 1.0f - 0x1p-19f), hi = mul_rn(p, 1.0f + 0x1p-19f);
+  }
+}
+
 // The stored codes of the quotients y[i] / s of N elements from their products with the
 // reciprocal. Returns false where the proof fails for some element; the caller then divides
 // (divided_words). BOUNDED: the elements are a dynamic-scale row's own (integer_code).
@@ -476,12 +486,7 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         float lo, hi;
-        if constexpr (DFLASH_BRACKETED_CODES) {
-          fp8_bracket(y[i + k], d, lo, hi);
-        } else {
-          float const p = mul_rn(y[i + k], d.reciprocal);
-          lo = mul_rn(p, 1.0f - 0x1p-19f), hi = mul_rn(p, 1.0f + 0x1p-19f);
-        }
+        fp8_ends(y[i + k], d, lo, hi);
         pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
       }
       uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
@@ -512,39 +517,63 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
   return !divide;
 }
 
-// The same codes by the division (element by element, as numerics.h states the stores), for the
-// chunks product_words refuses: not inlined, so that the division stays on its own rarely taken
-// branch (inlined, the compiler may evaluate it for every chunk and select). DYNAMIC: a
-// scale-pool row's quotient (a zero scale stores zeros).
+// The same codes for the chunks product_words refuses: each element by its own proof, and the
+// elements it refuses (every element where the reciprocal has none) by the division, as numerics.h
+// states the stores. A refused chunk usually has one such element: a quotient on a rounding
+// boundary, such as y = a / 2 in a dynamic row (127 y / a = 63.5, the scale's rounding deciding
+// its side), which no product can place. Not inlined, so that it stays on its own rarely taken
+// branch (inlined, the compiler may evaluate it for every chunk and select). DYNAMIC: a scale-pool
+// row's quotient (a zero scale stores zeros; its elements' products need no clamp).
 template <typename Pool, int N, bool DYNAMIC>
-__device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, float s) {
+__device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, Divisor d) {
+  // An element's code (int4: in the low nibble): its proof's, or where that fails, the quotient's.
+  auto code = [&d](float v) -> uint32_t {
+    bool divide = !d.by_product;
+    uint32_t proven = 0;
+    if constexpr (kIsFp8<Pool>) {
+      float lo, hi;
+      fp8_ends(v, d, lo, hi);
+      proven = Pool::encode(lo);
+      divide |= proven != Pool::encode(hi);
+    } else {  // the integer's two's-complement code in the low bits of its magic sum
+      constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
+      proven = integer_code<kQMax, DYNAMIC>(v, d, divide) & (kPerByte<Pool> == 2 ? 0x0fu : 0xffu);
+    }
+    if (!divide) return proven;
+    float const q = DYNAMIC ? dynamic_quotient(v, d.scale) : div_rn(v, d.scale);
+    if constexpr (kPerByte<Pool> == 2)
+      return float_to_int4_bits(q);
+    else
+      return Pool::encode(q);
+  };
   CodeWords<Pool, N> out;
   uint8_t bytes[N / kPerByte<Pool>];
 #pragma unroll
   for (int i = 0; i < N; i += kPerByte<Pool>) {
-    float const q0 = DYNAMIC ? dynamic_quotient(y.v[i], s) : div_rn(y.v[i], s);
-    if constexpr (kPerByte<Pool> == 2) {
-      float const q1 = DYNAMIC ? dynamic_quotient(y.v[i + 1], s) : div_rn(y.v[i + 1], s);
-      bytes[i / 2] = pack_int4(q0, q1);
-    } else {
-      bytes[i] = Pool::encode(q0);
-    }
+    if constexpr (kPerByte<Pool> == 2)
+      bytes[i / 2] = uint8_t(code(y.v[i]) | (code(y.v[i + 1]) << 4));  // pack_int4's nibbles
+    else
+      bytes[i] = uint8_t(code(y.v[i]));
   }
   memcpy(out.v, bytes, sizeof(bytes));
   return out;
 }
 
 // The stored codes of y / s, as bytes: by the product where product_words proves it exact, else
-// divided.
+// divided (a dynamic row's zero scale: zeros, SPEC.md).
 template <typename Pool, int N, bool DYNAMIC>
 __device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(float const (&y)[N],
                                                                             Divisor const& d) {
   CodeWords<Pool, N> words;
   if (!d.by_product || !product_words<Pool, N, DYNAMIC>(y, d, words)) {
-    Pack<float, N> values;
+    if (DYNAMIC && d.scale == 0.0f) {  // a zero row (or one whose maximum underflows): zeros
+      words = CodeWords<Pool, N>{};
+    } else {
+      Pack<float, N> values;
 #pragma unroll
-    for (int i = 0; i < N; ++i) values.v[i] = y[i];
-    words = divided_words<Pool, N, DYNAMIC>(values, d.scale);
+      for (int i = 0; i < N; ++i) values.v[i] = y[i];
+      words = divided_words<Pool, N, DYNAMIC>(values, d);
+    }
   }
   Pack<uint8_t, N / kPerByte<Pool>> out;
   static_assert(sizeof(out) == sizeof(words), "the words are the pack");
@@ -1371,7 +1400,7 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
 __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged,
                                                          ItemDivisors divisors, int64_t layer_base,
-                                                         int64_t items) {
+                                                         int64_t items, uint32_t narrow_layer_rows) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
@@ -1404,6 +1433,14 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   DBits const* const deltas[2] = {static_cast<DBits const*>(p.k_delta), static_cast<DBits const*>(p.v_delta)};
   // The launch's first head row in the deltas: [layers, tokens of a layer, H, D], items in order.
   int64_t const first_row = layer_base * tokens_per_layer(p) * p.num_kv_heads;
+  // The byte offsets in a head row of the lane's copies: a chunk past D reads nothing and takes
+  // its row's start, an address inside the deltas. Loop-invariant.
+  uint32_t read_bytes[CHUNKS][kWords];
+#pragma unroll
+  for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+    for (int w = 0; w < kWords; ++w)
+      read_bytes[k][w] = has[k] ? (channel[k] + w * kWordElems) * sizeof(DBits) : 0;
   // The lane's chunks of the group at `base` into stage `slot`, as one group of copies (zeros for
   // rows past the last and channels past D). The group's coordinates are computed again when it
   // is stored: held instead, they would take registers for kGroupStages - 1 more groups, and the
@@ -1411,26 +1448,27 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   auto stage_group = [&](int64_t base, int slot) {
     int64_t const item = base + lane / G;
     bool const live = item < items;
-    // With DFLASH_LEAN_OFFSETS the deltas' head rows are the items, in order; a copy that does not
-    // read (a row past the last, channels past D) still gets an address inside the deltas (its
-    // row's start).
+    // With DFLASH_LEAN_OFFSETS the deltas' head rows are the items, in order. A row past the last
+    // reads nothing and takes the launch's first row (the deltas' first, without the lean offsets),
+    // so that every copy's address is inside the deltas.
     int64_t src = 0;
     if constexpr (DFLASH_LEAN_OFFSETS)
       src = (first_row + (live ? item : 0)) * p.head_dim;
     else
       src = live ? coordinates(item).src : 0;
 #pragma unroll
-    for (int plane = 0; plane < 2; ++plane)
+    for (int plane = 0; plane < 2; ++plane) {
+      char const* row = reinterpret_cast<char const*>(deltas[plane] + src);
+      // Opaque to the compiler, which would otherwise fold each copy's offset into a 64-bit product
+      // of its own with D (three instructions more a copy than one 64-bit addition).
+      asm("" : "+l"(row));
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int w = 0; w < kWords; ++w) {
-          int64_t const offset = DFLASH_LEAN_OFFSETS
-                                     ? src + (has[k] ? channel[k] + w * kWordElems : 0)
-                                     : (live && has[k] ? src + channel[k] + w * kWordElems : 0);
-          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], deltas[plane] + offset,
+        for (int w = 0; w < kWords; ++w)
+          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], row + read_bytes[k][w],
                         live && has[k]);
-        }
+    }
     commit_copies();
   };
   int const half = int(p.rotary_dim / 2);
@@ -1546,28 +1584,24 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
-      if constexpr (DFLASH_LEAN_OFFSETS) {
-        // The pool's head rows are the scale pool's entries; the lane's chunks at fixed distances.
-        int64_t const entry = scale_pool_index(p, it.layer, row, h);
-        if (chunk == 0) p.scale_pool[entry] = scale;
-        Divisor const divisor = divisor_of(scale);
-        auto* const out = pool + (entry * p.head_dim + channel[0]) / kPerByte<Pool>;
+      // narrow_layer_rows (narrow_entry_rows): the entry in uint32_t arithmetic; 64-bit products
+      // cost three instructions each, and a row has two entries.
+      int64_t const entry =
+          narrow_layer_rows != 0
+              ? int64_t((uint32_t(it.layer) * narrow_layer_rows + uint32_t(row)) * uint32_t(p.num_kv_heads) +
+                        uint32_t(h))
+              : scale_pool_index(p, it.layer, row, h);
+      if (chunk == 0) p.scale_pool[entry] = scale;
+      // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
+      // chunks at fixed distances from its first.
+      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, it, row, h);
+      auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
+      Divisor const divisor = divisor_of(scale);
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-          if (!has[k]) continue;
-          store_pack(out + k * G * kGroupChunk / kPerByte<Pool>,
-                     quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
-        }
-      } else {
-        int64_t const dst = dynamic_dst(p, it, row, h);
-        if (chunk == 0) p.scale_pool[scale_pool_index(p, it.layer, row, h)] = scale;
-        Divisor const divisor = divisor_of(scale);
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-          if (!has[k]) continue;
-          store_pack(pool + (dst + channel[k]) / kPerByte<Pool>,
-                     quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
-        }
+      for (int k = 0; k < CHUNKS; ++k) {
+        if (!has[k]) continue;
+        store_pack(out + k * G * kGroupChunk / kPerByte<Pool>,
+                   quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
@@ -1618,6 +1652,13 @@ template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NOR
   return int64_t(per_multiprocessor) * multiprocessor_count() * (kGroupThreads / G);
 }
 
+// The rows of a layer's pool (K rows, then V rows) where every scale-pool entry of the call is
+// below 2^31, so that the group kernel computes entries in uint32_t arithmetic; else 0.
+inline uint32_t narrow_entry_rows(KVUpdateParams const& p) {
+  int64_t const layer_rows = 2 * p.num_pages * p.page_size;
+  return p.num_layers * layer_rows * p.num_kv_heads <= kNarrowItems ? uint32_t(layer_rows) : 0;
+}
+
 // One launch of dynamic_group_kernel over `items` rows from layer `layer`: a row per group, every
 // row at once up to one pass of the resident blocks; beyond that each warp loops over row groups
 // (the kernel's comment).
@@ -1628,8 +1669,8 @@ void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t
   int64_t const blocks =
       std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
                         resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
-  dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS>
-      <<<unsigned(blocks), kGroupThreads, 0, stream>>>(p, paged, item_divisors<C>(p), layer, items);
+  dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
+      p, paged, item_divisors<C>(p), layer, items, narrow_entry_rows(p));
 }
 
 // The kernel for the wide heads (dynamic_group_width's chunks > 1): kWideChunks chunks a lane,
