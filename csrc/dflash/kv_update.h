@@ -372,6 +372,19 @@ DFLASH_HOST_DEVICE int64_t scale_index(KVUpdateParams const& p, int64_t layer, i
 DFLASH_HOST_DEVICE int64_t scale_pool_index(KVUpdateParams const& p, int64_t layer, int64_t row, int64_t h) {
   return (layer * 2 * p.num_pages * p.page_size + row) * p.num_kv_heads + h;
 }
+// The same index in uint32_t arithmetic, for calls whose every entry is below 2^31 (layer_rows:
+// narrow_layer_rows(p), the rows of a layer's pool, K rows then V rows). A kernel's rows take
+// two entries each, and a 64-bit product costs three instructions.
+DFLASH_HOST_DEVICE uint32_t narrow_scale_pool_index(KVUpdateParams const& p, uint32_t layer_rows,
+                                                    uint32_t layer, uint32_t row, uint32_t h) {
+  return (layer * layer_rows + row) * uint32_t(p.num_kv_heads) + h;
+}
+// The rows of a layer's pool where every scale-pool entry of the call is below 2^31 (so that
+// narrow_scale_pool_index gives them), else 0.
+inline uint32_t narrow_layer_rows(KVUpdateParams const& p) {
+  int64_t const layer_rows = 2 * p.num_pages * p.page_size;
+  return p.num_layers * layer_rows * p.num_kv_heads <= (int64_t(1) << 31) ? uint32_t(layer_rows) : 0;
+}
 
 // Offset (bytes) in the pool of head h of pool row `row` of layer `layer`: its element offset in
 // bytes. A packed format (int4, two elements per byte) has an even D, so every head row starts on

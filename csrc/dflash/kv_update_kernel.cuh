@@ -1400,7 +1400,7 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
 __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged,
                                                          ItemDivisors divisors, int64_t layer_base,
-                                                         int64_t items, uint32_t narrow_layer_rows) {
+                                                         int64_t items, uint32_t layer_rows) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
@@ -1584,13 +1584,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       float const scale = dynamic_scale(r, kMaxFinite<Pool>);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
-      // narrow_layer_rows (narrow_entry_rows): the entry in uint32_t arithmetic; 64-bit products
-      // cost three instructions each, and a row has two entries.
-      int64_t const entry =
-          narrow_layer_rows != 0
-              ? int64_t((uint32_t(it.layer) * narrow_layer_rows + uint32_t(row)) * uint32_t(p.num_kv_heads) +
-                        uint32_t(h))
-              : scale_pool_index(p, it.layer, row, h);
+      // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
+      int64_t const entry = layer_rows != 0
+                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(it.layer),
+                                                                  uint32_t(row), uint32_t(h)))
+                                : scale_pool_index(p, it.layer, row, h);
       if (chunk == 0) p.scale_pool[entry] = scale;
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
@@ -1652,13 +1650,6 @@ template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NOR
   return int64_t(per_multiprocessor) * multiprocessor_count() * (kGroupThreads / G);
 }
 
-// The rows of a layer's pool (K rows, then V rows) where every scale-pool entry of the call is
-// below 2^31, so that the group kernel computes entries in uint32_t arithmetic; else 0.
-inline uint32_t narrow_entry_rows(KVUpdateParams const& p) {
-  int64_t const layer_rows = 2 * p.num_pages * p.page_size;
-  return p.num_layers * layer_rows * p.num_kv_heads <= kNarrowItems ? uint32_t(layer_rows) : 0;
-}
-
 // One launch of dynamic_group_kernel over `items` rows from layer `layer`: a row per group, every
 // row at once up to one pass of the resident blocks; beyond that each warp loops over row groups
 // (the kernel's comment).
@@ -1670,7 +1661,7 @@ void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t
       std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
                         resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
   dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
-      p, paged, item_divisors<C>(p), layer, items, narrow_entry_rows(p));
+      p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p));
 }
 
 // The kernel for the wide heads (dynamic_group_width's chunks > 1): kWideChunks chunks a lane,
