@@ -4,7 +4,7 @@ The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
 (DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_PAGED_STREAMING_LOADS,
 DFLASH_STREAMING_LOADS_BYTES, DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_INDEX_BRANCH,
 DFLASH_BYTE_POOL_VEC, DFLASH_WIDE_BY_ROWS, DFLASH_GROUP_MIN_BLOCKS, DFLASH_LEAN_OFFSETS,
-DFLASH_ROPE_AT_USE) and in
+DFLASH_ROPE_AT_USE, DFLASH_ADDRESS_AHEAD, DFLASH_VALUES_FIRST) and in
 csrc/dflash/numerics.h (DFLASH_BRACKETED_CODES): a variant is the shipped code
 compiled with other values, never an edited copy of it. Used by make_variants.py and make_probe.py.
 """
@@ -39,6 +39,8 @@ KNOBS = (
     "DFLASH_GROUP_MIN_BLOCKS",
     "DFLASH_LEAN_OFFSETS",
     "DFLASH_ROPE_AT_USE",
+    "DFLASH_ADDRESS_AHEAD",
+    "DFLASH_VALUES_FIRST",
     "DFLASH_BRACKETED_CODES",
 )
 

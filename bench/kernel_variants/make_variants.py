@@ -29,6 +29,14 @@ GRID = {
 # Variants outside the grid, each the shipped defaults but for its own knobs.
 NAMED = {
     "shipped": {},
+    # The scale-pool group kernel's two scheduling defaults, each alone off, and both (the kernel
+    # as it was before them): each row group's address words loaded when it starts, not a group
+    # ahead in the four-chunk kernel; K stored before V. And the words a group ahead in every
+    # group kernel (two-chunk at decode sizes: measured slower).
+    "own_words": {"DFLASH_ADDRESS_AHEAD": 0},
+    "keys_first": {"DFLASH_VALUES_FIRST": 0},
+    "group_before": {"DFLASH_ADDRESS_AHEAD": 0, "DFLASH_VALUES_FIRST": 0},
+    "words_ahead_all": {"DFLASH_ADDRESS_AHEAD": 7},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},

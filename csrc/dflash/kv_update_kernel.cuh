@@ -63,6 +63,21 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // candidates); 0: all of them before the copies' wait.
 #define DFLASH_ROPE_AT_USE 0
 #endif
+#ifndef DFLASH_ADDRESS_AHEAD
+// The scale-pool group kernels, by the chunks a lane holds (a bit set: 1, 2, 4), whose warps load
+// the next row group's address words (the slot form's start and length, the paged form's owner
+// and position, the mapped form's slot) while they store the current group, so that a group's
+// rope row and pool rows wait on one load, not two in a chain. 4: the four-chunk kernel, which
+// runs where the rows fill a pass of its resident blocks, so that each warp has several groups
+// (with DFLASH_WIDE_BY_ROWS); measured slower in the two-chunk kernel, whose warps have one.
+#define DFLASH_ADDRESS_AHEAD 4
+#endif
+#ifndef DFLASH_VALUES_FIRST
+// 1: the scale-pool group kernel stores a row's V before its K, so that the V row's work runs
+// while the K row's rope row is in flight (4-9% faster on every scale-pool row of
+// bench/kernel_variants on the H200); 0: K first.
+#define DFLASH_VALUES_FIRST 1
+#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -1236,33 +1251,56 @@ __device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const&
   return it;
 }
 
-// Where the item's rows land (it.rows) and its rope row (it.cos_sin): the addressing's loads.
-template <Contract C> __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p,
-                                                                      PagedAddressing const& paged,
-                                                                      DynamicItem& it) {
+// The first words an item's addressing loads, which the rest of it waits on: the slot form's
+// start and length, the paged form's owner and position, the mapped form's slot.
+struct AddressWords {
+  int64_t first = 0;   // start, owner or slot
+  int32_t second = 0;  // length or position
+};
+template <Contract C>
+__device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, DynamicItem const& it) {
+  AddressWords w;
   if constexpr (C == Contract::kSlot) {
-    int64_t const start = p.delta_start_positions[position_index(p, it.layer, it.b)];
-    int64_t const length = p.delta_lengths[position_index(p, it.layer, it.b)];
-    int64_t const pos = written_position(start, length, it.t, slot_capacity(p));
+    w.first = p.delta_start_positions[position_index(p, it.layer, it.b)];
+    w.second = p.delta_lengths[position_index(p, it.layer, it.b)];
+  } else if constexpr (C == Contract::kPaged) {
+    w.first = p.token_to_sequence[position_index(p, it.layer, it.t)];
+    w.second = p.delta_positions[position_index(p, it.layer, it.t)];
+  } else {
+    w.first = mapped_slot(p, position_index(p, it.layer, it.t));
+  }
+  return w;
+}
+
+// Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
+template <Contract C>
+__device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
+                                                DynamicItem& it, AddressWords const& w) {
+  if constexpr (C == Contract::kSlot) {
+    int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
     it.rows = slot_rows(p, it.b, pos);
     if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
       it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
   } else {
     if constexpr (C == Contract::kPaged) {
-      int32_t const owner = p.token_to_sequence[position_index(p, it.layer, it.t)];
-      int32_t const pos = p.delta_positions[position_index(p, it.layer, it.t)];
       uint32_t row;
-      int64_t const entry =
-          page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)), owner, pos, &row);
+      int64_t const entry = page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)),
+                                             int32_t(w.first), w.second, &row);
       if (entry >= 0) {
         int32_t const* table = p.page_table + it.layer * paged.table_layer;
         it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
       }
     } else {
-      it.rows = mapped_rows(p, mapped_slot(p, position_index(p, it.layer, it.t)));
+      it.rows = mapped_rows(p, w.first);
     }
     if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
   }
+}
+// The same with the item's own address words, loaded here.
+template <Contract C> __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p,
+                                                                      PagedAddressing const& paged,
+                                                                      DynamicItem& it) {
+  dynamic_address<C>(p, paged, it, address_words<C>(p, it));
 }
 
 // Element offset in the pool of item's head row in plane 0 (K) or 1 (V); a packed pool's head rows
@@ -1488,6 +1526,13 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   int64_t base = warp * kRowsPerWarp;
 #pragma unroll
   for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
+  // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
+  // warp stored the group before it (the first group's, here); else each group loads its own.
+  constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
+  AddressWords words;
+  if constexpr (kAddressAhead) {
+    if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
+  }
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
     stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
@@ -1495,6 +1540,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     bool const live = item < items;
     DynamicItem it;
     if (live) it = coordinates(item);
+    AddressWords next_words;  // the next group's
+    if constexpr (kAddressAhead) {
+      if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+    }
     DeltaPack weight[CHUNKS] = {};
     if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
 #pragma unroll
@@ -1503,7 +1552,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           weight[k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
                                            weight_offset(p, it.layer) + channel[k]);
     }
-    if (live) dynamic_address<C>(p, paged, it);
+    if (live) {
+      if constexpr (kAddressAhead)
+        dynamic_address<C>(p, paged, it, words);
+      else
+        dynamic_address<C>(p, paged, it);
+    }
     bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
     float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
     if (rotate && !kRopeAtUse) {
@@ -1517,7 +1571,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     int64_t const h = it.h;
     wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
-    for (int plane = 0; plane < 2; ++plane) {
+    for (int order = 0; order < 2; ++order) {
+      int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
       float x[CHUNKS][kGroupChunk];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
@@ -1603,6 +1658,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
+    if constexpr (kAddressAhead) words = next_words;
   }
   wait_copies<0>();  // the copies of groups past the last (zeros) land before the block leaves
 }
