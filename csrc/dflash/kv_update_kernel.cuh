@@ -68,15 +68,26 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // the next row group's address words (the slot form's start and length, the paged form's owner
 // and position, the mapped form's slot) while they store the current group, so that a group's
 // rope row and pool rows wait on one load, not two in a chain. 4: the four-chunk kernel, which
-// runs where the rows fill a pass of its resident blocks, so that each warp has several groups
-// (with DFLASH_WIDE_BY_ROWS); measured slower in the two-chunk kernel, whose warps have one.
+// runs where the rows fill a pass of its resident blocks (DFLASH_WIDE_BY_ROWS), so that each warp
+// has several groups (on an H200 at B=8 L=2048, 1-6% faster on the int8 and int4 rows, 2% slower
+// on e4m3; on an H100 within 1%). In the two-chunk kernel, whose warps have one group at decode
+// sizes, it was 4-7% slower.
 #define DFLASH_ADDRESS_AHEAD 4
 #endif
 #ifndef DFLASH_VALUES_FIRST
 // 1: the scale-pool group kernel stores a row's V before its K, so that the V row's work runs
-// while the K row's rope row is in flight (4-9% faster on every scale-pool row of
-// bench/kernel_variants on the H200); 0: K first.
+// while the K row's rope row is in flight (on an H200 1-10% faster on every scale-pool row of
+// bench/kernel_variants, on an H100 2-7% at B=8 L=2048); 0: K first.
 #define DFLASH_VALUES_FIRST 1
+#endif
+#ifndef DFLASH_WORDS_AT_ONCE
+// 1: the scale-pool kernels issue both address words of a row (slot start and length, paged owner
+// and position) where they are asked for, as one pair of loads (word_now). Plain loads let the
+// compiler sink the start position's below the branch on the length (nothing is written past the
+// length), so that at decode sizes a row waited on three loads in a chain: its length, its start,
+// its rope row (bench/results/ncu_h200_decode_696896f.txt); the static kernels issue the two
+// together. 0 (until measured on a GPU): plain loads.
+#define DFLASH_WORDS_AT_ONCE 0
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
@@ -1257,15 +1268,26 @@ struct AddressWords {
   int64_t first = 0;   // start, owner or slot
   int32_t second = 0;  // length or position
 };
+// An address word loaded here, in program order (DFLASH_WORDS_AT_ONCE: an asm volatile, which the
+// compiler neither moves into a branch nor drops); the wait for it is at its value's first use.
+__device__ __forceinline__ int32_t word_now(int32_t const* ptr) {
+  if constexpr (DFLASH_WORDS_AT_ONCE) {
+    int32_t word;
+    asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(word) : "l"(ptr));
+    return word;
+  } else {
+    return *ptr;
+  }
+}
 template <Contract C>
 __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, DynamicItem const& it) {
   AddressWords w;
   if constexpr (C == Contract::kSlot) {
-    w.first = p.delta_start_positions[position_index(p, it.layer, it.b)];
-    w.second = p.delta_lengths[position_index(p, it.layer, it.b)];
+    w.first = word_now(p.delta_start_positions + position_index(p, it.layer, it.b));
+    w.second = word_now(p.delta_lengths + position_index(p, it.layer, it.b));
   } else if constexpr (C == Contract::kPaged) {
-    w.first = p.token_to_sequence[position_index(p, it.layer, it.t)];
-    w.second = p.delta_positions[position_index(p, it.layer, it.t)];
+    w.first = word_now(p.token_to_sequence + position_index(p, it.layer, it.t));
+    w.second = word_now(p.delta_positions + position_index(p, it.layer, it.t));
   } else {
     w.first = mapped_slot(p, position_index(p, it.layer, it.t));
   }
