@@ -37,8 +37,11 @@ NAMED = {
     "keys_first": {"DFLASH_VALUES_FIRST": 0},
     "group_before": {"DFLASH_ADDRESS_AHEAD": 0, "DFLASH_VALUES_FIRST": 0},
     "words_ahead_all": {"DFLASH_ADDRESS_AHEAD": 7},
-    # Written without a GPU, off until measured: each row's two address words loaded together.
+    # Written without a GPU, off until measured: each row's two address words loaded together; an
+    # FP8 scale-pool chunk's bracket ends converted into merged words; both.
     "words_at_once": {"DFLASH_WORDS_AT_ONCE": 1},
+    "fp8_merged_pairs": {"DFLASH_FP8_MERGED_PAIRS": 1},
+    "at_once_merged": {"DFLASH_WORDS_AT_ONCE": 1, "DFLASH_FP8_MERGED_PAIRS": 1},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},

@@ -89,6 +89,12 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // together. 0 (until measured on a GPU): plain loads.
 #define DFLASH_WORDS_AT_ONCE 0
 #endif
+#ifndef DFLASH_FP8_MERGED_PAIRS
+// 1: the scale-pool FP8 stores convert each four bracket ends into one word by two packed
+// conversions merged in place (fp8_words); 0: each pair into 16 bits, widened and joined
+// (float2_to_e4m3x2_raw). 0 until measured on a GPU.
+#define DFLASH_FP8_MERGED_PAIRS 0
+#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -493,6 +499,24 @@ __device__ __forceinline__ void fp8_ends(float y, Divisor const& d, float& lo, f
   }
 }
 
+// The codes of a, b, c, d (a in the low byte), NaN codes as the hardware gives them: two packed
+// conversions merged into one word. float2_to_e4m3x2_raw's 16-bit result is widened by a mask
+// and joined by a byte permute, two instructions more for two codes.
+template <typename Pool> __device__ __forceinline__ uint32_t fp8_words(float a, float b, float c, float d) {
+  uint32_t word;
+  if constexpr (std::is_same_v<Pool, E4M3>)
+    asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e4m3x2.f32 low, %2, %1;\n"
+        " cvt.rn.satfinite.e4m3x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
+        : "=r"(word)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+  else
+    asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e5m2x2.f32 low, %2, %1;\n"
+        " cvt.rn.satfinite.e5m2x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
+        : "=r"(word)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+  return word;
+}
+
 // The stored codes of the quotients y[i] / s of N elements from their products with the
 // reciprocal. Returns false where the proof fails for some element; the caller then divides
 // (divided_words). BOUNDED: the elements are a dynamic-scale row's own (integer_code).
@@ -508,15 +532,24 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     // One packed conversion gives both (lo in the low byte).
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      uint32_t pairs[4];
+      uint32_t w01, w23;  // lo0 hi0 lo1 hi1, lo2 hi2 lo3 hi3
+      if constexpr (DFLASH_FP8_MERGED_PAIRS) {
+        float ends[8];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float lo, hi;
-        fp8_ends(y[i + k], d, lo, hi);
-        pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
+        for (int k = 0; k < 4; ++k) fp8_ends(y[i + k], d, ends[2 * k], ends[2 * k + 1]);
+        w01 = fp8_words<Pool>(ends[0], ends[1], ends[2], ends[3]);
+        w23 = fp8_words<Pool>(ends[4], ends[5], ends[6], ends[7]);
+      } else {
+        uint32_t pairs[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float lo, hi;
+          fp8_ends(y[i + k], d, lo, hi);
+          pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
+        }
+        w01 = __byte_perm(pairs[0], pairs[1], 0x5410);
+        w23 = __byte_perm(pairs[2], pairs[3], 0x5410);
       }
-      uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
-      uint32_t const w23 = __byte_perm(pairs[2], pairs[3], 0x5410);
       divide |= (((w01 ^ (w01 >> 8)) | (w23 ^ (w23 >> 8))) & 0x00ff00ffu) != 0;
       out.v[i / 4] = __byte_perm(w01, w23, 0x6420);  // lo0 lo1 lo2 lo3
     }
