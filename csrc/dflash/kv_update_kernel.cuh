@@ -91,8 +91,8 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #endif
 #ifndef DFLASH_FP8_MERGED_PAIRS
 // 1: the scale-pool FP8 stores convert each four bracket ends into one word by two packed
-// conversions merged in place (fp8_words); 0: each pair into 16 bits, widened and joined
-// (float2_to_e4m3x2_raw). 0 until measured on a GPU.
+// conversions merged in place (numerics.h's float4_to_e4m3x4_raw); 0: each pair into 16 bits,
+// widened and joined (float2_to_e4m3x2_raw). 0 until measured on a GPU.
 #define DFLASH_FP8_MERGED_PAIRS 0
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
@@ -499,24 +499,6 @@ __device__ __forceinline__ void fp8_ends(float y, Divisor const& d, float& lo, f
   }
 }
 
-// The codes of a, b, c, d (a in the low byte), NaN codes as the hardware gives them: two packed
-// conversions merged into one word. float2_to_e4m3x2_raw's 16-bit result is widened by a mask
-// and joined by a byte permute, two instructions more for two codes.
-template <typename Pool> __device__ __forceinline__ uint32_t fp8_words(float a, float b, float c, float d) {
-  uint32_t word;
-  if constexpr (std::is_same_v<Pool, E4M3>)
-    asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e4m3x2.f32 low, %2, %1;\n"
-        " cvt.rn.satfinite.e4m3x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
-        : "=r"(word)
-        : "f"(a), "f"(b), "f"(c), "f"(d));
-  else
-    asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e5m2x2.f32 low, %2, %1;\n"
-        " cvt.rn.satfinite.e5m2x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
-        : "=r"(word)
-        : "f"(a), "f"(b), "f"(c), "f"(d));
-  return word;
-}
-
 // The stored codes of the quotients y[i] / s of N elements from their products with the
 // reciprocal. Returns false where the proof fails for some element; the caller then divides
 // (divided_words). BOUNDED: the elements are a dynamic-scale row's own (integer_code).
@@ -537,8 +519,10 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
         float ends[8];
 #pragma unroll
         for (int k = 0; k < 4; ++k) fp8_ends(y[i + k], d, ends[2 * k], ends[2 * k + 1]);
-        w01 = fp8_words<Pool>(ends[0], ends[1], ends[2], ends[3]);
-        w23 = fp8_words<Pool>(ends[4], ends[5], ends[6], ends[7]);
+        w01 = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(ends[0], ends[1], ends[2], ends[3])
+                                         : float4_to_e5m2x4_raw(ends[0], ends[1], ends[2], ends[3]);
+        w23 = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(ends[4], ends[5], ends[6], ends[7])
+                                         : float4_to_e5m2x4_raw(ends[4], ends[5], ends[6], ends[7]);
       } else {
         uint32_t pairs[4];
 #pragma unroll
