@@ -248,22 +248,21 @@ __device__ __forceinline__ uint32_t float2_to_e5m2x2_raw(float lo, float hi) {
 // Four conversions into one word (a in the low byte), NaN codes as the hardware gives them: the
 // two packed conversions merged in place, where float2_to_e4m3x2_raw's 16-bit results would each be
 // widened by a mask and joined by a byte permute.
+#define DFLASH_FP8X4_CVT(FORMAT)                        \
+  "{\n .reg .b16 low, high;\n cvt.rn.satfinite." FORMAT \
+  "x2.f32 low, %2, %1;\n"                               \
+  " cvt.rn.satfinite." FORMAT "x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
 __device__ __forceinline__ uint32_t float4_to_e4m3x4_raw(float a, float b, float c, float d) {
   uint32_t word;
-  asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e4m3x2.f32 low, %2, %1;\n"
-      " cvt.rn.satfinite.e4m3x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
-      : "=r"(word)
-      : "f"(a), "f"(b), "f"(c), "f"(d));
+  asm(DFLASH_FP8X4_CVT("e4m3") : "=r"(word) : "f"(a), "f"(b), "f"(c), "f"(d));
   return word;
 }
 __device__ __forceinline__ uint32_t float4_to_e5m2x4_raw(float a, float b, float c, float d) {
   uint32_t word;
-  asm("{\n .reg .b16 low, high;\n cvt.rn.satfinite.e5m2x2.f32 low, %2, %1;\n"
-      " cvt.rn.satfinite.e5m2x2.f32 high, %4, %3;\n mov.b32 %0, {low, high};\n}"
-      : "=r"(word)
-      : "f"(a), "f"(b), "f"(c), "f"(d));
+  asm(DFLASH_FP8X4_CVT("e5m2") : "=r"(word) : "f"(a), "f"(b), "f"(c), "f"(d));
   return word;
 }
+#undef DFLASH_FP8X4_CVT
 // Any NaN code (e4m3fn: 0x7F/0xFF; e5m2: 0x7D..0x7F, 0xFD..0xFF) becomes the canonical 0x7F, in
 // each of the four bytes of a word at once: with m = a byte's low 7 bits, m + 1 (e4m3fn) or m + 3
 // (e5m2) reaches bit 7 exactly for the NaN codes and never carries into the next byte (m <= 0x7F).
