@@ -38,10 +38,19 @@ NAMED = {
     "group_before": {"DFLASH_ADDRESS_AHEAD": 0, "DFLASH_VALUES_FIRST": 0},
     "words_ahead_all": {"DFLASH_ADDRESS_AHEAD": 7},
     # Written without a GPU, off until measured: each row's two address words loaded together; an
-    # FP8 scale-pool chunk's bracket ends converted into merged words; both.
+    # FP8 scale-pool chunk's low bracket ends and high ones converted into two words and compared
+    # whole; int4 codes gathered by bytes and stored as words; the group kernel's copies at
+    # constant offsets; all four.
     "words_at_once": {"DFLASH_WORDS_AT_ONCE": 1},
-    "fp8_merged_pairs": {"DFLASH_FP8_MERGED_PAIRS": 1},
-    "at_once_merged": {"DFLASH_WORDS_AT_ONCE": 1, "DFLASH_FP8_MERGED_PAIRS": 1},
+    "fp8_end_words": {"DFLASH_FP8_END_WORDS": 1},
+    "int4_words": {"DFLASH_INT4_WORDS": 1},
+    "copy_immediates": {"DFLASH_COPY_IMMEDIATES": 1},
+    "unmeasured_all": {
+        "DFLASH_WORDS_AT_ONCE": 1,
+        "DFLASH_FP8_END_WORDS": 1,
+        "DFLASH_INT4_WORDS": 1,
+        "DFLASH_COPY_IMMEDIATES": 1,
+    },
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},

@@ -89,11 +89,29 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // together. 0 (until measured on a GPU): plain loads.
 #define DFLASH_WORDS_AT_ONCE 0
 #endif
-#ifndef DFLASH_FP8_MERGED_PAIRS
-// 1: the scale-pool FP8 stores convert each four bracket ends into one word by two packed
-// conversions merged in place (numerics.h's float4_to_e4m3x4_raw); 0: each pair into 16 bits,
-// widened and joined (float2_to_e4m3x2_raw). 0 until measured on a GPU.
-#define DFLASH_FP8_MERGED_PAIRS 0
+#ifndef DFLASH_COPY_IMMEDIATES
+// 1: the scale-pool group kernel's copies of heads of exactly its chunks take their offsets as
+// constants from the lane's first chunk (one 64-bit address a plane, eight copies at immediate
+// offsets), where 0 adds each copy's own offset, selected by whether its chunk is inside D: about
+// 18 fewer instructions a row group in the four-chunk int8 kernel, 6 fewer registers. 0 until
+// measured on a GPU.
+#define DFLASH_COPY_IMMEDIATES 0
+#endif
+#ifndef DFLASH_INT4_WORDS
+// 1: the int4 scale-pool stores gather eight codes' low bytes into two words (even elements, odd
+// ones) by byte permutes and join them by a shift and a mask, and the group kernel stores the word
+// as it is: 9 instructions for 8 codes, where 0 masks, shifts and ORs in each code (about 15) and
+// the compiler splits the 4-byte pack into bytes that it masks and joins again (7 more). 0 until
+// measured on a GPU.
+#define DFLASH_INT4_WORDS 0
+#endif
+#ifndef DFLASH_FP8_END_WORDS
+// 1: the scale-pool FP8 stores convert four elements' low bracket ends into one word and their
+// high ends into another (numerics.h's float4_to_e4m3x4_raw), the low word being the stored
+// codes and the two compared whole: 26 instructions for 8 codes (16 FMUL, 8 F2FP, 2 ISETP),
+// where 0 converts each element's pair into 16 bits that are widened by a mask, joined by byte
+// permutes and compared by shifts (47). 0 until measured on a GPU.
+#define DFLASH_FP8_END_WORDS 0
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
@@ -511,38 +529,61 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     // by at most 2^-24, so p (1 - 2^-19) <= q <= p (1 + 2^-19) as magnitudes (a subnormal p is
     // within 2^-140 of q, and both convert to a zero of the product's sign); with the bracket,
     // fp8_bracket. The conversion is monotonic: where lo's and hi's codes agree, q's is the same.
-    // One packed conversion gives both (lo in the low byte).
+    // One packed conversion gives both (lo in the low byte); with DFLASH_FP8_END_WORDS, two give
+    // four elements' low ends and high ends.
+    if constexpr (DFLASH_FP8_END_WORDS) {
+      // The four low ends' codes in one word and the four high ends' in another: the low word is
+      // the stored one, and the codes agree where the words do.
+      uint32_t differ = 0;
 #pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      uint32_t w01, w23;  // lo0 hi0 lo1 hi1, lo2 hi2 lo3 hi3
-      if constexpr (DFLASH_FP8_MERGED_PAIRS) {
-        float ends[8];
+      for (int i = 0; i < N; i += 4) {
+        float lo[4], hi[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) fp8_ends(y[i + k], d, ends[2 * k], ends[2 * k + 1]);
-        w01 = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(ends[0], ends[1], ends[2], ends[3])
-                                         : float4_to_e5m2x4_raw(ends[0], ends[1], ends[2], ends[3]);
-        w23 = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(ends[4], ends[5], ends[6], ends[7])
-                                         : float4_to_e5m2x4_raw(ends[4], ends[5], ends[6], ends[7]);
-      } else {
-        uint32_t pairs[4];
+        for (int k = 0; k < 4; ++k) fp8_ends(y[i + k], d, lo[k], hi[k]);
+        uint32_t const lows = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(lo[0], lo[1], lo[2], lo[3])
+                                                         : float4_to_e5m2x4_raw(lo[0], lo[1], lo[2], lo[3]);
+        uint32_t const highs = std::is_same_v<Pool, E4M3> ? float4_to_e4m3x4_raw(hi[0], hi[1], hi[2], hi[3])
+                                                          : float4_to_e5m2x4_raw(hi[0], hi[1], hi[2], hi[3]);
+        differ |= lows ^ highs;
+        out.v[i / 4] = lows;
+      }
+      divide = differ != 0;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; i += 4) {
+        uint32_t pairs[4];  // lo hi of each element
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           float lo, hi;
           fp8_ends(y[i + k], d, lo, hi);
           pairs[k] = std::is_same_v<Pool, E4M3> ? float2_to_e4m3x2_raw(lo, hi) : float2_to_e5m2x2_raw(lo, hi);
         }
-        w01 = __byte_perm(pairs[0], pairs[1], 0x5410);
-        w23 = __byte_perm(pairs[2], pairs[3], 0x5410);
+        uint32_t const w01 = __byte_perm(pairs[0], pairs[1], 0x5410);  // lo0 hi0 lo1 hi1
+        uint32_t const w23 = __byte_perm(pairs[2], pairs[3], 0x5410);
+        divide |= (((w01 ^ (w01 >> 8)) | (w23 ^ (w23 >> 8))) & 0x00ff00ffu) != 0;
+        out.v[i / 4] = __byte_perm(w01, w23, 0x6420);  // lo0 lo1 lo2 lo3
       }
-      divide |= (((w01 ^ (w01 >> 8)) | (w23 ^ (w23 >> 8))) & 0x00ff00ffu) != 0;
-      out.v[i / 4] = __byte_perm(w01, w23, 0x6420);  // lo0 lo1 lo2 lo3
     }
   } else {
     constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
     uint32_t codes[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
-    if constexpr (kPerByte<Pool> == 2) {
+    // The low bytes of four codes, in order, as one word (two's complement, so an int4 code's
+    // nibble is its byte's low one).
+    auto low_bytes = [](uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+      return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+    };
+    if constexpr (kPerByte<Pool> == 2 && DFLASH_INT4_WORDS) {
+      // Byte j of a word: element 2j's nibble low, 2j + 1's high: the even elements' bytes and
+      // the odd ones' shifted by a nibble, joined by one mask.
+#pragma unroll
+      for (int i = 0; i < N; i += 8) {
+        uint32_t const evens = low_bytes(codes[i], codes[i + 2], codes[i + 4], codes[i + 6]);
+        uint32_t const odds = low_bytes(codes[i + 1], codes[i + 3], codes[i + 5], codes[i + 7]);
+        out.v[i / 8] = (evens & 0x0f0f0f0fu) | ((odds << 4) & 0xf0f0f0f0u);
+      }
+    } else if constexpr (kPerByte<Pool> == 2) {
 #pragma unroll
       for (int i = 0; i < N; i += 8) {
         uint32_t w = 0;
@@ -553,8 +594,7 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     } else {
 #pragma unroll
       for (int i = 0; i < N; i += 4)
-        out.v[i / 4] = __byte_perm(__byte_perm(codes[i], codes[i + 1], 0x0040),
-                                   __byte_perm(codes[i + 2], codes[i + 3], 0x0040), 0x5410);  // low bytes
+        out.v[i / 4] = low_bytes(codes[i], codes[i + 1], codes[i + 2], codes[i + 3]);
     }
   }
   return !divide;
@@ -602,11 +642,10 @@ __device__ __noinline__ CodeWords<Pool, N> divided_words(Pack<float, N> y, Divis
   return out;
 }
 
-// The stored codes of y / s, as bytes: by the product where product_words proves it exact, else
-// divided (a dynamic row's zero scale: zeros, SPEC.md).
-template <typename Pool, int N, bool DYNAMIC>
-__device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(float const (&y)[N],
-                                                                            Divisor const& d) {
+// The stored codes of y / s, as bytes (or, Out, as whole words): by the product where
+// product_words proves it exact, else divided (a dynamic row's zero scale: zeros, SPEC.md).
+template <typename Pool, int N, bool DYNAMIC, typename Out = Pack<uint8_t, N / kPerByte<Pool>>>
+__device__ __forceinline__ Out quotient_bytes(float const (&y)[N], Divisor const& d) {
   CodeWords<Pool, N> words;
   if (!d.by_product || !product_words<Pool, N, DYNAMIC>(y, d, words)) {
     if (DYNAMIC && d.scale == 0.0f) {  // a zero row (or one whose maximum underflows): zeros
@@ -618,7 +657,7 @@ __device__ __forceinline__ Pack<uint8_t, N / kPerByte<Pool>> quotient_bytes(floa
       words = divided_words<Pool, N, DYNAMIC>(values, d);
     }
   }
-  Pack<uint8_t, N / kPerByte<Pool>> out;
+  Out out;
   static_assert(sizeof(out) == sizeof(words), "the words are the pack");
   memcpy(&out, &words, sizeof(out));
   return out;
@@ -1522,6 +1561,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // rows past the last and channels past D). The group's coordinates are computed again when it
   // is stored: held instead, they would take registers for kGroupStages - 1 more groups, and the
   // kernel's occupancy is bound by its registers. (With DFLASH_LEAN_OFFSETS the copies need none.)
+  // With DFLASH_COPY_IMMEDIATES, heads of exactly CHUNKS * G chunks take their copies' offsets as
+  // constants from the lane's first chunk.
+  bool const whole_rows = p.head_dim == CHUNKS * G * kGroupChunk;
+  int const first_chunk_bytes = channel[0] * int(sizeof(DBits));
   auto stage_group = [&](int64_t base, int slot) {
     int64_t const item = base + lane / G;
     bool const live = item < items;
@@ -1533,6 +1576,22 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       src = (first_row + (live ? item : 0)) * p.head_dim;
     else
       src = live ? coordinates(item).src : 0;
+    if constexpr (DFLASH_COPY_IMMEDIATES) {
+      if (whole_rows) {  // every chunk inside D: each copy at a constant distance from the first
+#pragma unroll
+        for (int plane = 0; plane < 2; ++plane) {
+          char const* row = reinterpret_cast<char const*>(deltas[plane] + src) + first_chunk_bytes;
+#pragma unroll
+          for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+            for (int w = 0; w < kWords; ++w)
+              copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x],
+                            row + (k * G * kGroupChunk + w * kWordElems) * int(sizeof(DBits)), live);
+        }
+        commit_copies();
+        return;
+      }
+    }
 #pragma unroll
     for (int plane = 0; plane < 2; ++plane) {
       char const* row = reinterpret_cast<char const*>(deltas[plane] + src);
@@ -1692,8 +1751,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
         if (!has[k]) continue;
-        store_pack(out + k * G * kGroupChunk / kPerByte<Pool>,
-                   quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
+        auto* const chunk_out = out + k * G * kGroupChunk / kPerByte<Pool>;
+        if constexpr (kPerByte<Pool> == 2 && DFLASH_INT4_WORDS)  // the word as product_words made it
+          store_pack(chunk_out,
+                     quotient_bytes<Pool, kGroupChunk, true, Pack<uint32_t, kGroupChunk / 8>>(x[k], divisor));
+        else
+          store_pack(chunk_out, quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
