@@ -86,32 +86,34 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // compiler sink the start position's below the branch on the length (nothing is written past the
 // length), so that at decode sizes a row waited on three loads in a chain: its length, its start,
 // its rope row (bench/results/ncu_h200_decode_696896f.txt); the static kernels issue the two
-// together. 0 (until measured on a GPU): plain loads.
+// together. 0: plain loads; the pair was 0.5-1.2% slower on an H100 at decode sizes and at B=8
+// L=2048 (BENCHMARKS.md).
 #define DFLASH_WORDS_AT_ONCE 0
 #endif
 #ifndef DFLASH_COPY_IMMEDIATES
 // 1: the scale-pool group kernel's copies of heads of exactly its chunks take their offsets as
 // constants from the lane's first chunk (one 64-bit address a plane, eight copies at immediate
 // offsets), where 0 adds each copy's own offset, selected by whether its chunk is inside D: about
-// 18 fewer instructions a row group in the four-chunk int8 kernel, 6 fewer registers. 0 until
-// measured on a GPU.
+// 18 fewer instructions a row group in the four-chunk int8 kernel, 6 fewer registers. 0: on an
+// H100 it was 1% faster at decode sizes and 0.3-0.7% slower at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_COPY_IMMEDIATES 0
 #endif
 #ifndef DFLASH_INT4_WORDS
 // 1: the int4 scale-pool stores gather eight codes' low bytes into two words (even elements, odd
 // ones) by byte permutes and join them by a shift and a mask, and the group kernel stores the word
 // as it is: 9 instructions for 8 codes, where 0 masks, shifts and ORs in each code (about 15) and
-// the compiler splits the 4-byte pack into bytes that it masks and joins again (7 more). 0 until
-// measured on a GPU.
-#define DFLASH_INT4_WORDS 0
+// the compiler splits the 4-byte pack into bytes that it masks and joins again (7 more). 1: on
+// an H100, int4 rows 3.6% faster at B=64 L=16, 0.4% at B=8 L=2048 (BENCHMARKS.md).
+#define DFLASH_INT4_WORDS 1
 #endif
 #ifndef DFLASH_FP8_END_WORDS
 // 1: the scale-pool FP8 stores convert four elements' low bracket ends into one word and their
 // high ends into another (numerics.h's float4_to_e4m3x4_raw), the low word being the stored
 // codes and the two compared whole: 26 instructions for 8 codes (16 FMUL, 8 F2FP, 2 ISETP),
 // where 0 converts each element's pair into 16 bits that are widened by a mask, joined by byte
-// permutes and compared by shifts (47). 0 until measured on a GPU.
-#define DFLASH_FP8_END_WORDS 0
+// permutes and compared by shifts (47). 1: on an H100, e4m3 scale-pool rows 5% faster at B=64
+// L=16, 2.5% at B=8 L=2048 (BENCHMARKS.md).
+#define DFLASH_FP8_END_WORDS 1
 #endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
