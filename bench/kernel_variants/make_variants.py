@@ -37,20 +37,16 @@ NAMED = {
     "keys_first": {"DFLASH_VALUES_FIRST": 0},
     "group_before": {"DFLASH_ADDRESS_AHEAD": 0, "DFLASH_VALUES_FIRST": 0},
     "words_ahead_all": {"DFLASH_ADDRESS_AHEAD": 7},
-    # Written without a GPU, off until measured: each row's two address words loaded together; an
-    # FP8 scale-pool chunk's low bracket ends and high ones converted into two words and compared
-    # whole; int4 codes gathered by bytes and stored as words; the group kernel's copies at
-    # constant offsets; all four.
+    # The scale-pool stores' instruction counts: the FP8 bracket ends compared as words and the
+    # int4 codes stored as words (defaults), each alone off, and both off (the stores before
+    # them); each row's two address words loaded together and the group kernel's copies at
+    # constant offsets (measured slower at B=8 L=2048, off), and both of them on.
+    "fp8_end_pairs": {"DFLASH_FP8_END_WORDS": 0},
+    "int4_bytes": {"DFLASH_INT4_WORDS": 0},
+    "stores_before": {"DFLASH_FP8_END_WORDS": 0, "DFLASH_INT4_WORDS": 0},
     "words_at_once": {"DFLASH_WORDS_AT_ONCE": 1},
-    "fp8_end_words": {"DFLASH_FP8_END_WORDS": 1},
-    "int4_words": {"DFLASH_INT4_WORDS": 1},
     "copy_immediates": {"DFLASH_COPY_IMMEDIATES": 1},
-    "unmeasured_all": {
-        "DFLASH_WORDS_AT_ONCE": 1,
-        "DFLASH_FP8_END_WORDS": 1,
-        "DFLASH_INT4_WORDS": 1,
-        "DFLASH_COPY_IMMEDIATES": 1,
-    },
+    "loads_and_copies": {"DFLASH_WORDS_AT_ONCE": 1, "DFLASH_COPY_IMMEDIATES": 1},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},
