@@ -86,8 +86,8 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // compiler sink the start position's below the branch on the length (nothing is written past the
 // length), so that at decode sizes a row waited on three loads in a chain: its length, its start,
 // its rope row (bench/results/ncu_h200_decode_696896f.txt); the static kernels issue the two
-// together. 0: plain loads; the pair was 0.5-1.2% slower on an H100 at decode sizes and at B=8
-// L=2048 (BENCHMARKS.md).
+// together. 0: plain loads; on an H100 the pair made no row faster (the int8 scale-pool rows
+// 0.1-1.2% slower, about that card's noise; BENCHMARKS.md).
 #define DFLASH_WORDS_AT_ONCE 0
 #endif
 #ifndef DFLASH_COPY_IMMEDIATES
@@ -95,7 +95,7 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // constants from the lane's first chunk (one 64-bit address a plane, eight copies at immediate
 // offsets), where 0 adds each copy's own offset, selected by whether its chunk is inside D: about
 // 18 fewer instructions a row group in the four-chunk int8 kernel, 6 fewer registers. 0: on an
-// H100 it was 1% faster at decode sizes and 0.3-0.7% slower at B=8 L=2048 (BENCHMARKS.md).
+// H100 it was within the noise at decode sizes and 0.3-0.7% slower at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_COPY_IMMEDIATES 0
 #endif
 #ifndef DFLASH_INT4_WORDS
