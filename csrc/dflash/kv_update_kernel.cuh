@@ -1486,9 +1486,14 @@ __device__ __forceinline__ float max_magnitude(float m, float x) {
   return out;
 }
 
+// The fused norm of a row group's plane (SPEC.md "Fused norms"): the row's sum of squares by the
+// halving tree, then each chunk normed and weighted as the other kernels do it (apply_norm: two
+// channels a packed conversion and, with a weight, a packed product; an element a time, the round
+// trips through the delta dtype took three times the instructions of the quantized store).
 template <typename Delta, int G, int CHUNKS>
 __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS],
-                                           float eps, int64_t head_dim) {
+                                           WeightPack<Delta, kGroupChunk> const (&weight)[CHUNKS],
+                                           bool weighted, float eps, int64_t head_dim) {
   float s[CHUNKS];
 #pragma unroll
   for (int k = 0; k < CHUNKS; ++k) {
@@ -1508,9 +1513,14 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
   for (int h = G / 2; h >= 1; h /= 2) sum = add_rn(sum, __shfl_down_sync(0xffffffffu, sum, h, G));
   float const inv_rms = inverse_rms(__shfl_sync(0xffffffffu, sum, 0, G), head_dim, eps);
 #pragma unroll
-  for (int k = 0; k < CHUNKS; ++k)
-#pragma unroll
-    for (int i = 0; i < kGroupChunk; ++i) x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], inv_rms));
+  for (int k = 0; k < CHUNKS; ++k) {
+    // Two calls, not one with a selected pointer: a pointer into the weight array that may be null
+    // puts the array on the stack.
+    if (weighted)
+      apply_norm<Delta, kGroupChunk>(x[k], inv_rms, &weight[k]);
+    else
+      apply_norm<Delta, kGroupChunk>(x[k], inv_rms, nullptr);
+  }
 }
 
 // NORMS: whether the kernel carries the fused norms' code (false: a call with neither norm; the
@@ -1644,13 +1654,14 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     if constexpr (kAddressAhead) {
       if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
     }
-    DeltaPack weight[CHUNKS] = {};
+    using Weight = WeightPack<Delta, kGroupChunk>;
+    Weight weight[CHUNKS] = {};
     if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k)
         if (live && has[k])
-          weight[k] = load_pack<DeltaPack>(static_cast<DBits const*>(p.k_norm_weight) +
-                                           weight_offset(p, it.layer) + channel[k]);
+          weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) +
+                                        weight_offset(p, it.layer) + channel[k]);
     }
     if (live) {
       if constexpr (kAddressAhead)
@@ -1684,16 +1695,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
         for (int i = 0; i < kGroupChunk; ++i) x[k][i] = Delta::decode(row.v[i]);
       }
       if (NORMS && (plane == 0 ? p.k_norm : p.v_norm)) {  // uniform in the launch
-        group_norm<Delta, G, CHUNKS>(x, has, p.norm_eps, p.head_dim);
-        if (plane == 0 && p.k_norm_weight != nullptr) {
-#pragma unroll
-          for (int k = 0; k < CHUNKS; ++k) {
-            if (!has[k]) continue;
-#pragma unroll
-            for (int i = 0; i < kGroupChunk; ++i)
-              x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], Delta::decode(weight[k].v[i])));
-          }
-        }
+        // Chunks past D hold zeros (weighted by zeros): they change neither the sum nor the maximum.
+        group_norm<Delta, G, CHUNKS>(x, has, weight, plane == 0 && p.k_norm_weight != nullptr, p.norm_eps,
+                                     p.head_dim);
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch
         if constexpr (CHUNKS > 1) {          // chunk k in the first half, its partner k + CHUNKS / 2
