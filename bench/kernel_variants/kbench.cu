@@ -185,7 +185,8 @@ int main(int, char** argv) {
     CK(cudaDeviceSynchronize());
     // The rows: fp16 both contracts, the fused k-norm in both, bf16 deltas and pool, and an e4m3
     // pool (per-head scales) in both, the paged one with the k-norm too (from fp16 and from bf16
-    // deltas, the main job's).
+    // deltas, the main job's); int8 with per-head scales; the scale pools (int8, e4m3, int4),
+    // each paged with the k-norm too.
     struct Row {
       char const* name;
       bool paged;
@@ -214,8 +215,11 @@ int main(int, char** argv) {
         {"paged int8", true, int8},
         {"slot  int8 dynamic", false, int8_dynamic},
         {"paged int8 dynamic", true, int8_dynamic},
+        {"paged int8 dynamic knorm", true, {DType::kFloat16, DType::kInt8, nullptr, weight, scale_pool}},
         {"slot  e4m3 dynamic", false, e4m3_dynamic},
+        {"paged e4m3 dynamic knorm", true, {DType::kFloat16, DType::kFloat8E4M3, nullptr, weight, scale_pool}},
         {"slot  int4", false, int4},
+        {"paged int4 knorm", true, {DType::kFloat16, DType::kUInt8, nullptr, weight, scale_pool}},
     };
     char const* rope_kind = std::getenv("KB_ROPE");
     bool const shared_rope = rope_kind && std::string(rope_kind) == "shared";
