@@ -199,6 +199,9 @@ int main(int, char** argv) {
     Flavor const int8_dynamic{DType::kFloat16, DType::kInt8, nullptr, nullptr, scale_pool};
     Flavor const e4m3_dynamic{DType::kFloat16, DType::kFloat8E4M3, nullptr, nullptr, scale_pool};
     Flavor const int4{DType::kFloat16, DType::kUInt8, nullptr, nullptr, scale_pool};
+    Flavor const int8_dynamic_knorm{DType::kFloat16, DType::kInt8, nullptr, weight, scale_pool};
+    Flavor const e4m3_dynamic_knorm{DType::kFloat16, DType::kFloat8E4M3, nullptr, weight, scale_pool};
+    Flavor const int4_knorm{DType::kFloat16, DType::kUInt8, nullptr, weight, scale_pool};
     Row const rows[] = {
         {"slot ", false, {}},
         {"paged", true, {}},
@@ -215,11 +218,11 @@ int main(int, char** argv) {
         {"paged int8", true, int8},
         {"slot  int8 dynamic", false, int8_dynamic},
         {"paged int8 dynamic", true, int8_dynamic},
-        {"paged int8 dynamic knorm", true, {DType::kFloat16, DType::kInt8, nullptr, weight, scale_pool}},
+        {"paged int8 dynamic knorm", true, int8_dynamic_knorm},
         {"slot  e4m3 dynamic", false, e4m3_dynamic},
-        {"paged e4m3 dynamic knorm", true, {DType::kFloat16, DType::kFloat8E4M3, nullptr, weight, scale_pool}},
+        {"paged e4m3 dynamic knorm", true, e4m3_dynamic_knorm},
         {"slot  int4", false, int4},
-        {"paged int4 knorm", true, {DType::kFloat16, DType::kUInt8, nullptr, weight, scale_pool}},
+        {"paged int4 knorm", true, int4_knorm},
     };
     char const* rope_kind = std::getenv("KB_ROPE");
     bool const shared_rope = rope_kind && std::string(rope_kind) == "shared";

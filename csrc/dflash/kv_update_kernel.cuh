@@ -1497,9 +1497,9 @@ __device__ __forceinline__ float max_magnitude(float m, float x) {
 
 // The k-norm weight's chunks as the group kernel holds them: in pairs for apply_norm
 // (DFLASH_PACKED_GROUP_NORM), else as the delta dtype's elements.
-template <typename Delta>
-using GroupWeight = std::conditional_t<DFLASH_PACKED_GROUP_NORM != 0, WeightPack<Delta, kGroupChunk>,
-                                       Pack<typename Delta::Bits, kGroupChunk>>;
+template <typename Delta> using GroupWeight =
+    std::conditional_t<DFLASH_PACKED_GROUP_NORM != 0, WeightPack<Delta, kGroupChunk>,
+                       Pack<typename Delta::Bits, kGroupChunk>>;
 
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
 // squares by the halving tree. Chunks past D hold zeros.
