@@ -1526,9 +1526,11 @@ __device__ __forceinline__ float group_inverse_rms(float const (&x)[CHUNKS][kGro
   return inverse_rms(__shfl_sync(0xffffffffu, sum, 0, G), head_dim, eps);
 }
 
-// The fused norm of a row group's plane, and with `weighted` the k-norm weight's product. With
-// DFLASH_PACKED_GROUP_NORM through apply_norm, as the other kernels norm; else each element on its
-// own. Chunks past D (zeros, zero weights) change neither the sum nor the row's maximum.
+// The fused norm of a row group's plane. With DFLASH_PACKED_GROUP_NORM through apply_norm, as the
+// other kernels norm, and with `weighted` the k-norm weight's product too; else each element on its
+// own, and the caller takes the weight's product (there, the kernel compiles to the instructions
+// its measurements were taken with). Chunks past D (zeros, zero weights) change neither the sum
+// nor the row's maximum.
 template <typename Delta, int G, int CHUNKS>
 __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS],
                                            GroupWeight<Delta> const (&weight)[CHUNKS], bool weighted,
