@@ -121,15 +121,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 0: four at every size.
 #define DFLASH_WIDE_BY_ROWS 1
 #endif
-#ifndef DFLASH_PACKED_GROUP_NORM
-// 1: the scale-pool group kernel norms through apply_norm, as the other kernels do (two channels a
-// packed conversion through the delta dtype, the k-norm weight as a packed product of two), the
-// same bits: 416 to 552 fewer SASS instructions (12-16%) in the normed four-chunk kernels of
-// 16-bit deltas, 152 to 280 in the two-chunk ones, 8 to 64 more with float32 deltas; 0: each
-// element rounded on its own, twice with the weight. Off until a GPU has run it; with 0, on an
-// H100, the fused k-norm into a scale pool cost +33% to +45% at B=8 L=2048 (BENCHMARKS.md).
-#define DFLASH_PACKED_GROUP_NORM 0
-#endif
 // Three scheduling choices of the paged kernels, as bit sets over five kinds of kernel (kPagedKind):
 // 1 plain into a 16/32-bit pool, 2 plain into an FP8 pool, 4 fused norm into a 16/32-bit pool,
 // 8 fused norm into an FP8 pool from float16 or float32 deltas, 16 the same from bfloat16 deltas.
@@ -1495,12 +1486,6 @@ __device__ __forceinline__ float max_magnitude(float m, float x) {
   return out;
 }
 
-// The k-norm weight's chunks as the group kernel holds them: in pairs for apply_norm
-// (DFLASH_PACKED_GROUP_NORM), else as the delta dtype's elements.
-template <typename Delta> using GroupWeight =
-    std::conditional_t<DFLASH_PACKED_GROUP_NORM != 0, WeightPack<Delta, kGroupChunk>,
-                       Pack<typename Delta::Bits, kGroupChunk>>;
-
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
 // squares by the halving tree. Chunks past D hold zeros.
 template <int G, int CHUNKS>
@@ -1526,31 +1511,23 @@ __device__ __forceinline__ float group_inverse_rms(float const (&x)[CHUNKS][kGro
   return inverse_rms(__shfl_sync(0xffffffffu, sum, 0, G), head_dim, eps);
 }
 
-// The fused norm of a row group's plane. With DFLASH_PACKED_GROUP_NORM through apply_norm, as the
-// other kernels norm, and with `weighted` the k-norm weight's product too; else each element on its
-// own, and the caller takes the weight's product (there, the kernel compiles to the instructions
-// its measurements were taken with). Chunks past D (zeros, zero weights) change neither the sum
-// nor the row's maximum.
+// The fused norm of a row group's plane, through apply_norm as the other kernels norm (two channels
+// a packed conversion, the k-norm weight as a packed product of two), and with `weighted` the
+// weight's product too. Chunks past D (zeros, zero weights) change neither the sum nor the row's
+// maximum.
 template <typename Delta, int G, int CHUNKS>
 __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool const (&has)[CHUNKS],
-                                           GroupWeight<Delta> const (&weight)[CHUNKS], bool weighted,
-                                           float eps, int64_t head_dim) {
+                                           WeightPack<Delta, kGroupChunk> const (&weight)[CHUNKS],
+                                           bool weighted, float eps, int64_t head_dim) {
   float const inv_rms = group_inverse_rms<G, CHUNKS>(x, has, eps, head_dim);
-  if constexpr (DFLASH_PACKED_GROUP_NORM != 0) {
 #pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      // Two calls, not one with a selected pointer: a pointer into the weight array that may be
-      // null puts the array on the stack.
-      if (weighted)
-        apply_norm<Delta, kGroupChunk>(x[k], inv_rms, &weight[k]);
-      else
-        apply_norm<Delta, kGroupChunk>(x[k], inv_rms, nullptr);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k)
-#pragma unroll
-      for (int i = 0; i < kGroupChunk; ++i) x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], inv_rms));
+  for (int k = 0; k < CHUNKS; ++k) {
+    // Two calls, not one with a selected pointer: a pointer into the weight array that may be
+    // null puts the array on the stack.
+    if (weighted)
+      apply_norm<Delta, kGroupChunk>(x[k], inv_rms, &weight[k]);
+    else
+      apply_norm<Delta, kGroupChunk>(x[k], inv_rms, nullptr);
   }
 }
 
@@ -1685,7 +1662,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     if constexpr (kAddressAhead) {
       if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
     }
-    using Weight = GroupWeight<Delta>;
+    using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
     if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
 #pragma unroll
@@ -1728,15 +1705,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if (NORMS && (plane == 0 ? p.k_norm : p.v_norm)) {  // uniform in the launch
         group_norm<Delta, G, CHUNKS>(x, has, weight, plane == 0 && p.k_norm_weight != nullptr, p.norm_eps,
                                      p.head_dim);
-        if (DFLASH_PACKED_GROUP_NORM == 0 && plane == 0 && p.k_norm_weight != nullptr) {
-#pragma unroll
-          for (int k = 0; k < CHUNKS; ++k) {
-            if (!has[k]) continue;
-#pragma unroll
-            for (int i = 0; i < kGroupChunk; ++i)
-              x[k][i] = round_to(Delta::kDType, mul_rn(x[k][i], Delta::decode(weight[k].v[i])));
-          }
-        }
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch
         if constexpr (CHUNKS > 1) {          // chunk k in the first half, its partner k + CHUNKS / 2
