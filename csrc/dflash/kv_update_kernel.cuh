@@ -115,15 +115,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // L=16, 2.5% at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_FP8_END_WORDS 1
 #endif
-#ifndef DFLASH_ROPE_PREFETCH
-// 1: the scale-pool group kernel's warps that loop over row groups prefetch the next group's
-// cos/sin into L1 while they work on the group before it (the paged and mapped forms' when it
-// starts, the slot form's at its end, once the next group's address words have landed), so that
-// the rotation does not wait on a load from DRAM: under Nsight Compute, a third of that kernel's
-// stall samples at B=8 L=2048 were at the row's first rotation (BENCHMARKS.md). A prefetch holds
-// no register. 0: each group loads its cos/sin when it starts.
-#define DFLASH_ROPE_PREFETCH 0
-#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -1361,21 +1352,6 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
   return w;
 }
 
-// An item's rope row (null: not rotated) from its address words, as dynamic_address finds it: the
-// slot form's by the written position, the others' by the token.
-template <Contract C> __device__ __forceinline__ float const* dynamic_rope_row(KVUpdateParams const& p,
-                                                                               DynamicItem const& it,
-                                                                               AddressWords const& w) {
-  if (p.rotary_dim <= 0) return nullptr;
-  if constexpr (C == Contract::kSlot) {
-    int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
-    return pos >= 0 && pos < p.rope_seq_len ? p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos)
-                                            : nullptr;
-  } else {
-    return p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
-  }
-}
-
 // Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
 template <Contract C>
 __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
@@ -1508,13 +1484,6 @@ __device__ __forceinline__ float max_magnitude(float m, float x) {
   float out;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(m), "f"(fabsf(x)));
   return out;
-}
-
-// Asks for the line at ptr in L1, holding no register (a hint: it reads nothing the kernel uses).
-__device__ __forceinline__ void prefetch_l1(void const* ptr) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
-#endif
 }
 
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
@@ -1682,21 +1651,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
   }
-  // With DFLASH_ROPE_PREFETCH, the lane's cos/sin of a later row into L1: the paged and mapped
-  // forms' as soon as the group starts (their rope row is the token's), the slot form's once the
-  // row's address words have landed (its rope row is the written position's).
-  constexpr bool kPrefetchAtStart = DFLASH_ROPE_PREFETCH && C != Contract::kSlot;
-  constexpr bool kPrefetchAtEnd = DFLASH_ROPE_PREFETCH && C == Contract::kSlot && kAddressAhead;
-  auto prefetch_rope = [&](DynamicItem const& later, AddressWords const& later_words) {
-    float const* const row = dynamic_rope_row<C>(p, later, later_words);
-    if (row == nullptr) return;
-#pragma unroll
-    for (int k = 0; k < kRopeChunks; ++k) {
-      int const index = first ? channel[k] : channel[k] - half;
-      prefetch_l1(row + index);
-      prefetch_l1(row + half + index);
-    }
-  };
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
     stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
@@ -1707,9 +1661,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     AddressWords next_words;  // the next group's
     if constexpr (kAddressAhead) {
       if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
-    }
-    if constexpr (kPrefetchAtStart) {
-      if (rotary && item + step < items) prefetch_rope(coordinates(item + step), AddressWords{});
     }
     using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
@@ -1820,9 +1771,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
         else
           store_pack(chunk_out, quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
       }
-    }
-    if constexpr (kPrefetchAtEnd) {
-      if (rotary && item + step < items) prefetch_rope(coordinates(item + step), next_words);
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
     if constexpr (kAddressAhead) words = next_words;
