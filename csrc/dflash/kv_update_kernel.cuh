@@ -1463,7 +1463,8 @@ template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Del
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 // Row groups in shared memory per warp (the current one and those being copied): at most 32 KB a
-// block, so that the registers, not the shared memory, bound the resident blocks.
+// block (48 KB with DFLASH_GROUP_STAGES=3), so that the registers, not the shared memory, bound the
+// resident blocks.
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStageBytes =
     int(sizeof(typename Delta::Bits)) * CHUNKS * 2 * kGroupChunk * kGroupThreads;
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStages =
