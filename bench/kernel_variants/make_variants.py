@@ -47,10 +47,6 @@ NAMED = {
     "words_at_once": {"DFLASH_WORDS_AT_ONCE": 1},
     "copy_immediates": {"DFLASH_COPY_IMMEDIATES": 1},
     "loads_and_copies": {"DFLASH_WORDS_AT_ONCE": 1, "DFLASH_COPY_IMMEDIATES": 1},
-    # The group kernel with three row groups in shared memory wherever 48 KB holds them; its row
-    # maximum by a tree (both off until measured).
-    "group_stages3": {"DFLASH_GROUP_STAGES": 3},
-    "max_tree": {"DFLASH_MAX_TREE": 1},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},

@@ -115,21 +115,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // L=16, 2.5% at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_FP8_END_WORDS 1
 #endif
-#ifndef DFLASH_GROUP_STAGES
-// Row groups each warp of the scale-pool group kernel holds in shared memory (the current one and
-// those being copied). 0: three where they take at most 32 KB a block, else two (16-bit deltas,
-// four chunks a lane: two), so that the registers, not the shared memory, bound the resident
-// blocks. 3: three wherever a static allocation holds them (48 KB a block: four blocks still fit
-// an SM's 228 KB), one more group's copies in flight a warp. Not yet measured.
-#define DFLASH_GROUP_STAGES 0
-#endif
-#ifndef DFLASH_MAX_TREE
-// 1: the scale-pool group kernel takes a lane's largest magnitude by a tree over its elements
-// (5 dependent max instructions for 32 elements, 4 for 16) rather than one after another (32,
-// 16): the same bits, as a max is exact in any order. Not yet measured.
-#define DFLASH_MAX_TREE 0
-#endif
-static_assert(DFLASH_GROUP_STAGES == 0 || DFLASH_GROUP_STAGES == 3, "DFLASH_GROUP_STAGES: 0 or 3");
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -1463,12 +1448,11 @@ template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Del
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 // Row groups in shared memory per warp (the current one and those being copied): at most 32 KB a
-// block (48 KB with DFLASH_GROUP_STAGES=3), so that the registers, not the shared memory, bound the
-// resident blocks.
+// block, so that the registers, not the shared memory, bound the resident blocks.
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStageBytes =
     int(sizeof(typename Delta::Bits)) * CHUNKS * 2 * kGroupChunk * kGroupThreads;
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStages =
-    kGroupStageBytes<Delta, CHUNKS> * 3 <= (DFLASH_GROUP_STAGES == 3 ? 48 : 32) * 1024 ? 3 : 2;
+    kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3 : 2;
 
 // 16 bytes from global memory into shared memory, asynchronously; read = false fills them with
 // zeros instead (src is not read).
@@ -1753,28 +1737,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
       // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
       float magnitude = 0.0f;
-      if constexpr (DFLASH_MAX_TREE) {  // each chunk's 8 by a tree of three levels, then the chunks'
-        static_assert(kGroupChunk == 8, "a chunk's tree of three levels");
-        float m[CHUNKS];
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) {
-          float const a0 = max_magnitude(fabsf(x[k][0]), x[k][1]),
-                      a1 = max_magnitude(fabsf(x[k][2]), x[k][3]);
-          float const a2 = max_magnitude(fabsf(x[k][4]), x[k][5]),
-                      a3 = max_magnitude(fabsf(x[k][6]), x[k][7]);
-          m[k] = max_magnitude(max_magnitude(a0, a1), max_magnitude(a2, a3));
-        }
+      for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
-        for (int w = CHUNKS / 2; w >= 1; w /= 2)
-#pragma unroll
-          for (int k = 0; k < w; ++k) m[k] = max_magnitude(m[k], m[k + w]);
-        magnitude = m[0];
-      } else {
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k)
-#pragma unroll
-          for (int i = 0; i < kGroupChunk; ++i) magnitude = max_magnitude(magnitude, x[k][i]);
-      }
+        for (int i = 0; i < kGroupChunk; ++i) magnitude = max_magnitude(magnitude, x[k][i]);
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
         magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
