@@ -59,6 +59,9 @@ NAMED = {
     "bytevec16": {"DFLASH_BYTE_POOL_VEC": 16},
     "group_min5": {"DFLASH_GROUP_MIN_BLOCKS": 5},
     "rope5": {"DFLASH_GROUP_MIN_BLOCKS": 5, "DFLASH_ROPE_AT_USE": 1},
+    # The scale-pool stores by the bracket and its fallback for every row, as before the exact
+    # quotients.
+    "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
 }
 
 
