@@ -674,6 +674,9 @@ __device__ __forceinline__ Out quotient_bytes(float const (&y)[N], Divisor const
   return out;
 }
 
+// The scales whose rows exact_quotient_words stores (the comment below); a NaN scale is outside.
+inline constexpr float kExactQuotientsFrom = 0x1p-80f, kExactQuotientsTo = 0x1p100f;
+
 // The stored codes of a dynamic row's elements from their quotients q = RN(y / s), each computed
 // exactly (Markstein): with r = RN(1 / s) and q0 = RN(y r), the residual y - s q0 is exact in one
 // FMA and RN(q0 + (y - s q0) r) = RN(y / s), where nothing underflows. For s in [2^-80, 2^100]
@@ -1813,7 +1816,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, it, row, h);
       auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
-        if (scale >= 0x1p-80f && scale <= 0x1p100f) {  // false for NaN
+        if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
           float const r = __frcp_rn(scale);
 #pragma unroll
           for (int k = 0; k < CHUNKS; ++k) {
