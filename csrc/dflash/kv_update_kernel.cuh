@@ -518,6 +518,28 @@ template <typename Pool, int N> struct CodeWords {
   uint32_t v[N / 4 / kPerByte<Pool>];
 };
 
+// Integer codes (two's complement in each one's low bits) as a chunk's words: the low bytes of
+// four codes a word, in order; int4's nibbles byte j element 2j's low, 2j + 1's high (the even
+// elements' bytes and the odd ones' shifted by a nibble, joined by one mask).
+template <typename Pool, int N>
+__device__ __forceinline__ void integer_code_words(uint32_t const (&codes)[N], CodeWords<Pool, N>& out) {
+  auto low_bytes = [](uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+  };
+  if constexpr (kPerByte<Pool> == 2) {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      uint32_t const evens = low_bytes(codes[i], codes[i + 2], codes[i + 4], codes[i + 6]);
+      uint32_t const odds = low_bytes(codes[i + 1], codes[i + 3], codes[i + 5], codes[i + 7]);
+      out.v[i / 8] = (evens & 0x0f0f0f0fu) | ((odds << 4) & 0xf0f0f0f0u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4)
+      out.v[i / 4] = low_bytes(codes[i], codes[i + 1], codes[i + 2], codes[i + 3]);
+  }
+}
+
 // Two values that bracket an FP8 code's quotient q = y / s (product_words' comment).
 __device__ __forceinline__ void fp8_ends(float y, Divisor const& d, float& lo, float& hi) {
   if constexpr (DFLASH_BRACKETED_CODES) {
@@ -580,21 +602,7 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     uint32_t codes[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
-    // The low bytes of four codes, in order, as one word (two's complement, so an int4 code's
-    // nibble is its byte's low one).
-    auto low_bytes = [](uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-      return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-    };
-    if constexpr (kPerByte<Pool> == 2 && DFLASH_INT4_WORDS) {
-      // Byte j of a word: element 2j's nibble low, 2j + 1's high: the even elements' bytes and
-      // the odd ones' shifted by a nibble, joined by one mask.
-#pragma unroll
-      for (int i = 0; i < N; i += 8) {
-        uint32_t const evens = low_bytes(codes[i], codes[i + 2], codes[i + 4], codes[i + 6]);
-        uint32_t const odds = low_bytes(codes[i + 1], codes[i + 3], codes[i + 5], codes[i + 7]);
-        out.v[i / 8] = (evens & 0x0f0f0f0fu) | ((odds << 4) & 0xf0f0f0f0u);
-      }
-    } else if constexpr (kPerByte<Pool> == 2) {
+    if constexpr (kPerByte<Pool> == 2 && !DFLASH_INT4_WORDS) {  // each nibble masked, shifted, joined
 #pragma unroll
       for (int i = 0; i < N; i += 8) {
         uint32_t w = 0;
@@ -603,9 +611,7 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
         out.v[i / 8] = w;
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < N; i += 4)
-        out.v[i / 4] = low_bytes(codes[i], codes[i + 1], codes[i + 2], codes[i + 3]);
+      integer_code_words(codes, out);
     }
   }
   return !divide;
@@ -701,21 +707,7 @@ __device__ __forceinline__ CodeWords<Pool, N> exact_quotient_words(float const (
     uint32_t codes[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) codes[i] = bits_of(add_rn(q[i], kIntegerMagic));
-    auto low_bytes = [](uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-      return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-    };
-    if constexpr (kPerByte<Pool> == 2) {
-#pragma unroll
-      for (int i = 0; i < N; i += 8) {
-        uint32_t const evens = low_bytes(codes[i], codes[i + 2], codes[i + 4], codes[i + 6]);
-        uint32_t const odds = low_bytes(codes[i + 1], codes[i + 3], codes[i + 5], codes[i + 7]);
-        out.v[i / 8] = (evens & 0x0f0f0f0fu) | ((odds << 4) & 0xf0f0f0f0u);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; i += 4)
-        out.v[i / 4] = low_bytes(codes[i], codes[i + 1], codes[i + 2], codes[i + 3]);
-    }
+    integer_code_words(codes, out);
   }
   return out;
 }
