@@ -14,7 +14,9 @@
 // bytes per thread, into the pool rows the page table gives them
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
 // into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
-// or at once ("copy flat"). The chunk rows move the same traffic (+rope) with each block looping
+// or at once ("copy flat"). The "i8+s+rope" and "i4+s+rope" copy rows are the quantized pools' own
+// bytes (deltas and rope rows read, one or half a byte an element and a scale a head written), flat
+// and through the page table. The chunk rows move the same traffic (+rope) with each block looping
 // over a contiguous run of tokens, the next step's loads issued before this step's stores ("pipe").
 #include "harness.h"
 
@@ -73,6 +75,43 @@ template <int TOKENS> __global__ void copy_rows(__half const* k, __half const* v
   for (int i = 0; i < TOKENS; ++i) {
     __stcs(reinterpret_cast<uint4*>(pool + k_row[i] * row_elems + e), kv[i]);
     __stcs(reinterpret_cast<uint4*>(pool + v_row[i] * row_elems + e), vv[i]);
+  }
+}
+
+// The copy rows of a quantized pool's own bytes (the op's traffic without its arithmetic): each
+// thread reads 8 channels of K and V (16 bytes each) and the token's rope row (4 bytes a thread),
+// and writes OUT bytes of each plane (8: int8 or FP8, 4: int4) and, from each head's first thread,
+// the head's scale in each plane (4 bytes), at token t (kFlat) or where the paged contract writes
+// them (kPaged). The pool's rows are H * D * OUT / 16 bytes; the scale pool's H floats.
+template <int OUT> __global__ void copy_format_rows(__half const* k, __half const* v, float const* rope,
+                                                    uint8_t* pool, float* scale_pool, int const* positions,
+                                                    int const* owners, int const* table, int M, int N,
+                                                    CopyKind kind) {
+  int const t = blockIdx.x;
+  size_t const row_elems = size_t(H) * D, e = size_t(threadIdx.x) * 8;
+  uint4 kv = __ldg(reinterpret_cast<uint4 const*>(k + size_t(t) * row_elems + e));
+  uint4 const vv = __ldg(reinterpret_cast<uint4 const*>(v + size_t(t) * row_elems + e));
+  kv.x ^= __float_as_uint(__ldg(rope + size_t(t) * R + threadIdx.x % R));
+  size_t k_row = t, v_row = size_t(N) * P + t;
+  if (kind == kPaged) {
+    int const b = __ldg(owners + t), pos = __ldg(positions + t);
+    int const* entry = table + (size_t(b) * 2) * M + pos / P;
+    k_row = size_t(__ldg(entry)) * P + pos % P, v_row = size_t(__ldg(entry + M)) * P + pos % P;
+  }
+  size_t const row_bytes = row_elems * OUT / 16;
+  uint8_t* const k_out = pool + k_row * row_bytes + threadIdx.x * OUT;
+  uint8_t* const v_out = pool + v_row * row_bytes + threadIdx.x * OUT;
+  if constexpr (OUT == 8) {
+    __stcs(reinterpret_cast<uint2*>(k_out), make_uint2(kv.x ^ kv.y, kv.z ^ kv.w));
+    __stcs(reinterpret_cast<uint2*>(v_out), make_uint2(vv.x ^ vv.y, vv.z ^ vv.w));
+  } else {
+    __stcs(reinterpret_cast<unsigned*>(k_out), kv.x ^ kv.y ^ kv.z ^ kv.w);
+    __stcs(reinterpret_cast<unsigned*>(v_out), vv.x ^ vv.y ^ vv.z ^ vv.w);
+  }
+  if (threadIdx.x % (D / 8) == 0) {
+    size_t const h = threadIdx.x / (D / 8);
+    __stcs(scale_pool + k_row * H + h, __uint_as_float(kv.w));
+    __stcs(scale_pool + v_row * H + h, __uint_as_float(vv.w));
   }
 }
 
@@ -279,6 +318,33 @@ int main(int, char** argv) {
           },
           reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 * 2 + (c.rope ? double(T) * R * 4 : 0.0);
+      std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us,
+                  copied / us / 1e3, stamp().c_str());
+    }
+    // The quantized pools' own bytes with their scales, flat and through the page table.
+    struct FormatCopyRow {
+      char const* name;
+      CopyKind kind;
+      int out;  // bytes written a plane for 8 channels
+    };
+    FormatCopyRow const format_copies[] = {{"copy flat i8+s+rope", kFlat, 8},
+                                           {"copy paged i8+s+rope", kPaged, 8},
+                                           {"copy flat i4+s+rope", kFlat, 4},
+                                           {"copy paged i4+s+rope", kPaged, 4}};
+    for (FormatCopyRow const& c : format_copies) {
+      if (layers != 1) continue;
+      float const us = time_graph(
+          st,
+          [&](int i) {
+            int j = i % sets;
+            auto* kernel = c.out == 8 ? copy_format_rows<8> : copy_format_rows<4>;
+            kernel<<<T, H * D / 8, 0, st>>>(ks[j], vs[j], paged_rope[shared_rope ? 0 : j],
+                                            reinterpret_cast<uint8_t*>(pool_mem), scale_pool, positions[j],
+                                            owners, table, M, N, c.kind);
+          },
+          reps, false, 30, replays);
+      double const copied = double(delta) * 2 * 2 + double(delta) * 2 * c.out / 8 +
+                            double(delta) / D * 2 * 4 + double(T) * R * 4;
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us,
                   copied / us / 1e3, stamp().c_str());
     }
