@@ -15,9 +15,11 @@
 // ("copy paged"; "+rope" also reads each token's rope row, "x2" moves two tokens per thread),
 // into token-major rows at the start of each plane once the page ids have arrived ("copy wait"),
 // or at once ("copy flat"). The "i8+s+rope" and "i4+s+rope" copy rows are the quantized pools' own
-// bytes (deltas and rope rows read, one or half a byte an element and a scale a head written), flat
-// and through the page table. The chunk rows move the same traffic (+rope) with each block looping
-// over a contiguous run of tokens, the next step's loads issued before this step's stores ("pipe").
+// bytes (deltas and rope rows read, one or half a byte an element and a scale a head written), each
+// form's own: the slot contract's rows and its rope table's row at the position, or the paged
+// contract's rows through the page table and its token-aligned rope rows. The chunk rows move the same
+// traffic (+rope) with each block looping over a contiguous run of tokens, the next step's loads issued
+// before this step's stores ("pipe").
 #include "harness.h"
 
 #include <chrono>
@@ -44,7 +46,7 @@ std::string stamp() {
 // load issued before any store). kFlat: token t's rows at t of each
 // plane; kPaged: where the paged contract writes them; kWait: at t, but only once the page ids
 // have arrived (the paged rows' dependent loads without their scattered destinations).
-enum CopyKind { kFlat, kPaged, kWait };
+enum CopyKind { kFlat, kPaged, kWait, kSlot };
 template <int TOKENS> __global__ void copy_rows(__half const* k, __half const* v, float const* rope,
                                                 __half* pool, int const* positions, int const* owners,
                                                 int const* table, int M, int N, CopyKind kind) {
@@ -79,10 +81,13 @@ template <int TOKENS> __global__ void copy_rows(__half const* k, __half const* v
 }
 
 // The copy rows of a quantized pool's own bytes (the op's traffic without its arithmetic): each
-// thread reads 8 channels of K and V (16 bytes each) and the token's rope row (4 bytes a thread),
+// thread reads 8 channels of K and V (16 bytes each) and 4 bytes of a rope row (kSlot: the rope
+// table's at the position, shared by the sequences; kPaged: the token's own),
 // and writes OUT bytes of each plane (8: int8 or FP8, 4: int4) and, from each head's first thread,
-// the head's scale in each plane (4 bytes), at token t (kFlat) or where the paged contract writes
-// them (kPaged). The pool's rows are H * D * OUT / 16 bytes; the scale pool's H floats.
+// the head's scale in each plane (4 bytes), where the slot contract writes them (kSlot: row
+// b * M * P + position of the token's sequence b, a sequence a slot of M pages) or the paged one
+// does (kPaged); both move with the input set's positions, as the ops' rows do. The pool's rows are
+// H * D * OUT / 16 bytes; the scale pool's H floats.
 template <int OUT> __global__ void copy_format_rows(__half const* k, __half const* v, float const* rope,
                                                     uint8_t* pool, float* scale_pool, int const* positions,
                                                     int const* owners, int const* table, int M, int N,
@@ -91,10 +96,10 @@ template <int OUT> __global__ void copy_format_rows(__half const* k, __half cons
   size_t const row_elems = size_t(H) * D, e = size_t(threadIdx.x) * 8;
   uint4 kv = __ldg(reinterpret_cast<uint4 const*>(k + size_t(t) * row_elems + e));
   uint4 const vv = __ldg(reinterpret_cast<uint4 const*>(v + size_t(t) * row_elems + e));
-  kv.x ^= __float_as_uint(__ldg(rope + size_t(t) * R + threadIdx.x % R));
-  size_t k_row = t, v_row = size_t(N) * P + t;
+  int const b = __ldg(owners + t), pos = __ldg(positions + t);
+  kv.x ^= __float_as_uint(__ldg(rope + size_t(kind == kSlot ? pos : t) * R + threadIdx.x % R));
+  size_t k_row = size_t(b) * M * P + pos, v_row = size_t(N) * P + k_row;
   if (kind == kPaged) {
-    int const b = __ldg(owners + t), pos = __ldg(positions + t);
     int const* entry = table + (size_t(b) * 2) * M + pos / P;
     k_row = size_t(__ldg(entry)) * P + pos % P, v_row = size_t(__ldg(entry + M)) * P + pos % P;
   }
@@ -321,15 +326,16 @@ int main(int, char** argv) {
       std::printf("%-21s B=%3d L=%5d layers=%d  %8.2f us  (%.0f GB/s)%s\n", c.name, B, L, layers, us,
                   copied / us / 1e3, stamp().c_str());
     }
-    // The quantized pools' own bytes with their scales, flat and through the page table.
+    // The quantized pools' own bytes with their scales, into the slot contract's rows and through
+    // the page table.
     struct FormatCopyRow {
       char const* name;
       CopyKind kind;
       int out;  // bytes written a plane for 8 channels
     };
-    FormatCopyRow const format_copies[] = {{"copy flat i8+s+rope", kFlat, 8},
+    FormatCopyRow const format_copies[] = {{"copy slot i8+s+rope", kSlot, 8},
                                            {"copy paged i8+s+rope", kPaged, 8},
-                                           {"copy flat i4+s+rope", kFlat, 4},
+                                           {"copy slot i4+s+rope", kSlot, 4},
                                            {"copy paged i4+s+rope", kPaged, 4}};
     for (FormatCopyRow const& c : format_copies) {
       if (layers != 1) continue;
@@ -338,9 +344,9 @@ int main(int, char** argv) {
           [&](int i) {
             int j = i % sets;
             auto* kernel = c.out == 8 ? copy_format_rows<8> : copy_format_rows<4>;
-            kernel<<<T, H * D / 8, 0, st>>>(ks[j], vs[j], paged_rope[shared_rope ? 0 : j],
-                                            reinterpret_cast<uint8_t*>(pool_mem), scale_pool, positions[j],
-                                            owners, table, M, N, c.kind);
+            float const* rope_rows = c.kind == kSlot ? rope : paged_rope[shared_rope ? 0 : j];
+            kernel<<<T, H * D / 8, 0, st>>>(ks[j], vs[j], rope_rows, reinterpret_cast<uint8_t*>(pool_mem),
+                                            scale_pool, positions[j], owners, table, M, N, c.kind);
           },
           reps, false, 30, replays);
       double const copied = double(delta) * 2 * 2 + double(delta) * 2 * c.out / 8 +
