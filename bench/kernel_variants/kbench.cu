@@ -22,7 +22,9 @@
 // before this step's stores ("pipe").
 #include "harness.h"
 
+#include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <string>
@@ -162,7 +164,9 @@ template <bool PIPE> __global__ void copy_chunks(__half const* k, __half const* 
 int main(int, char** argv) {
   // The variant, and so its knobs: make_variants.py names each binary kb_<variant>.
   std::printf("%s\n", argv[0]);
-  int const cases[][3] = {{1, 16, 1}, {8, 16, 1}, {64, 16, 1}, {1, 4096, 1}, {8, 2048, 1}, {64, 16, 5}};
+  // KB_SHAPES=BxL[xlayers],... runs those shapes (any B, L up to the M pages' tokens), else these.
+  std::vector<std::array<int, 3>> cases = {{1, 16, 1},   {8, 16, 1},   {64, 16, 1},
+                                           {1, 4096, 1}, {8, 2048, 1}, {64, 16, 5}};
   int const M = 64, cap = M * P, reps = 20;  // M pages per sequence, as in the main benchmark
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -170,19 +174,28 @@ int main(int, char** argv) {
   float* scales = device_copy(std::vector<float>(H, 1.0f));
   // 1.0 in fp16 bits; the bf16 rows read the same bits as 2^-7 (timing does not depend on values).
   uint16_t* weight = device_copy(std::vector<uint16_t>(D, 0x3C00));
-  // KB_SHAPES=BxL[xlayers],... runs only those shapes; KB_REPLAYS=n times n graph replays per sample
-  // (the sustained runs: long enough for the GPU's power limit to act, read with nvidia-smi).
-  char const* shapes_env = std::getenv("KB_SHAPES");
+  // KB_REPLAYS=n times n graph replays per sample (the sustained runs: long enough for the GPU's
+  // power limit to act, read with nvidia-smi).
+  if (char const* shapes_env = std::getenv("KB_SHAPES")) {
+    cases.clear();
+    std::string const list = shapes_env;
+    for (size_t at = 0; at < list.size();) {
+      size_t const end = std::min(list.find(',', at), list.size());
+      std::array<int, 3> c{0, 0, 1};
+      if (std::sscanf(list.substr(at, end - at).c_str(), "%dx%dx%d", &c[0], &c[1], &c[2]) < 2 || c[0] < 1 ||
+          c[1] < 1 || c[1] > M * P || c[2] < 1) {
+        std::fprintf(stderr, "KB_SHAPES: expected BxL[xlayers],... with L <= %d, got %s\n", M * P,
+                     shapes_env);
+        return 2;
+      }
+      cases.push_back(c);
+      at = end + 1;
+    }
+  }
   char const* replays_env = std::getenv("KB_REPLAYS");
   int const replays = replays_env ? std::max(1, std::atoi(replays_env)) : 1;
   for (auto const& c : cases) {
     int const B = c[0], L = c[1], layers = c[2], T = B * L, N = B * M;
-    if (shapes_env) {
-      std::string const name =
-          std::to_string(B) + "x" + std::to_string(L) + (layers > 1 ? "x" + std::to_string(layers) : "");
-      std::string const list = "," + std::string(shapes_env) + ",";
-      if (list.find("," + name + ",") == std::string::npos) continue;
-    }
     size_t const delta = size_t(layers) * T * H * D, pool = size_t(layers) * 2 * N * P * H * D;
     double const bytes = double(delta) * 2 * 2 * 2 + double(layers) * T * R * 4;
     char const* sets_env = std::getenv("KB_SETS");  // more sets: less of them left in L2

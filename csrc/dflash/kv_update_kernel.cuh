@@ -107,6 +107,12 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // H100 it was within the noise at decode sizes and 0.3-0.7% slower at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_COPY_IMMEDIATES 0
 #endif
+#ifndef DFLASH_STATIC_RANGE_BY_MAXIMUM
+// 1: a static-scale int8 chunk's codes skip their clamp where the chunk's largest magnitude proves
+// that none saturates (product_words): 8 float maxima and one bracket end for 8 codes, where 0
+// clamps each code (16 maxima). Off until a GPU measures it.
+#define DFLASH_STATIC_RANGE_BY_MAXIMUM 0
+#endif
 #ifndef DFLASH_INT4_WORDS
 // 1: the int4 scale-pool stores gather eight codes' low bytes into two words (even elements, odd
 // ones) by byte permutes and join them by a shift and a mask, and the group kernel stores the word
@@ -600,8 +606,25 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
   } else {
     constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
     uint32_t codes[N];
+    if constexpr (!BOUNDED && DFLASH_STATIC_RANGE_BY_MAXIMUM && DFLASH_BRACKETED_CODES) {
+      // Each element's bracket ends are at most |y| |above| in magnitude, and rounding is
+      // monotonic and symmetric: where the chunk's largest |y| times |above| rounds to QMAX or
+      // less, no end of any element rounds past it and the codes need no clamp. A NaN element
+      // (max.NaN) or an overflowing product fails the test and clamps, as before.
+      float largest = 0.0f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
+      for (int i = 0; i < N; ++i) asm("max.NaN.f32 %0, %0, %1;" : "+f"(largest) : "f"(fabsf(y[i])));
+      if (fma_rn(largest, fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax)) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, true>(y[i], d, divide);
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, false>(y[i], d, divide);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
+    }
     if constexpr (kPerByte<Pool> == 2 && !DFLASH_INT4_WORDS) {  // each nibble masked, shifted, joined
 #pragma unroll
       for (int i = 0; i < N; i += 8) {
