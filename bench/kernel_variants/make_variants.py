@@ -47,9 +47,9 @@ NAMED = {
     "words_at_once": {"DFLASH_WORDS_AT_ONCE": 1},
     "copy_immediates": {"DFLASH_COPY_IMMEDIATES": 1},
     "loads_and_copies": {"DFLASH_WORDS_AT_ONCE": 1, "DFLASH_COPY_IMMEDIATES": 1},
-    # Static-scale int8 codes without their clamp where the chunk's largest magnitude proves
-    # that none saturates.
-    "static_range": {"DFLASH_STATIC_RANGE_BY_MAXIMUM": 1},
+    # Static-scale int8 codes clamped one by one, as before the chunk's largest magnitude proved
+    # that none saturates (default).
+    "static_clamps": {"DFLASH_STATIC_RANGE_BY_MAXIMUM": 0},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},
