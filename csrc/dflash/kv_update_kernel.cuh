@@ -616,24 +616,23 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
   } else {
     constexpr int kQMax = kPerByte<Pool> == 2 ? 7 : 127;
     uint32_t codes[N];
+    // Each element's bracket ends are at most |y| |above| in magnitude, and rounding is monotonic
+    // and symmetric: where the chunk's largest |y| times |above| rounds to QMAX or less, no end of
+    // any element rounds past it and a static scale's codes need no clamp either. A NaN element
+    // (max.NaN) or an overflowing product fails the test and clamps, as before.
+    bool in_range = BOUNDED;
     if constexpr (!BOUNDED && DFLASH_STATIC_RANGE_BY_MAXIMUM && DFLASH_BRACKETED_CODES) {
-      // Each element's bracket ends are at most |y| |above| in magnitude, and rounding is
-      // monotonic and symmetric: where the chunk's largest |y| times |above| rounds to QMAX or
-      // less, no end of any element rounds past it and the codes need no clamp. A NaN element
-      // (max.NaN) or an overflowing product fails the test and clamps, as before.
       float largest = 0.0f;
 #pragma unroll
       for (int i = 0; i < N; ++i) asm("max.NaN.f32 %0, %0, %1;" : "+f"(largest) : "f"(fabsf(y[i])));
-      if (fma_rn(largest, fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax)) {
+      in_range = fma_rn(largest, fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax);
+    }
+    if (in_range) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, true>(y[i], d, divide);
-      } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, false>(y[i], d, divide);
-      }
+      for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, true>(y[i], d, divide);
     } else {
 #pragma unroll
-      for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, BOUNDED>(y[i], d, divide);
+      for (int i = 0; i < N; ++i) codes[i] = integer_code<kQMax, false>(y[i], d, divide);
     }
     if constexpr (kPerByte<Pool> == 2 && !DFLASH_INT4_WORDS) {  // each nibble masked, shifted, joined
 #pragma unroll
