@@ -50,9 +50,6 @@ NAMED = {
     # Static-scale int8 codes clamped one by one, as before the chunk's largest magnitude proved
     # that none saturates (default).
     "static_clamps": {"DFLASH_STATIC_RANGE_BY_MAXIMUM": 0},
-    # The fused-norm group kernels without the two scheduling defaults (fewer registers), the
-    # others with them.
-    "norms_in_order": {"DFLASH_NORMS_IN_ORDER": 1},
     # The scale-pool kernels as they were before the bracket, the lean offsets and the rows-based
     # choice of the wide kernel were measured and made the defaults; and each of them alone off.
     "previous": {"DFLASH_BRACKETED_CODES": 0, "DFLASH_LEAN_OFFSETS": 0, "DFLASH_WIDE_BY_ROWS": 0},

@@ -89,15 +89,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // bench/kernel_variants, on an H100 2-7% at B=8 L=2048); 0: K first.
 #define DFLASH_VALUES_FIRST 1
 #endif
-#ifndef DFLASH_NORMS_IN_ORDER
-// 1: the scale-pool group kernels with the fused norms take neither DFLASH_ADDRESS_AHEAD nor
-// DFLASH_VALUES_FIRST (each group loads its own address words, K is stored before V). Both
-// defaults off took the paged four-chunk norm kernel from 142 registers to 128 (int8, fp16
-// deltas): 4 blocks an SM instead of 3. 0: until a GPU measures it; with both defaults off in
-// every kernel, an H100 with the inputs in L2 ran the k-norm rows 6.6-8.8% faster and the others
-// 6-9% slower (BENCHMARKS.md).
-#define DFLASH_NORMS_IN_ORDER 0
-#endif
 #ifndef DFLASH_WORDS_AT_ONCE
 // 1: the scale-pool kernels issue both address words of a row (slot start and length, paged owner
 // and position) where they are asked for, as one pair of loads (word_now). Plain loads let the
@@ -1725,8 +1716,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
   // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
   // warp stored the group before it (the first group's, here); else each group loads its own.
-  constexpr bool kInOrder = NORMS && DFLASH_NORMS_IN_ORDER;
-  constexpr bool kAddressAhead = !kInOrder && (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
+  constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
   AddressWords words;
   if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
@@ -1771,7 +1761,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
-      int const plane = DFLASH_VALUES_FIRST && !kInOrder ? 1 - order : order;
+      int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
       float x[CHUNKS][kGroupChunk];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
