@@ -131,18 +131,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // L=16, 2.5% at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_FP8_END_WORDS 1
 #endif
-#ifndef DFLASH_GROUP_STAGES
-// Row groups a scale-pool group kernel's warp has in shared memory (kGroupStages): 0, three where
-// they take at most 32 KB a block, else two (the four-chunk kernel from 16-bit deltas: two);
-// n > 0, n wherever they fit a static allocation.
-#define DFLASH_GROUP_STAGES 0
-#endif
-#ifndef DFLASH_ROPE_PREFETCH
-// 1: the four-chunk scale-pool kernel's lanes, once a group's V row is stored, prefetch the next
-// group's cos/sin (its address words arrived a group ahead, DFLASH_ADDRESS_AHEAD) into L1, so
-// that its K row's rotation does not wait for L2; 0: each group loads its own when it starts.
-#define DFLASH_ROPE_PREFETCH 0
-#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -366,10 +354,9 @@ struct Geometry {
   uint32_t pair_items;   // R / (2 VEC)
   uint32_t item_chunks;  // blocks along one head's items (1 unless a head is very wide)
   uint32_t head_groups;  // blocks along (heads x item chunks) per token chunk
-  Divisor31 head_group_divisor;  // of head_groups: a block's token chunk by a multiply and a shift
-  Divisor31 item_chunk_divisor;  // of item_chunks
   uint32_t slot_base;    // first slot of this launch (grids are at most 65535 slots tall)
   uint32_t layer_base;   // first layer of this launch (and 65535 layers deep)
+  bool rope_float4;      // cos/sin rows can be read 16 bytes at a time
   // The fused norms' sum of squares by a butterfly over the head's items (each owning chunks c
   // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
   bool norm_butterfly;
@@ -391,24 +378,23 @@ template <> struct Launch<Contract::kPaged> {
   int64_t page_elems;     // pool_page_elems
 };
 
-// A rotary chunk's cos/sin: 16 bytes at a time for VEC a multiple of 4, whose launches require a
-// 16-byte aligned table (widest_vec, dynamic_group_width; R / 2 a multiple of VEC keeps every row
-// and chunk aligned). A runtime choice here instead compiled to both sets of loads, predicated:
-// sixteen issue slots a rotated item spent on loads that never ran.
 template <int VEC> __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
-                                                                float (&c)[VEC], float (&s)[VEC]) {
+                                                                bool float4_ok, float (&c)[VEC],
+                                                                float (&s)[VEC]) {
   if constexpr (VEC % 4 == 0) {
+    if (float4_ok) {
 #pragma unroll
-    for (int i = 0; i < VEC; i += 4) {
-      float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
-      float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
-      c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
-      s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+      for (int i = 0; i < VEC; i += 4) {
+        float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
+        float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
+        c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+        s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+      }
+      return;
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
   }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
 }
 
 // Which fused-norm code a kernel carries: none (the plain kernels), the butterfly (VEC = 8 and a
@@ -532,27 +518,6 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
-// The larger of a and b, NaN when either is NaN (max.NaN; fmaxf would drop it).
-__device__ __forceinline__ float max_or_nan(float a, float b) {
-  float out;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
-  return out;
-}
-// The largest magnitude of N values (N a power of two), NaN when any is NaN, as a tree of maxima
-// log2 N deep: a max is exact, so any order gives the same bits, and a chain of N dependent maxima
-// was a row's longest wait between its loads and its stores at decode sizes.
-template <int N> __device__ __forceinline__ float largest_magnitude(float const (&x)[N]) {
-  static_assert(N >= 2 && (N & (N - 1)) == 0, "a power of two");
-  float m[N / 2];
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) m[i] = max_or_nan(fabsf(x[i]), fabsf(x[i + N / 2]));
-#pragma unroll
-  for (int w = N / 4; w >= 1; w /= 2)
-#pragma unroll
-    for (int i = 0; i < w; ++i) m[i] = max_or_nan(m[i], m[i + w]);
-  return m[0];
-}
-
 // A chunk's stored codes as whole words (both paths below hand over words, so that joining them
 // costs no byte shuffles).
 template <typename Pool, int N> struct CodeWords {
@@ -648,7 +613,10 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     // (max.NaN) or an overflowing product fails the test and clamps, as before.
     bool in_range = BOUNDED;
     if constexpr (!BOUNDED && DFLASH_STATIC_RANGE_BY_MAXIMUM && DFLASH_BRACKETED_CODES) {
-      in_range = fma_rn(largest_magnitude(y), fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax);
+      float largest = 0.0f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) asm("max.NaN.f32 %0, %0, %1;" : "+f"(largest) : "f"(fabsf(y[i])));
+      in_range = fma_rn(largest, fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax);
     }
     if (in_range) {
 #pragma unroll
@@ -822,9 +790,6 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  // The layout helpers (kv_update.h) test p.contract, which the launch sets to C: told so, the
-  // compiler drops the other contract's arithmetic and selects.
-  __builtin_assume(p.contract == C);
   Geometry const& g = constants.g;
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
@@ -840,10 +805,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
 
   uint32_t const b = kSlot ? g.slot_base + blockIdx.y : 0;
   uint32_t const layer = g.layer_base + blockIdx.z;
-  // Uniform per block, and head_groups is 1 for every head width up to 128 items; but under a
-  // branch on it the compiler predicated the division (a dozen issue slots in every thread).
-  uint32_t const token_chunk = quotient(g.head_group_divisor, blockIdx.x);  // grid.x < 2^31
-  uint32_t const group = blockIdx.x - token_chunk * g.head_groups;
+  uint32_t token_chunk = blockIdx.x, group = 0;
+  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
+    token_chunk = blockIdx.x / g.head_groups;
+    group = blockIdx.x - token_chunk * g.head_groups;
+  }
   uint32_t const tokens = uint32_t(kSlot ? p.delta_len : p.num_tokens);
   uint32_t const lane_token = token_chunk * blockDim.z + threadIdx.z;
   uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
@@ -869,11 +835,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     }
   }
 
-  // A head's items over item_chunks blocks (1 but for very wide heads, whose blocks then hold one
-  // head a row: blockDim.y = 1), by the divisor's multiply and shift for the same reason.
-  uint32_t const chunk_head = quotient(g.item_chunk_divisor, group);
-  uint32_t const lane_head = chunk_head * blockDim.y + threadIdx.y;
-  uint32_t const head_item = threadIdx.x + (group - chunk_head * g.item_chunks) * blockDim.x;
+  uint32_t lane_head = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
+  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
+    lane_head = group / g.item_chunks;
+    head_item += (group - lane_head * g.item_chunks) * blockDim.x;
+  }
   bool const in_range =
       lane_token < tokens && lane_head < uint32_t(p.num_kv_heads) && head_item < g.head_items;
   if (!kButterfly && !in_range) return;
@@ -926,7 +892,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
     float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, 0, t) + channel;
-    load_cos_sin<VEC>(cos, cos + half, c, s);
+    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
   }
 
   // The dependent load: the slot contract's rope row (at the position), the paged contract's page
@@ -942,7 +908,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     rotate = pair && rows.k_row >= 0 && written < p.rope_seq_len;
     if (rotate) {
       float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, written) + channel;
-      load_cos_sin<VEC>(cos, cos + half, c, s);
+      load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
     }
   } else if constexpr (kMapped) {
     // No return here: a token whose slot writes nothing leaves before its stores, so that the
@@ -1147,6 +1113,7 @@ cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
   Geometry& g = constants.g;
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
+  g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.weight_vectors =
       p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   // The butterfly kernels read the k-norm weight VEC at a time only: an unaligned weight (a view
@@ -1185,8 +1152,6 @@ cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
     return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
-  g.head_group_divisor = divisor31(g.head_groups);
-  g.item_chunk_divisor = divisor31(g.item_chunks);
   KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches; per-layer rings, whose bits a
@@ -1241,7 +1206,7 @@ template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p)
     int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
     return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
            aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
-           aligned(p.pool, bytes(pool)) && (vec % 4 != 0 || p.rotary_dim == 0 || aligned(p.rope_cos_sin, 16));
+           aligned(p.pool, bytes(pool));
   };
   if (kByteVec16<Delta, Pool> && fits(16)) return 16;
   if (fits(8)) return 8;
@@ -1457,22 +1422,6 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
   return w;
 }
 
-// The slot form's rope row for an item written at pos (null: not rotated).
-__device__ __forceinline__ void slot_rope_row(KVUpdateParams const& p, DynamicItem& it, int64_t pos) {
-  if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-    it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
-}
-// The item's rope row (it.cos_sin) alone, from its address words: the slot form's at the written
-// position, the others' token-aligned.
-template <Contract C> __device__ __forceinline__ void dynamic_rope_row(KVUpdateParams const& p,
-                                                                       DynamicItem& it,
-                                                                       AddressWords const& w) {
-  if constexpr (C == Contract::kSlot)
-    slot_rope_row(p, it, written_position(w.first, w.second, it.t, slot_capacity(p)));
-  else if (p.rotary_dim > 0)
-    it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
-}
-
 // Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
 template <Contract C>
 __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
@@ -1480,7 +1429,8 @@ __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAd
   if constexpr (C == Contract::kSlot) {
     int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
     it.rows = slot_rows(p, it.b, pos);
-    slot_rope_row(p, it, pos);
+    if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
+      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
   } else {
     if constexpr (C == Contract::kPaged) {
       uint32_t row;
@@ -1568,15 +1518,11 @@ template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Del
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 // Row groups in shared memory per warp (the current one and those being copied): at most 32 KB a
-// block, so that the registers, not the shared memory, bound the resident blocks; with
-// DFLASH_GROUP_STAGES set, that many wherever they fit a static allocation (48 KB).
+// block, so that the registers, not the shared memory, bound the resident blocks.
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStageBytes =
     int(sizeof(typename Delta::Bits)) * CHUNKS * 2 * kGroupChunk * kGroupThreads;
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStages =
-    DFLASH_GROUP_STAGES > 0 && kGroupStageBytes<Delta, CHUNKS>* DFLASH_GROUP_STAGES <= 48 * 1024
-        ? DFLASH_GROUP_STAGES
-    : kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3
-                                                       : 2;
+    kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3 : 2;
 
 // 16 bytes from global memory into shared memory, asynchronously; read = false fills them with
 // zeros instead (src is not read).
@@ -1603,8 +1549,12 @@ template <int PENDING> __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// The larger magnitude of m and x, NaN when either is NaN.
-__device__ __forceinline__ float max_magnitude(float m, float x) { return max_or_nan(m, fabsf(x)); }
+// The larger magnitude of m and x, NaN when either is NaN (max.NaN; fmaxf would drop it).
+__device__ __forceinline__ float max_magnitude(float m, float x) {
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(m), "f"(fabsf(x)));
+  return out;
+}
 
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
 // squares by the halving tree. Chunks past D hold zeros.
@@ -1658,7 +1608,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
                                                          ItemDivisors divisors, int64_t layer_base,
                                                          int64_t items, uint32_t layer_rows) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
-  __builtin_assume(p.contract == C);  // as in update_kernel
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
   constexpr int kRowsPerWarp = 32 / G;
@@ -1804,7 +1753,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
       for (int k = 0; k < kRopeChunks; ++k) {
         int const index = first ? channel[k] : channel[k] - half;
-        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
+        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, true, c[k], sn[k]);
       }
     }
     bool const write = live && it.rows.k_row >= 0;
@@ -1813,20 +1762,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
       int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
-      if constexpr (DFLASH_ROPE_PREFETCH && kAddressAhead && DFLASH_VALUES_FIRST) {
-        if (order == 1 && item + step < items && has[0] && rotary) {
-          DynamicItem next = coordinates(item + step);
-          dynamic_rope_row<C>(p, next, next_words);
-          if (float const* ahead = next.cos_sin) {
-#pragma unroll
-            for (int k = 0; k < kRopeChunks; ++k) {
-              int const index = first ? channel[k] : channel[k] - half;
-              asm volatile("prefetch.global.L1 [%0];" ::"l"(ahead + index));
-              asm volatile("prefetch.global.L1 [%0];" ::"l"(ahead + half + index));
-            }
-          }
-        }
-      }
       float x[CHUNKS][kGroupChunk];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
@@ -1847,7 +1782,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
             for (int k = 0; k < CHUNKS / 2; ++k) {
               if constexpr (kRopeAtUse) {  // chunk k is in the first half
-                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], c[k],
+                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], true, c[k],
                                           sn[k]);
               }
 #pragma unroll
@@ -1871,9 +1806,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
       // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
       // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
-      float magnitude = largest_magnitude(x[0]);
+      float magnitude = 0.0f;
 #pragma unroll
-      for (int k = 1; k < CHUNKS; ++k) magnitude = max_or_nan(magnitude, largest_magnitude(x[k]));
+      for (int k = 0; k < CHUNKS; ++k)
+#pragma unroll
+        for (int i = 0; i < kGroupChunk; ++i) magnitude = max_magnitude(magnitude, x[k][i]);
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
         magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
