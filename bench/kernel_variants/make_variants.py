@@ -65,11 +65,6 @@ NAMED = {
     # The scale-pool stores by the bracket and its fallback for every row, as before the exact
     # quotients.
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
-    # Three row groups of copies in flight a warp in the four-chunk kernel from 16-bit deltas (48 KB
-    # of shared memory a block) instead of two.
-    "stages3": {"DFLASH_GROUP_STAGES": 3},
-    # The next row group's cos/sin prefetched into L1 between a group's V and K rows.
-    "rope_prefetch": {"DFLASH_ROPE_PREFETCH": 1},
 }
 
 

@@ -131,18 +131,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // L=16, 2.5% at B=8 L=2048 (BENCHMARKS.md).
 #define DFLASH_FP8_END_WORDS 1
 #endif
-#ifndef DFLASH_GROUP_STAGES
-// Row groups a scale-pool group kernel's warp has in shared memory (kGroupStages): 0, three where
-// they take at most 32 KB a block, else two (the four-chunk kernel from 16-bit deltas: two);
-// n > 0, n wherever they fit a static allocation.
-#define DFLASH_GROUP_STAGES 0
-#endif
-#ifndef DFLASH_ROPE_PREFETCH
-// 1: the four-chunk scale-pool kernel's lanes, once a group's V row is stored, prefetch the next
-// group's cos/sin (its address words arrived a group ahead, DFLASH_ADDRESS_AHEAD) into L1, so
-// that its K row's rotation does not wait for L2; 0: each group loads its own when it starts.
-#define DFLASH_ROPE_PREFETCH 0
-#endif
 #ifndef DFLASH_WIDE_BY_ROWS
 // 1: scale-pool calls of wide heads (launch_wide) below a pass of the four-chunk kernel's
 // resident blocks take two chunks a lane (14-20% faster at B=64 L=16, the same at B=8 L=2048);
@@ -1457,22 +1445,6 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
   return w;
 }
 
-// The slot form's rope row for an item written at pos (null: not rotated).
-__device__ __forceinline__ void slot_rope_row(KVUpdateParams const& p, DynamicItem& it, int64_t pos) {
-  if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-    it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
-}
-// The item's rope row (it.cos_sin) alone, from its address words: the slot form's at the written
-// position, the others' token-aligned.
-template <Contract C> __device__ __forceinline__ void dynamic_rope_row(KVUpdateParams const& p,
-                                                                       DynamicItem& it,
-                                                                       AddressWords const& w) {
-  if constexpr (C == Contract::kSlot)
-    slot_rope_row(p, it, written_position(w.first, w.second, it.t, slot_capacity(p)));
-  else if (p.rotary_dim > 0)
-    it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
-}
-
 // Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
 template <Contract C>
 __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
@@ -1480,7 +1452,8 @@ __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAd
   if constexpr (C == Contract::kSlot) {
     int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
     it.rows = slot_rows(p, it.b, pos);
-    slot_rope_row(p, it, pos);
+    if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
+      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
   } else {
     if constexpr (C == Contract::kPaged) {
       uint32_t row;
@@ -1568,15 +1541,11 @@ template <typename Delta> inline constexpr int kWideChunks = sizeof(typename Del
 template <typename Delta> inline constexpr int kWideGroup = 16 / kWideChunks<Delta>;
 static_assert(kGroupChunk == kNormChunk, "a lane's channels are one chunk of the norm's sum");
 // Row groups in shared memory per warp (the current one and those being copied): at most 32 KB a
-// block, so that the registers, not the shared memory, bound the resident blocks; with
-// DFLASH_GROUP_STAGES set, that many wherever they fit a static allocation (48 KB).
+// block, so that the registers, not the shared memory, bound the resident blocks.
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStageBytes =
     int(sizeof(typename Delta::Bits)) * CHUNKS * 2 * kGroupChunk * kGroupThreads;
 template <typename Delta, int CHUNKS> inline constexpr int kGroupStages =
-    DFLASH_GROUP_STAGES > 0 && kGroupStageBytes<Delta, CHUNKS>* DFLASH_GROUP_STAGES <= 48 * 1024
-        ? DFLASH_GROUP_STAGES
-    : kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3
-                                                       : 2;
+    kGroupStageBytes<Delta, CHUNKS> * 3 <= 32 * 1024 ? 3 : 2;
 
 // 16 bytes from global memory into shared memory, asynchronously; read = false fills them with
 // zeros instead (src is not read).
@@ -1813,20 +1782,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
       int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
-      if constexpr (DFLASH_ROPE_PREFETCH && kAddressAhead && DFLASH_VALUES_FIRST) {
-        if (order == 1 && item + step < items && has[0] && rotary) {
-          DynamicItem next = coordinates(item + step);
-          dynamic_rope_row<C>(p, next, next_words);
-          if (float const* ahead = next.cos_sin) {
-#pragma unroll
-            for (int k = 0; k < kRopeChunks; ++k) {
-              int const index = first ? channel[k] : channel[k] - half;
-              asm volatile("prefetch.global.L1 [%0];" ::"l"(ahead + index));
-              asm volatile("prefetch.global.L1 [%0];" ::"l"(ahead + half + index));
-            }
-          }
-        }
-      }
       float x[CHUNKS][kGroupChunk];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
