@@ -65,6 +65,8 @@ NAMED = {
     # The scale-pool stores by the bracket and its fallback for every row, as before the exact
     # quotients.
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
+    # The update kernels held to 7 blocks per SM (72 registers).
+    "update_min7": {"DFLASH_UPDATE_MIN_BLOCKS": 7},
 }
 
 

@@ -49,6 +49,18 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #else
 #define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads)
 #endif
+#ifndef DFLASH_UPDATE_MIN_BLOCKS
+// Blocks per SM the update kernels are compiled for (__launch_bounds__'s minimum): 0, the
+// compiler's choice; 7 holds them to 72 registers, where the paged bfloat16-to-e4m3 key-norm
+// kernel needs 74 without it (6 resident blocks instead of 7), with 8-16 bytes of spills a
+// thread in some kernels.
+#define DFLASH_UPDATE_MIN_BLOCKS 0
+#endif
+#if DFLASH_UPDATE_MIN_BLOCKS > 0
+#define DFLASH_UPDATE_BOUNDS __launch_bounds__(DFLASH_BLOCK_THREADS, DFLASH_UPDATE_MIN_BLOCKS)
+#else
+#define DFLASH_UPDATE_BOUNDS __launch_bounds__(DFLASH_BLOCK_THREADS)
+#endif
 #ifndef DFLASH_LEAN_OFFSETS
 // 1: the scale-pool group kernel takes a row's offsets from indices: its deltas' from its item
 // index (the deltas' head rows in launch order) instead of from its coordinates (three divisions
@@ -801,7 +813,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // Long: the kernel is the order of its loads and waits (what is issued before the dependent load,
 // what is computed while it is in flight, what after), and that order is read in one body.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
-__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Launch<C> constants) {
+__global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> constants) {
   // Launched with programmatic dependent launch (pdl_enabled), this grid may start before the
   // kernel ahead of it on the stream has finished, and any of its inputs, or the pool, may be that
   // kernel's output: the wait, before every load and store, holds until that grid has completed
