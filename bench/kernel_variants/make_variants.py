@@ -67,15 +67,6 @@ NAMED = {
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
     # The update kernels held to 7 blocks per SM (72 registers).
     "update_min7": {"DFLASH_UPDATE_MIN_BLOCKS": 7},
-    # Bulk L2 prefetches of the delta rows ahead: the update kernels' blocks so many blocks ahead,
-    # the group kernel's warps so many row groups past their copies, and both.
-    "prefetch_u256": {"DFLASH_UPDATE_PREFETCH": 256},
-    "prefetch_u512": {"DFLASH_UPDATE_PREFETCH": 512},
-    "prefetch_u1024": {"DFLASH_UPDATE_PREFETCH": 1024},
-    "prefetch_g1": {"DFLASH_GROUP_PREFETCH": 1},
-    "prefetch_g2": {"DFLASH_GROUP_PREFETCH": 2},
-    "prefetch_g4": {"DFLASH_GROUP_PREFETCH": 4},
-    "prefetch_u512_g2": {"DFLASH_UPDATE_PREFETCH": 512, "DFLASH_GROUP_PREFETCH": 2},
 }
 
 

@@ -61,18 +61,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #else
 #define DFLASH_UPDATE_BOUNDS __launch_bounds__(DFLASH_BLOCK_THREADS)
 #endif
-#ifndef DFLASH_UPDATE_PREFETCH
-// Blocks ahead (in launch order) whose delta rows each update-kernel block asks L2 to fetch, one
-// bulk prefetch a plane issued by one thread, where a block holds whole token rows: the loads of
-// those blocks then find their rows in L2, and the bytes in flight from DRAM are no longer bound
-// by the registers of the resident blocks. 0: none.
-#define DFLASH_UPDATE_PREFETCH 0
-#endif
-#ifndef DFLASH_GROUP_PREFETCH
-// Row groups beyond the ones being copied into shared memory whose delta rows each warp of the
-// scale-pool group kernel asks L2 to fetch (one bulk prefetch a plane). 0: none.
-#define DFLASH_GROUP_PREFETCH 0
-#endif
 #ifndef DFLASH_LEAN_OFFSETS
 // 1: the scale-pool group kernel takes a row's offsets from indices: its deltas' from its item
 // index (the deltas' head rows in launch order) instead of from its coordinates (three divisions
@@ -204,14 +192,6 @@ template <typename P> __device__ __forceinline__ void keep_computed(P const& pac
   memcpy(words, &pack, sizeof(P));
 #pragma unroll
   for (int i = 0; i < kWords; ++i) asm volatile("" ::"r"(words[i]));
-}
-
-// Asks L2 to fetch `bytes` (a multiple of 16) from `src` (16-byte aligned), with no register
-// waiting for them: the bulk copy unit's prefetch (sm_90); nothing on older cards.
-__device__ __forceinline__ void prefetch_l2(void const* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
 }
 
 // Element types, as tags with their storage bits and conversions.
@@ -918,27 +898,6 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
   if (pair) {
     k1 = load_delta(k_delta + src + half);
     v1 = load_delta(v_delta + src + half);
-  }
-  if constexpr (DFLASH_UPDATE_PREFETCH > 0) {
-    // The rows of the block DFLASH_UPDATE_PREFETCH ahead (the slot form's next sequence past the
-    // last token chunk), inside the deltas: whole token rows, as many tokens as it holds.
-    if (g.head_groups == 1 && (threadIdx.x | threadIdx.y | threadIdx.z) == 0) {
-      uint32_t ahead = blockIdx.x + DFLASH_UPDATE_PREFETCH, ahead_b = b;
-      if (ahead >= gridDim.x) ahead -= gridDim.x, ahead_b += 1;
-      bool const inside = ahead < gridDim.x && (kSlot ? ahead_b < g.slot_base + gridDim.y : ahead_b == 0);
-      if (inside) {
-        uint32_t const token0 = ahead * blockDim.z;
-        uint32_t const n = min(blockDim.z, tokens - token0);
-        int64_t const offset = delta_token_offset(p, layer, ahead_b, token0);
-        uint32_t const bytes = uint32_t(n * token_stride(p) * int64_t(sizeof(DBits)));
-        DBits const* const k_rows = k_delta + offset;
-        DBits const* const v_rows = v_delta + offset;
-        if (((reinterpret_cast<uintptr_t>(k_rows) | reinterpret_cast<uintptr_t>(v_rows) | bytes) & 15) == 0) {
-          prefetch_l2(k_rows, bytes);
-          prefetch_l2(v_rows, bytes);
-        }
-      }
-    }
   }
   // Scales and norm weights do not depend on the addressing data either.
   float k_scale = 1.0f, v_scale = 1.0f;
@@ -1785,19 +1744,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   constexpr bool kRopeAtUse = DFLASH_ROPE_AT_USE && CHUNKS > 1;
   auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
   int64_t base = warp * kRowsPerWarp;
-  // DFLASH_GROUP_PREFETCH: the delta rows of the group at `ahead` into L2 (lane 0 the K rows, lane
-  // 1 the V rows: whole head rows, in order), for its copies to find there.
-  auto prefetch_group = [&](int64_t ahead) {
-    if (lane < 2 && ahead < items) {
-      int64_t const rows = min(int64_t(kRowsPerWarp), items - ahead);
-      prefetch_l2((lane == 0 ? deltas[0] : deltas[1]) + (first_row + ahead) * p.head_dim,
-                  uint32_t(rows * p.head_dim * int64_t(sizeof(DBits))));
-    }
-  };
 #pragma unroll
   for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
-#pragma unroll
-  for (int s = 0; s < DFLASH_GROUP_PREFETCH; ++s) prefetch_group(base + (kStages - 1 + s) * step);
   // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
   // warp stored the group before it (the first group's, here); else each group loads its own.
   constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
@@ -1808,7 +1756,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
     stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
-    if constexpr (DFLASH_GROUP_PREFETCH > 0) prefetch_group(base + (kStages - 1 + DFLASH_GROUP_PREFETCH) * step);
     int64_t const item = base + lane / G;
     bool const live = item < items;
     DynamicItem it;
