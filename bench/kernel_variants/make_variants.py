@@ -67,6 +67,9 @@ NAMED = {
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
     # The update kernels held to 7 blocks per SM (72 registers).
     "update_min7": {"DFLASH_UPDATE_MIN_BLOCKS": 7},
+    # The update kernels' address words loaded first, their delta loads then scheduled by the
+    # compiler (after the words' first use), as before DFLASH_DELTAS_FIRST.
+    "deltas_last": {"DFLASH_DELTAS_FIRST": 0},
 }
 
 
