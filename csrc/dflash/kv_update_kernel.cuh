@@ -86,6 +86,13 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // sizes, it was 4-7% slower.
 #define DFLASH_ADDRESS_AHEAD 4
 #endif
+#ifndef DFLASH_ROPE_AHEAD
+// 1: in the scale-pool group kernels with DFLASH_ADDRESS_AHEAD, a group's row address and rope row
+// are taken right after the group before it is stored (its address words two groups ahead), so
+// that the rope row's latency runs under the next copies and their wait; 0: after that wait
+// (where the compiler puts the rope loads), the address words one group ahead.
+#define DFLASH_ROPE_AHEAD 1
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -1813,20 +1820,50 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
   // warp stored the group before it (the first group's, here); else each group loads its own.
   constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
+  // With kRopeAhead, the words are two groups ahead, and a group's row (its coordinates and
+  // address) and its rope row are taken once the group before it has been stored (the first
+  // group's, here), so that the rope row's latency runs under the next copies and their wait.
+  constexpr bool kRopeAhead = kAddressAhead && DFLASH_ROPE_AHEAD && !kRopeAtUse;
   AddressWords words;
   if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
+  }
+  DynamicItem it;  // the lane's row of the current group
+  bool rotate = false;
+  float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
+  // The row `item` (words: its address words), and its rope row where it is rotated.
+  auto take_row = [&](int64_t item, AddressWords const& row_words) {
+    bool const live = item < items;
+    it = DynamicItem{};
+    if (live) {
+      it = coordinates(item);
+      dynamic_address<C>(p, paged, it, row_words);
+    }
+    rotate = live && has[0] && rotary && it.cos_sin != nullptr;
+    if (rotate) {
+#pragma unroll
+      for (int k = 0; k < kRopeChunks; ++k) {
+        int const index = first ? channel[k] : channel[k] - half;
+        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
+      }
+    }
+  };
+  if constexpr (kRopeAhead) {
+    take_row(base + lane / G, words);
+    if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
   }
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
     stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
     int64_t const item = base + lane / G;
     bool const live = item < items;
-    DynamicItem it;
-    if (live) it = coordinates(item);
-    AddressWords next_words;  // the next group's
-    if constexpr (kAddressAhead) {
-      if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+    AddressWords next_words;  // the next group's (kRopeAhead: the one after it)
+    if constexpr (!kRopeAhead) {
+      it = DynamicItem{};
+      if (live) it = coordinates(item);
+      if constexpr (kAddressAhead) {
+        if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+      }
     }
     using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
@@ -1837,19 +1874,20 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) +
                                         weight_offset(p, it.layer) + channel[k]);
     }
-    if (live) {
-      if constexpr (kAddressAhead)
-        dynamic_address<C>(p, paged, it, words);
-      else
-        dynamic_address<C>(p, paged, it);
-    }
-    bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-    float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
-    if (rotate && !kRopeAtUse) {
+    if constexpr (!kRopeAhead) {
+      if (live) {
+        if constexpr (kAddressAhead)
+          dynamic_address<C>(p, paged, it, words);
+        else
+          dynamic_address<C>(p, paged, it);
+      }
+      rotate = live && has[0] && rotary && it.cos_sin != nullptr;
+      if (rotate && !kRopeAtUse) {
 #pragma unroll
-      for (int k = 0; k < kRopeChunks; ++k) {
-        int const index = first ? channel[k] : channel[k] - half;
-        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
+        for (int k = 0; k < kRopeChunks; ++k) {
+          int const index = first ? channel[k] : channel[k] - half;
+          load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
+        }
       }
     }
     bool const write = live && it.rows.k_row >= 0;
@@ -1951,7 +1989,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
-    if constexpr (kAddressAhead) words = next_words;
+    if constexpr (kRopeAhead) {
+      take_row(item + step, words);
+      if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+    } else if constexpr (kAddressAhead) {
+      words = next_words;
+    }
   }
   wait_copies<0>();  // the copies of groups past the last (zeros) land before the block leaves
 }
