@@ -324,10 +324,10 @@ template <> struct Word<1> {
 // its order is the compiler's).
 template <typename W, bool STREAMING> __device__ __forceinline__ W load_word_now(W const* src) {
   W w;
-#define DFLASH_LD(OPERANDS, ...)                                              \
-  if constexpr (STREAMING)                                                    \
-    asm volatile("ld.global.cs." OPERANDS : __VA_ARGS__ : "l"(src));          \
-  else                                                                        \
+#define DFLASH_LD(OPERANDS, ...)                                     \
+  if constexpr (STREAMING)                                           \
+    asm volatile("ld.global.cs." OPERANDS : __VA_ARGS__ : "l"(src)); \
+  else                                                               \
     asm volatile("ld.volatile.global." OPERANDS : __VA_ARGS__ : "l"(src))
   if constexpr (sizeof(W) == 16) {
     DFLASH_LD("v4.u32 {%0, %1, %2, %3}, [%4];", "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w));
