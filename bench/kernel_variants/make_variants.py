@@ -67,9 +67,6 @@ NAMED = {
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
     # The update kernels held to 7 blocks per SM (72 registers).
     "update_min7": {"DFLASH_UPDATE_MIN_BLOCKS": 7},
-    # The update kernels' address words loaded first, their delta loads then scheduled by the
-    # compiler (after the words' first use), as before DFLASH_DELTAS_FIRST.
-    "deltas_last": {"DFLASH_DELTAS_FIRST": 0},
     # The scale-pool group kernel's rope rows loaded after the wait for the group's copies, its
     # address words one group ahead, as before DFLASH_ROPE_AHEAD.
     "rope_after_wait": {"DFLASH_ROPE_AHEAD": 0},

@@ -90,7 +90,9 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 1: in the scale-pool group kernels with DFLASH_ADDRESS_AHEAD, a group's row address and rope row
 // are taken right after the group before it is stored (its address words two groups ahead), so
 // that the rope row's latency runs under the next copies and their wait; 0: after that wait
-// (where the compiler puts the rope loads), the address words one group ahead.
+// (where the compiler puts the rope loads), the address words one group ahead. 1: on an H100 at
+// B=8 L=2048, 0.8-3.1% faster on every scale-pool and int4 row; decode sizes take the two-chunk
+// kernel, which it leaves as it is (BENCHMARKS.md).
 #define DFLASH_ROPE_AHEAD 1
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
@@ -178,17 +180,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #endif
 #ifndef DFLASH_STREAMING_LOADS_BYTES
 #define DFLASH_STREAMING_LOADS_BYTES (32 << 20)  // half the H200's L2
-#endif
-#ifndef DFLASH_DELTAS_FIRST
-// 1: the update kernels issue their delta loads, then their address words (the slot form's start
-// and length, the paged form's owner and position, the mapped form's slot), as volatile loads,
-// which keep that order (load_word_now). With plain loads ptxas issued the address words first and
-// their first use, which waits for them, before the delta loads (and sank the slot form's below
-// its early return), so that a thread's delta rows left only once its address words had arrived:
-// two round trips in a chain where one suffices. The cost: the slot form reads the delta rows of
-// tokens past the length too. Evict-first loads (STREAM_LOADS kernels) are not volatile and keep
-// the compiler's order. 0: the address words first, plain loads.
-#define DFLASH_DELTAS_FIRST 1
 #endif
 #ifndef DFLASH_PAGED_INDEX_BRANCH
 // The kernels that look their page ids up under a uniform branch. In one block with the delta
@@ -318,33 +309,7 @@ template <> struct Word<1> {
   using type = unsigned char;
 };
 
-// One word loaded where the program says: a volatile load, which neither the front end nor ptxas
-// moves across another (ptxas moved plain loads, asm volatile or not, below the address words'
-// first use and below the slot form's early return); evict-first where STREAMING (not volatile:
-// its order is the compiler's).
-template <typename W, bool STREAMING> __device__ __forceinline__ W load_word_now(W const* src) {
-  W w;
-#define DFLASH_LD(OPERANDS, ...)                                     \
-  if constexpr (STREAMING)                                           \
-    asm volatile("ld.global.cs." OPERANDS : __VA_ARGS__ : "l"(src)); \
-  else                                                               \
-    asm volatile("ld.volatile.global." OPERANDS : __VA_ARGS__ : "l"(src))
-  if constexpr (sizeof(W) == 16) {
-    DFLASH_LD("v4.u32 {%0, %1, %2, %3}, [%4];", "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w));
-  } else if constexpr (sizeof(W) == 8) {
-    DFLASH_LD("v2.u32 {%0, %1}, [%2];", "=r"(w.x), "=r"(w.y));
-  } else if constexpr (sizeof(W) == 4) {
-    DFLASH_LD("u32 %0, [%1];", "=r"(w));
-  } else {
-    DFLASH_LD("u16 %0, [%1];", "=h"(w));
-  }
-#undef DFLASH_LD
-  return w;
-}
-
-// IN_ORDER: each word by load_word_now.
-template <typename P, bool STREAMING = false, bool IN_ORDER = false>
-__device__ __forceinline__ P load_pack(void const* ptr) {
+template <typename P, bool STREAMING = false> __device__ __forceinline__ P load_pack(void const* ptr) {
   constexpr int kBytes = sizeof(P) > 16 ? 16 : int(sizeof(P));
   using W = typename Word<kBytes>::type;
   P pack;
@@ -352,26 +317,12 @@ __device__ __forceinline__ P load_pack(void const* ptr) {
   W* dst = reinterpret_cast<W*>(&pack);
 #pragma unroll
   for (int i = 0; i < int(sizeof(P)) / kBytes; ++i) {
-    if constexpr (IN_ORDER)
-      dst[i] = load_word_now<W, STREAMING>(src + i);
-    else if constexpr (STREAMING)
+    if constexpr (STREAMING)
       dst[i] = __ldcs(src + i);
     else
       dst[i] = src[i];
   }
   return pack;
-}
-
-// An address word loaded where the program says (as load_word_now).
-__device__ __forceinline__ int32_t address_word_now(int32_t const* ptr) {
-  int32_t word;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(word) : "l"(ptr));
-  return word;
-}
-__device__ __forceinline__ long long address_word_now(long long const* ptr) {
-  long long word;
-  asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(word) : "l"(ptr));
-  return word;
 }
 
 template <typename P> __device__ __forceinline__ void store_pack(void* ptr, P const& pack) {
@@ -906,37 +857,26 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
   uint32_t const lane_token = token_chunk * blockDim.z + threadIdx.z;
   uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
 
-  // The addressing data: every store waits for it. Its loads leave first, or (DFLASH_DELTAS_FIRST)
-  // right after the loads that do not depend on it, all in program order, so that its first use,
-  // which waits for it, comes after them.
+  // The addressing data first: every store waits for it, so its loads leave before anything else.
   int64_t start = 0, length = 0, written = -1, slot = -1;
   int32_t owner = -1, pos = -1;
-  auto load_address_words = [&] {
-    auto word = [](auto const* ptr) {
-      if constexpr (DFLASH_DELTAS_FIRST)
-        return address_word_now(ptr);
-      else
-        return __ldg(ptr);
-    };
-    if constexpr (kSlot) {
-      start = word(p.delta_start_positions + position_index(p, layer, b));
-      length = word(p.delta_lengths + position_index(p, layer, b));
+  if constexpr (kSlot) {
+    start = __ldg(p.delta_start_positions + position_index(p, layer, b));
+    length = __ldg(p.delta_lengths + position_index(p, layer, b));
+  }
+  if constexpr (kMapped) {
+    if (t < tokens) {
+      int64_t const index = position_index(p, layer, t);
+      slot = p.slot_mapping_int64 ? int64_t(__ldg(static_cast<long long const*>(p.slot_mapping) + index))
+                                  : int64_t(__ldg(static_cast<int32_t const*>(p.slot_mapping) + index));
     }
-    if constexpr (kMapped) {
-      if (t < tokens) {
-        int64_t const index = position_index(p, layer, t);
-        slot = p.slot_mapping_int64 ? int64_t(word(static_cast<long long const*>(p.slot_mapping) + index))
-                                    : int64_t(word(static_cast<int32_t const*>(p.slot_mapping) + index));
-      }
+  }
+  if constexpr (kPaged) {
+    if (t < tokens) {
+      owner = __ldg(p.token_to_sequence + position_index(p, layer, t));
+      pos = __ldg(p.delta_positions + position_index(p, layer, t));
     }
-    if constexpr (kPaged) {
-      if (t < tokens) {
-        owner = word(p.token_to_sequence + position_index(p, layer, t));
-        pos = word(p.delta_positions + position_index(p, layer, t));
-      }
-    }
-  };
-  if constexpr (!DFLASH_DELTAS_FIRST) load_address_words();
+  }
 
   // A head's items over item_chunks blocks (1 but for very wide heads, whose blocks then hold one
   // head a row: blockDim.y = 1), by the divisor's multiply and shift for the same reason.
@@ -960,7 +900,7 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
   // Every load that does not depend on the addressing data is issued before waiting for it: the
   // delta rows are always in bounds. Plain (cached) loads, as at decode the deltas were just
   // written by the projection and are likely still in L2; evict-first in STREAM_LOADS kernels.
-  auto load_delta = [](DBits const* ptr) { return load_pack<DPack, STREAM_LOADS, DFLASH_DELTAS_FIRST>(ptr); };
+  auto load_delta = [](DBits const* ptr) { return load_pack<DPack, STREAM_LOADS>(ptr); };
   DPack k0 = load_delta(k_delta + src);
   DPack const v0 = load_delta(v_delta + src);
   DPack k1, v1;
@@ -997,8 +937,6 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
     float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, 0, t) + channel;
     load_cos_sin<VEC>(cos, cos + half, c, s);
   }
-
-  if constexpr (DFLASH_DELTAS_FIRST) load_address_words();
 
   // The dependent load: the slot contract's rope row (at the position), the paged contract's page
   // ids. A butterfly's sums are computed while it is in flight.
