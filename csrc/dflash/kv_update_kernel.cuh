@@ -91,7 +91,7 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // are taken right after the group before it is stored (its address words two groups ahead), so
 // that the rope row's latency runs under the next copies and their wait; 0: after that wait
 // (where the compiler puts the rope loads), the address words one group ahead. 1: on an H100 at
-// B=8 L=2048, 0.8-3.1% faster on every scale-pool and int4 row; decode sizes take the two-chunk
+// B=8 L=2048, 0.4-3.0% faster on every scale-pool and int4 row; decode sizes take the two-chunk
 // kernel, which it leaves as it is (BENCHMARKS.md).
 #define DFLASH_ROPE_AHEAD 1
 #endif
@@ -1769,7 +1769,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   DynamicItem it;  // the lane's row of the current group
   bool rotate = false;
   float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
-  // The row `item` (words: its address words), and its rope row where it is rotated.
+  // The lane's row `item` (row_words: its address words), and its rope row where it is rotated.
   auto take_row = [&](int64_t item, AddressWords const& row_words) {
     bool const live = item < items;
     it = DynamicItem{};
