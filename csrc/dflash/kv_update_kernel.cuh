@@ -1437,7 +1437,8 @@ __device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const&
 // The first words an item's addressing loads, which the rest of it waits on: the slot form's
 // start and length, the paged form's owner and position, the mapped form's slot.
 struct AddressWords {
-  int64_t first = 0;   // start, owner or slot
+  int64_t slot = 0;    // the mapped form's slot (64-bit where the mapping is)
+  int32_t first = 0;   // start or owner
   int32_t second = 0;  // length or position
 };
 // An address word loaded here, in program order (DFLASH_WORDS_AT_ONCE: an asm volatile, which the
@@ -1461,7 +1462,7 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
     w.first = word_now(p.token_to_sequence + position_index(p, it.layer, it.t));
     w.second = word_now(p.delta_positions + position_index(p, it.layer, it.t));
   } else {
-    w.first = mapped_slot(p, position_index(p, it.layer, it.t));
+    w.slot = mapped_slot(p, position_index(p, it.layer, it.t));
   }
   return w;
 }
@@ -1478,14 +1479,14 @@ __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAd
   } else {
     if constexpr (C == Contract::kPaged) {
       uint32_t row;
-      int64_t const entry = page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)),
-                                             int32_t(w.first), w.second, &row);
+      int64_t const entry =
+          page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)), w.first, w.second, &row);
       if (entry >= 0) {
         int32_t const* table = p.page_table + it.layer * paged.table_layer;
         it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
       }
     } else {
-      it.rows = mapped_rows(p, w.first);
+      it.rows = mapped_rows(p, w.slot);
     }
     if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
   }
@@ -1769,8 +1770,26 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   DynamicItem it;  // the lane's row of the current group
   bool rotate = false;
   float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
+  // The cos/sin of the lane's rotary chunks from the row's rope row (it.cos_sin). With several
+  // chunks a lane R is 2 kHalf (dynamic_group_width) and the lane's chunks are all in the first
+  // half, so each load is at a constant distance from the lane's first chunk: one address for all.
+  auto load_rope = [&]() {
+    if constexpr (CHUNKS > 1) {
+      constexpr int kHalf = CHUNKS * G * kGroupChunk / 2;
+      float const* const row = it.cos_sin + channel[0];
+#pragma unroll
+      for (int k = 0; k < kRopeChunks; ++k)
+        load_cos_sin<kGroupChunk>(row + k * G * kGroupChunk, row + kHalf + k * G * kGroupChunk, c[k], sn[k]);
+    } else {
+      int const index = first ? channel[0] : channel[0] - half;
+      load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[0], sn[0]);
+    }
+  };
   // The lane's row `item` (row_words: its address words), and its rope row where it is rotated.
-  auto take_row = [&](int64_t item, AddressWords const& row_words) {
+  auto take_row = [&](int64_t item, AddressWords row_words) {
+    // Words loaded a group before: opaque here, so that the compiler widens them where they are
+    // used, not right after their loads (where the warp would wait for them).
+    asm volatile("" : "+r"(row_words.first), "+r"(row_words.second));
     bool const live = item < items;
     it = DynamicItem{};
     if (live) {
@@ -1778,13 +1797,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       dynamic_address<C>(p, paged, it, row_words);
     }
     rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-    if (rotate) {
-#pragma unroll
-      for (int k = 0; k < kRopeChunks; ++k) {
-        int const index = first ? channel[k] : channel[k] - half;
-        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
-      }
-    }
+    if (rotate) load_rope();
   };
   if constexpr (kRopeAhead) {
     take_row(base + lane / G, words);
@@ -1820,13 +1833,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           dynamic_address<C>(p, paged, it);
       }
       rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-      if (rotate && !kRopeAtUse) {
-#pragma unroll
-        for (int k = 0; k < kRopeChunks; ++k) {
-          int const index = first ? channel[k] : channel[k] - half;
-          load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[k], sn[k]);
-        }
-      }
+      if (rotate && !kRopeAtUse) load_rope();
     }
     bool const write = live && it.rows.k_row >= 0;
     int64_t const h = it.h;
@@ -1903,13 +1910,14 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
           float const r = __frcp_rn(scale);
+          // Every chunk's codes, and only the stores under has[k] (chunks past D hold zeros): a
+          // predicated store, where a branch around each chunk's work took four instructions.
 #pragma unroll
           for (int k = 0; k < CHUNKS; ++k) {
-            if (!has[k]) continue;
             auto const words = exact_quotient_words<Pool, kGroupChunk>(x[k], scale, r);
             Pack<uint32_t, sizeof(words) / 4> pack;
             memcpy(&pack, &words, sizeof(pack));
-            store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
+            if (has[k]) store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
           }
           continue;
         }
