@@ -70,6 +70,8 @@ NAMED = {
     # The scale-pool group kernel's rope rows loaded after the wait for the group's copies, its
     # address words one group ahead, as before DFLASH_ROPE_AHEAD.
     "rope_after_wait": {"DFLASH_ROPE_AHEAD": 0},
+    # The scale-pool group kernel's delta copies under an L2 evict-first policy.
+    "group_evict_first": {"DFLASH_GROUP_EVICT_FIRST": 1},
 }
 
 

@@ -95,6 +95,12 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // kernel, which it leaves as it is (BENCHMARKS.md).
 #define DFLASH_ROPE_AHEAD 1
 #endif
+#ifndef DFLASH_GROUP_EVICT_FIRST
+// 1: the scale-pool group kernel's copies of the delta rows into shared memory carry an L2
+// evict-first policy (rows read once), so that they push neither the pool's lines nor the rope
+// table out of L2; 0: the default policy.
+#define DFLASH_GROUP_EVICT_FIRST 0
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -1580,6 +1586,26 @@ __device__ __forceinline__ void copy_async_16(void* dst, void const* src, bool r
   *static_cast<uint4*>(dst) = read ? *static_cast<uint4 const*>(src) : make_uint4(0, 0, 0, 0);
 #endif
 }
+// The same under an L2 cache policy (createpolicy).
+__device__ __forceinline__ void copy_async_16(void* dst, void const* src, bool read, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned const shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(shared), "l"(src),
+               "r"(read ? 16 : 0), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  copy_async_16(dst, src, read);
+#endif
+}
+// An L2 policy that evicts the lines it is given first.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
 // The copies issued since the last commit, as one group.
 __device__ __forceinline__ void commit_copies() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -1695,6 +1721,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // kernel's occupancy is bound by its registers. (With DFLASH_LEAN_OFFSETS the copies need none.)
   // With DFLASH_COPY_IMMEDIATES, heads of exactly CHUNKS * G chunks take their copies' offsets as
   // constants from the lane's first chunk.
+  uint64_t const policy = DFLASH_GROUP_EVICT_FIRST ? evict_first_policy() : 0;
   bool const whole_rows = p.head_dim == CHUNKS * G * kGroupChunk;
   int const first_chunk_bytes = channel[0] * int(sizeof(DBits));
   auto stage_group = [&](int64_t base, int slot) {
@@ -1734,8 +1761,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       for (int k = 0; k < CHUNKS; ++k)
 #pragma unroll
         for (int w = 0; w < kWords; ++w)
-          copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], row + read_bytes[k][w],
-                        live && has[k]);
+          if constexpr (DFLASH_GROUP_EVICT_FIRST)
+            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], row + read_bytes[k][w],
+                          live && has[k], policy);
+          else
+            copy_async_16(&staged[slot][plane * CHUNKS + k][w][threadIdx.x], row + read_bytes[k][w],
+                          live && has[k]);
     }
     commit_copies();
   };
