@@ -750,9 +750,6 @@ __device__ __forceinline__ Out quotient_bytes(float const (&y)[N], Divisor const
   return out;
 }
 
-// The scales whose rows exact_quotient_words stores (the comment below); a NaN scale is outside.
-inline constexpr float kExactQuotientsFrom = 0x1p-80f, kExactQuotientsTo = 0x1p100f;
-
 // The stored codes of a dynamic row's elements from their quotients q = RN(y / s), each computed
 // exactly (Markstein): with r = RN(1 / s) and q0 = RN(y r), the residual y - s q0 is exact in one
 // FMA and RN(q0 + (y - s q0) r) = RN(y / s), where nothing underflows. For s in [2^-80, 2^100]
@@ -1925,7 +1922,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       RowMax r;
       r.max = magnitude;
       r.finite = bits_of(magnitude) < 0x7f800000u;  // false for inf and NaN (of either sign)
-      float const scale = dynamic_scale(r, kMaxFinite<Pool>);
+      // dynamic_scale's quotient, by the constant's reciprocal (quotient_by_constant).
+      constexpr float kQMax = kMaxFinite<Pool>, kQMaxReciprocal = 1.0f / kMaxFinite<Pool>;
+      float const scale =
+          r.finite ? quotient_by_constant(r.max, kQMax, kQMaxReciprocal) : float_of(kFloat32NaN);
       if (!write) continue;
       int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
       // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
@@ -1940,7 +1940,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
-          float const r = __frcp_rn(scale);
+          float const r = reciprocal_in_range(scale);
           // Every chunk's codes, and only the stores under has[k] (chunks past D hold zeros): a
           // predicated store, where a branch around each chunk's work took four instructions.
 #pragma unroll
