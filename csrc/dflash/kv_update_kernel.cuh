@@ -1620,6 +1620,37 @@ template <int PENDING> __device__ __forceinline__ void wait_copies() {
 // The larger magnitude of m and x, NaN when either is NaN.
 __device__ __forceinline__ float max_magnitude(float m, float x) { return max_or_nan(m, fabsf(x)); }
 
+// 16-bit deltas: the larger magnitudes of two words' halves, lane by lane (max.NaN: NaN when
+// either is NaN), one instruction with its operands' absolute values.
+template <typename Delta> inline constexpr bool kPairMaxima =
+    std::is_same_v<Delta, F16> || std::is_same_v<Delta, BF16>;
+template <typename Delta> __device__ __forceinline__ uint32_t pair_magnitudes(uint32_t a, uint32_t b) {
+  uint32_t out;
+  if constexpr (std::is_same_v<Delta, F16>)
+    asm("{ .reg .b32 x, y; abs.f16x2 x, %1; abs.f16x2 y, %2; max.NaN.f16x2 %0, x, y; }"
+        : "=r"(out)
+        : "r"(a), "r"(b));
+  else
+    asm("{ .reg .b32 x, y; abs.bf16x2 x, %1; abs.bf16x2 y, %2; max.NaN.bf16x2 %0, x, y; }"
+        : "=r"(out)
+        : "r"(a), "r"(b));
+  return out;
+}
+// The largest magnitude of N words of 16-bit deltas (N a power of two), decoded: the same float as
+// the maximum of the decoded elements' magnitudes (the decoding is exact and monotonic, a NaN
+// stays a NaN), in half as many maxima.
+template <typename Delta, int WIDTH, int N>
+__device__ __forceinline__ void fold_pair_magnitudes(uint32_t (&w)[N]) {
+#pragma unroll
+  for (int i = 0; i < WIDTH / 2; ++i) w[i] = pair_magnitudes<Delta>(w[i], w[i + WIDTH / 2]);
+  if constexpr (WIDTH > 2) fold_pair_magnitudes<Delta, WIDTH / 2>(w);
+}
+template <typename Delta, int N> __device__ __forceinline__ float largest_pair_magnitude(uint32_t (&w)[N]) {
+  static_assert(N >= 2 && (N & (N - 1)) == 0, "a power of two");
+  fold_pair_magnitudes<Delta, N>(w);
+  return Delta::decode(typename Delta::Bits(pair_magnitudes<Delta>(w[0], w[0] >> 16)));
+}
+
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
 // squares by the halving tree. Chunks past D hold zeros.
 template <int G, int CHUNKS>
@@ -1870,12 +1901,23 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     for (int order = 0; order < 2; ++order) {
       int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
       float x[CHUNKS][kGroupChunk];
+      // V's values are its deltas where no norm changes them: with 16-bit deltas the row's maximum
+      // is taken from the words as loaded (largest_pair_magnitude).
+      bool const values_as_loaded = plane == 1 && !(NORMS && p.v_norm);
+      constexpr int kChunkWords = int(sizeof(DeltaPack)) / 4;
+      uint32_t loaded[kPairMaxima<Delta> ? CHUNKS * kChunkWords : 1];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
         DeltaPack row;
 #pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          memcpy(reinterpret_cast<uint4*>(&row) + w, &staged[slot][plane * CHUNKS + k][w][threadIdx.x], 16);
+        for (int w = 0; w < kWords; ++w) {
+          uint4 const word = staged[slot][plane * CHUNKS + k][w][threadIdx.x];
+          memcpy(reinterpret_cast<uint4*>(&row) + w, &word, 16);
+          if constexpr (kPairMaxima<Delta>) {
+            loaded[(k * kWords + w) * 4 + 0] = word.x, loaded[(k * kWords + w) * 4 + 1] = word.y;
+            loaded[(k * kWords + w) * 4 + 2] = word.z, loaded[(k * kWords + w) * 4 + 3] = word.w;
+          }
+        }
 #pragma unroll
         for (int i = 0; i < kGroupChunk; ++i) x[k][i] = Delta::decode(row.v[i]);
       }
@@ -1913,9 +1955,16 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
       // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
       // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
-      float magnitude = largest_magnitude(x[0]);
+      float magnitude = 0.0f;
+      bool by_words = false;
+      if constexpr (kPairMaxima<Delta>) {
+        if (values_as_loaded) magnitude = largest_pair_magnitude<Delta>(loaded), by_words = true;
+      }
+      if (!by_words) {
+        magnitude = largest_magnitude(x[0]);
 #pragma unroll
-      for (int k = 1; k < CHUNKS; ++k) magnitude = max_or_nan(magnitude, largest_magnitude(x[k]));
+        for (int k = 1; k < CHUNKS; ++k) magnitude = max_or_nan(magnitude, largest_magnitude(x[k]));
+      }
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
         magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
