@@ -386,6 +386,15 @@ inline uint32_t narrow_layer_rows(KVUpdateParams const& p) {
   return p.num_layers * layer_rows * p.num_kv_heads <= (int64_t(1) << 31) ? uint32_t(layer_rows) : 0;
 }
 
+// Whether every pool row of a layer and every float of the rope table lie below 2^31, so that the
+// slot form's row and rope-row products may be taken in uint32_t arithmetic (the CUDA group
+// kernel's dynamic_address<C, true>).
+inline bool narrow_addressing(KVUpdateParams const& p) {
+  int64_t const tables = p.rope_per_layer ? p.num_layers : 1;
+  return narrow_layer_rows(p) != 0 &&
+         tables * p.rope_batch * p.rope_seq_len * p.rotary_dim < (int64_t(1) << 31);
+}
+
 // Offset (bytes) in the pool of head h of pool row `row` of layer `layer`: its element offset in
 // bytes. A packed format (int4, two elements per byte) has an even D, so every head row starts on
 // a byte of its own.
