@@ -1599,12 +1599,13 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
 // by bytes in flight (BENCHMARKS.md): hence the wide kernel's several chunks a lane.
 inline constexpr int kGroupThreads = 128;
 // The group kernels' blocks per SM for __launch_bounds__ (DFLASH_GROUP_MIN_BLOCKS, or for the
-// staged four-chunk kernels without the norms DFLASH_STAGED_MIN_BLOCKS; 1: the compiler's choice).
+// staged four-chunk kernels without the norms DFLASH_STAGED_MIN_BLOCKS; 0: the compiler's choice,
+// as __launch_bounds__ without a minimum, where 1 would let it take more registers).
 constexpr int group_min_blocks(int chunks, bool norms) {
   return DFLASH_ROPE_STAGED && DFLASH_STAGED_MIN_BLOCKS > 0 && chunks == 4 && !norms
              ? DFLASH_STAGED_MIN_BLOCKS
          : DFLASH_GROUP_MIN_BLOCKS > 0 ? DFLASH_GROUP_MIN_BLOCKS
-                                       : 1;
+                                       : 0;
 }
 inline constexpr int kGroupChunk = 8;
 // The wide kernel, for the heads of 72 to 128 channels (a norm tree of 16 leaves): CHUNKS chunks a
