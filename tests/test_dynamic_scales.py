@@ -483,6 +483,32 @@ def test_cuda_wide_calls_match_the_reference(form, pool_dtype, norms, rotary_dim
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [4, 12])
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
+# Head counts that are not a multiple of the 8 rows a warp of the four-chunk kernel stores: its row
+# groups then hold two tokens' rows, whose rope rows it reads from global memory at the rotation
+# instead of staging one a warp in shared memory (8 heads, above). At least 32768 rows: the
+# four-chunk kernel's calls.
+def test_cuda_wide_calls_of_other_head_counts_match_the_reference(form, pool_dtype, heads, norms):
+    def problem(rng, delta):
+        return _problem(
+            rng,
+            form,
+            pool_dtype,
+            k_norm=norms,
+            v_norm=norms,
+            delta=delta,
+            head_dim=128,
+            rotary_dim=128,
+            **{**_WIDE_SIZES[form], "heads": heads},
+        )
+
+    assert_cuda_scale_pool_call_matches_the_reference(form, problem)
+
+
+@pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
 @pytest.mark.parametrize("layers", [None, 2], ids=["unbatched", "layered"])
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
 # Every CUDA kernel of a scale pool: two chunks a lane at these sizes ((128, 128), (128, 0), and

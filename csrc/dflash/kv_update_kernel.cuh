@@ -1593,10 +1593,14 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
 // chain, each thread copies its chunks of the rows kGroupStages - 1 groups ahead into shared
 // memory (cp.async: nothing held in registers while they are in flight) and reads the current
 // group's back once they have landed; every thread reads only what it copied itself, so no
-// barrier is needed. The copies of later rows are issued before this row's stores: the deltas and
-// the pool are distinct tensors (a scale pool's codes are 8-bit, the deltas 16- or 32-bit floats),
-// so the order changes no bits. On the H200 this kernel is bound by issued instructions more than
-// by bytes in flight (BENCHMARKS.md): hence the wide kernel's several chunks a lane.
+// barrier is needed. With DFLASH_ROPE_STAGED the four-chunk kernel also copies each group's rope
+// row, one 16-byte word a lane, two groups ahead: the lanes read each other's words, after a
+// __syncwarp that follows their waits, and the buffer is copied into again only after a
+// __syncwarp that follows their reads. The copies of later rows are issued before this row's
+// stores: the deltas and the pool are distinct tensors (a scale pool's codes are 8-bit, the deltas
+// 16- or 32-bit floats), so the order changes no bits. On the H200 this kernel is bound by issued
+// instructions more than by bytes in flight (BENCHMARKS.md): hence the wide kernel's several
+// chunks a lane.
 inline constexpr int kGroupThreads = 128;
 // The group kernels' blocks per SM for __launch_bounds__ (DFLASH_GROUP_MIN_BLOCKS, or for the
 // staged four-chunk kernels without the norms DFLASH_STAGED_MIN_BLOCKS; 0: the compiler's choice,
