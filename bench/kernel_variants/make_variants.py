@@ -70,10 +70,6 @@ NAMED = {
     # The scale-pool group kernel's rope rows loaded after the wait for the group's copies, its
     # address words one group ahead, as before DFLASH_ROPE_AHEAD.
     "rope_after_wait": {"DFLASH_ROPE_AHEAD": 0},
-    # The scale-pool four-chunk kernel's rope rows read from global memory before the V plane (not
-    # staged in shared memory), and staged with the compiler's register count (4 blocks an SM).
-    "rope_in_registers": {"DFLASH_ROPE_STAGED": 0},
-    "staged_four_blocks": {"DFLASH_STAGED_MIN_BLOCKS": 0},
 }
 
 

@@ -44,14 +44,11 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // with 56 bytes of spills a thread for float16 deltas.
 #define DFLASH_GROUP_MIN_BLOCKS 0
 #endif
-#ifndef DFLASH_STAGED_MIN_BLOCKS
-// Blocks per SM the four-chunk group kernels without the norms are compiled for where their rope
-// rows are staged (DFLASH_ROPE_STAGED): 5 holds them to 96 registers without spills (their cos/sin
-// are no longer held across the V plane), where the compiler's choice is 110 (4 blocks).
-#define DFLASH_STAGED_MIN_BLOCKS 5
+#if DFLASH_GROUP_MIN_BLOCKS > 0
+#define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads, DFLASH_GROUP_MIN_BLOCKS)
+#else
+#define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads)
 #endif
-#define DFLASH_GROUP_BOUNDS \
-  __launch_bounds__(dflash::kernel::kGroupThreads, dflash::kernel::group_min_blocks(CHUNKS, NORMS))
 #ifndef DFLASH_UPDATE_MIN_BLOCKS
 // Blocks per SM the update kernels are compiled for (__launch_bounds__'s minimum): 0, the
 // compiler's choice; 7 holds them to 72 registers, where the paged bfloat16-to-e4m3 key-norm
@@ -97,14 +94,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // B=8 L=2048, 0.4-3.0% faster on every scale-pool and int4 row; decode sizes take the two-chunk
 // kernel, which it leaves as it is (BENCHMARKS.md).
 #define DFLASH_ROPE_AHEAD 1
-#endif
-#ifndef DFLASH_ROPE_STAGED
-// 1: the scale-pool four-chunk kernel (with DFLASH_ROPE_AHEAD) copies a row group's rope row into
-// shared memory with cp.async two groups ahead, where a warp's rows are one token's heads (H a
-// multiple of the rows a warp stores), and each rotation reads its cos/sin from there: the row is
-// in flight for a whole group (it waited for the rope row in its K plane), and no cos/sin is held
-// in registers across the V plane. Other H read them from global memory at the rotation.
-#define DFLASH_ROPE_STAGED 1
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
@@ -1593,24 +1582,11 @@ template <Contract C, typename Delta, typename Pool> __global__ void __launch_bo
 // chain, each thread copies its chunks of the rows kGroupStages - 1 groups ahead into shared
 // memory (cp.async: nothing held in registers while they are in flight) and reads the current
 // group's back once they have landed; every thread reads only what it copied itself, so no
-// barrier is needed. With DFLASH_ROPE_STAGED the four-chunk kernel also copies each group's rope
-// row, one 16-byte word a lane, two groups ahead: the lanes read each other's words, after a
-// __syncwarp that follows their waits, and the buffer is copied into again only after a
-// __syncwarp that follows their reads. The copies of later rows are issued before this row's
-// stores: the deltas and the pool are distinct tensors (a scale pool's codes are 8-bit, the deltas
-// 16- or 32-bit floats), so the order changes no bits. On the H200 this kernel is bound by issued
-// instructions more than by bytes in flight (BENCHMARKS.md): hence the wide kernel's several
-// chunks a lane.
+// barrier is needed. The copies of later rows are issued before this row's stores: the deltas and
+// the pool are distinct tensors (a scale pool's codes are 8-bit, the deltas 16- or 32-bit floats),
+// so the order changes no bits. On the H200 this kernel is bound by issued instructions more than
+// by bytes in flight (BENCHMARKS.md): hence the wide kernel's several chunks a lane.
 inline constexpr int kGroupThreads = 128;
-// The group kernels' blocks per SM for __launch_bounds__ (DFLASH_GROUP_MIN_BLOCKS, or for the
-// staged four-chunk kernels without the norms DFLASH_STAGED_MIN_BLOCKS; 0: the compiler's choice,
-// as __launch_bounds__ without a minimum, where 1 would let it take more registers).
-constexpr int group_min_blocks(int chunks, bool norms) {
-  return DFLASH_ROPE_STAGED && DFLASH_STAGED_MIN_BLOCKS > 0 && chunks == 4 && !norms
-             ? DFLASH_STAGED_MIN_BLOCKS
-         : DFLASH_GROUP_MIN_BLOCKS > 0 ? DFLASH_GROUP_MIN_BLOCKS
-                                       : 0;
-}
 inline constexpr int kGroupChunk = 8;
 // The wide kernel, for the heads of 72 to 128 channels (a norm tree of 16 leaves): CHUNKS chunks a
 // lane, 4 for 16-bit deltas, 2 for float32 ones (whose 4 would need more shared memory a block than
@@ -1891,17 +1867,23 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     rotate = live && has[0] && rotary && it.cos_sin != nullptr;
     if (rotate) load_rope();
   };
-  // With kRopeStaged (DFLASH_ROPE_STAGED), the two-stage kernels of several chunks a lane.
-  constexpr bool kRopeStaged = DFLASH_ROPE_STAGED && kRopeAhead && kStages == 2 && CHUNKS > 1;
-  if constexpr (kRopeAhead && !kRopeStaged) {
+  if constexpr (kRopeAhead) {
     take_row(base + lane / G, words);
     if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
   }
-  // One row group's two planes, from shared memory stage `stage` into the pool: `cur` the lane's
-  // row, `rotating` whether it is rotated, rope_pair(k, c, s) the cos/sin of the lane's rotary
-  // chunk k, wait() the wait for the group's copies (issued once the norm weights are asked for).
-  auto store_group = [&](DynamicItem const& cur, bool live, bool rotating, int stage, auto const& rope_pair,
-                         auto const& wait) {
+  int slot = 0;
+  for (; base < items; base += step) {  // uniform in the warp
+    stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
+    int64_t const item = base + lane / G;
+    bool const live = item < items;
+    AddressWords next_words;  // the next group's (kRopeAhead: the one after it)
+    if constexpr (!kRopeAhead) {
+      it = DynamicItem{};
+      if (live) it = coordinates(item);
+      if constexpr (kAddressAhead) {
+        if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+      }
+    }
     using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
     if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
@@ -1909,11 +1891,21 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       for (int k = 0; k < CHUNKS; ++k)
         if (live && has[k])
           weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) +
-                                        weight_offset(p, cur.layer) + channel[k]);
+                                        weight_offset(p, it.layer) + channel[k]);
     }
-    bool const write = live && cur.rows.k_row >= 0;
-    int64_t const h = cur.h;
-    wait();
+    if constexpr (!kRopeAhead) {
+      if (live) {
+        if constexpr (kAddressAhead)
+          dynamic_address<C>(p, paged, it, words);
+        else
+          dynamic_address<C>(p, paged, it);
+      }
+      rotate = live && has[0] && rotary && it.cos_sin != nullptr;
+      if (rotate && !kRopeAtUse) load_rope();
+    }
+    bool const write = live && it.rows.k_row >= 0;
+    int64_t const h = it.h;
+    wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
       int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
@@ -1928,7 +1920,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
         DeltaPack row;
 #pragma unroll
         for (int w = 0; w < kWords; ++w) {
-          uint4 const word = staged[stage][plane * CHUNKS + k][w][threadIdx.x];
+          uint4 const word = staged[slot][plane * CHUNKS + k][w][threadIdx.x];
           memcpy(reinterpret_cast<uint4*>(&row) + w, &word, 16);
           if constexpr (kPairMaxima<Delta>) {
             loaded[(k * kWords + w) * 4 + 0] = word.x, loaded[(k * kWords + w) * 4 + 1] = word.y;
@@ -1944,16 +1936,18 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
       if (plane == 0 && p.rotary_dim > 0) {  // uniform in the launch
         if constexpr (CHUNKS > 1) {          // chunk k in the first half, its partner k + CHUNKS / 2
-          if (rotating) {
+          if (rotate) {
 #pragma unroll
             for (int k = 0; k < CHUNKS / 2; ++k) {
-              float ck[kGroupChunk], sk[kGroupChunk];
-              rope_pair(k, ck, sk);
+              if constexpr (kRopeAtUse) {  // chunk k is in the first half
+                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], c[k],
+                                          sn[k]);
+              }
 #pragma unroll
               for (int i = 0; i < kGroupChunk; ++i) {
                 float const x0 = x[k][i], x1 = x[k + CHUNKS / 2][i];
-                x[k][i] = rope_channel(x0, x1, ck[i], sk[i], true);
-                x[k + CHUNKS / 2][i] = rope_channel(x1, x0, ck[i], sk[i], false);
+                x[k][i] = rope_channel(x0, x1, c[k][i], sn[k][i], true);
+                x[k + CHUNKS / 2][i] = rope_channel(x1, x0, c[k][i], sn[k][i], false);
               }
             }
           }
@@ -1961,12 +1955,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           float partner[kGroupChunk];
 #pragma unroll
           for (int i = 0; i < kGroupChunk; ++i) partner[i] = __shfl_sync(kAll, x[0][i], partner_lane, G);
-          if (rotating) {
-            float ck[kGroupChunk], sk[kGroupChunk];
-            rope_pair(0, ck, sk);
+          if (rotate) {
 #pragma unroll
             for (int i = 0; i < kGroupChunk; ++i)
-              x[0][i] = rope_channel(x[0][i], partner[i], ck[i], sk[i], first);
+              x[0][i] = rope_channel(x[0][i], partner[i], c[0][i], sn[0][i], first);
           }
         }
       }
@@ -1987,24 +1979,22 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
         magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
       RowMax r;
       r.max = magnitude;
-      r.finite =
-          bits_of(magnitude) <
-          0x7f800000u;  // false for inf and NaN (of either sign)
-                        // dynamic_scale's quotient, by the constant's reciprocal (quotient_by_constant).
+      r.finite = bits_of(magnitude) < 0x7f800000u;  // false for inf and NaN (of either sign)
+      // dynamic_scale's quotient, by the constant's reciprocal (quotient_by_constant).
       constexpr float kQMax = kMaxFinite<Pool>, kQMaxReciprocal = 1.0f / kMaxFinite<Pool>;
       float const scale =
           r.finite ? quotient_by_constant(r.max, kQMax, kQMaxReciprocal) : float_of(kFloat32NaN);
       if (!write) continue;
-      int64_t const row = plane == 0 ? cur.rows.k_row : cur.rows.v_row;
+      int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
       // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
       int64_t const entry = layer_rows != 0
-                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(cur.layer),
+                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(it.layer),
                                                                   uint32_t(row), uint32_t(h)))
-                                : scale_pool_index(p, cur.layer, row, h);
+                                : scale_pool_index(p, it.layer, row, h);
       if (chunk == 0) p.scale_pool[entry] = scale;
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
-      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, cur, row, h);
+      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, it, row, h);
       auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
@@ -2033,113 +2023,6 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           store_pack(chunk_out, quotient_bytes<Pool, kGroupChunk, true>(x[k], divisor));
       }
     }
-  };
-  // The cos/sin of pair k from the registers load_rope filled.
-  auto held_rope = [&](int k, float (&ck)[kGroupChunk], float (&sk)[kGroupChunk]) {
-#pragma unroll
-    for (int i = 0; i < kGroupChunk; ++i) ck[i] = c[k][i], sk[i] = sn[k][i];
-  };
-  if constexpr (kRopeStaged) {
-    // A warp's rope rows: [buffer][warp][16-byte word], one word a lane. The pipeline, per group:
-    // its deltas (one group ahead), its rope row (two), `ahead` (the next group's row, located a
-    // group ahead) and the address words (three).
-    __shared__ float4 rope_rows[2][kGroupThreads / 32][32];
-    constexpr int kHalf = CHUNKS * G * kGroupChunk / 2;  // R / 2 (dynamic_group_width)
-    int const warp_slot = int(threadIdx.x / 32);
-    bool const shared_rows = p.num_kv_heads % kRowsPerWarp == 0;  // a group is one token's heads
-    auto locate = [&](int64_t item, AddressWords row_words, DynamicItem& row, bool& rotating) {
-      asm volatile("" : "+r"(row_words.first), "+r"(row_words.second));  // as in take_row
-      bool const live = item < items;
-      row = DynamicItem{};
-      if (live) {
-        row = coordinates(item);
-        if (C == Contract::kSlot && slot_rows_narrow.capacity != 0)
-          dynamic_address<C>(p, paged, row, row_words, &slot_rows_narrow);
-        else
-          dynamic_address<C>(p, paged, row, row_words);
-      }
-      rotating = live && has[0] && rotary && row.cos_sin != nullptr;
-    };
-    // The group's rope row (R = 128 floats, 16 bytes a lane), as one group of copies (empty where
-    // the rows are not rotated or not one token's).
-    auto stage_rope = [&](DynamicItem const& row, bool rotating, int buffer) {
-      if (shared_rows && rotating)
-        copy_async_16(&rope_rows[buffer][warp_slot][lane], row.cos_sin + 4 * lane, true);
-      commit_copies();
-    };
-    DynamicItem ahead;
-    bool rotate_ahead = false;
-    locate(base + lane / G, words, it, rotate);
-    stage_rope(it, rotate, 0);
-    if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
-    locate(base + step + lane / G, words, ahead, rotate_ahead);
-    stage_rope(ahead, rotate_ahead, 1);
-    if (base + 2 * step + lane / G < items)
-      words = address_words<C>(p, coordinates(base + 2 * step + lane / G));
-    int slot = 0, buffer = 0;
-    for (; base < items; base += step) {  // uniform in the warp
-      stage_group(base + step, slot ^ 1);
-      int64_t const item = base + lane / G;
-      // Committed since this group's deltas: its rope row was before them; then the next group's
-      // rope row and deltas. The rope row is the other lanes' copies too: __syncwarp.
-      auto wait = [] {
-        wait_copies<2>();
-        __syncwarp();
-      };
-      auto staged_rope = [&](int k, float (&ck)[kGroupChunk], float (&sk)[kGroupChunk]) {
-        if (shared_rows) {
-          float4 const* const row = rope_rows[buffer][warp_slot];
-          float4 const c0 = row[channel[k] / 4], c1 = row[channel[k] / 4 + 1];
-          float4 const s0 = row[(kHalf + channel[k]) / 4], s1 = row[(kHalf + channel[k]) / 4 + 1];
-          ck[0] = c0.x, ck[1] = c0.y, ck[2] = c0.z, ck[3] = c0.w, ck[4] = c1.x, ck[5] = c1.y, ck[6] = c1.z,
-          ck[7] = c1.w;
-          sk[0] = s0.x, sk[1] = s0.y, sk[2] = s0.z, sk[3] = s0.w, sk[4] = s1.x, sk[5] = s1.y, sk[6] = s1.z,
-          sk[7] = s1.w;
-        } else {
-          load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + kHalf + channel[k], ck, sk);
-        }
-      };
-      store_group(it, item < items, rotate, slot, staged_rope, wait);
-      slot ^= 1;
-      __syncwarp();  // every lane has read this group's rope row before the copy into its buffer
-      it = ahead, rotate = rotate_ahead;
-      locate(item + 2 * step, words, ahead, rotate_ahead);
-      stage_rope(ahead, rotate_ahead, buffer);
-      buffer ^= 1;
-      if (item + 3 * step < items) words = address_words<C>(p, coordinates(item + 3 * step));
-    }
-    wait_copies<0>();  // the copies of groups past the last (zeros) land before the block leaves
-    return;
-  }
-  int slot = 0;
-  for (; base < items; base += step) {  // uniform in the warp
-    stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
-    int64_t const item = base + lane / G;
-    bool const live = item < items;
-    AddressWords next_words;  // the next group's (kRopeAhead: the one after it)
-    if constexpr (!kRopeAhead) {
-      it = DynamicItem{};
-      if (live) it = coordinates(item);
-      if constexpr (kAddressAhead) {
-        if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
-      }
-      if (live) {
-        if constexpr (kAddressAhead)
-          dynamic_address<C>(p, paged, it, words);
-        else
-          dynamic_address<C>(p, paged, it);
-      }
-      rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-      if (rotate && !kRopeAtUse) load_rope();
-    }
-    auto rope_at_use = [&](int k, float (&ck)[kGroupChunk], float (&sk)[kGroupChunk]) {
-      load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], ck, sk);
-    };
-    auto wait = [] { wait_copies<kStages - 1>(); };  // this group's copies have landed
-    if constexpr (kRopeAtUse)
-      store_group(it, live, rotate, slot, rope_at_use, wait);
-    else
-      store_group(it, live, rotate, slot, held_rope, wait);
     slot = slot + 1 == kStages ? 0 : slot + 1;
     if constexpr (kRopeAhead) {
       take_row(item + step, words);
