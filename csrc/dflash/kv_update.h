@@ -388,7 +388,7 @@ inline uint32_t narrow_layer_rows(KVUpdateParams const& p) {
 
 // Whether every pool row of a layer and every float of the rope table lie below 2^31, so that the
 // slot form's row and rope-row products may be taken in uint32_t arithmetic (the CUDA group
-// kernel's dynamic_address<C, true>).
+// kernel's NarrowSlotRows).
 inline bool narrow_addressing(KVUpdateParams const& p) {
   int64_t const tables = p.rope_per_layer ? p.num_layers : 1;
   return narrow_layer_rows(p) != 0 &&
