@@ -95,6 +95,13 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // kernel, which it leaves as it is (BENCHMARKS.md).
 #define DFLASH_ROPE_AHEAD 1
 #endif
+#ifndef DFLASH_ROPE_AFTER_KEYS
+// 1: the scale-pool four-chunk kernel (with DFLASH_ROPE_AHEAD) stores a row group's K before its V
+// and takes the next group's row and rope row right after K's rotation, so that the rope row is in
+// flight under the K stores and the whole V plane as well as the next copies and their wait;
+// 0: V first, the next group's row taken once both planes are stored.
+#define DFLASH_ROPE_AFTER_KEYS 0
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -1828,6 +1835,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // address) and its rope row are taken once the group before it has been stored (the first
   // group's, here), so that the rope row's latency runs under the next copies and their wait.
   constexpr bool kRopeAhead = kAddressAhead && DFLASH_ROPE_AHEAD && !kRopeAtUse;
+  constexpr bool kRopeAfterKeys = kRopeAhead && DFLASH_ROPE_AFTER_KEYS && CHUNKS > 1;
   AddressWords words;
   if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
@@ -1904,11 +1912,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if (rotate && !kRopeAtUse) load_rope();
     }
     bool const write = live && it.rows.k_row >= 0;
+    DynamicItem const cur = it;  // this group's row (kRopeAfterKeys takes the next one into it)
     int64_t const h = it.h;
     wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
-      int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
+      int const plane = DFLASH_VALUES_FIRST && !kRopeAfterKeys ? 1 - order : order;
       float x[CHUNKS][kGroupChunk];
       // V's values are its deltas where no norm changes them: with 16-bit deltas the row's maximum
       // is taken from the words as loaded (largest_pair_magnitude).
@@ -1962,6 +1971,12 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           }
         }
       }
+      if constexpr (kRopeAfterKeys) {
+        if (plane == 0) {  // this group's cos/sin are used: the next group's row and rope row
+          take_row(item + step, words);
+          if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+        }
+      }
       // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
       // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
       float magnitude = 0.0f;
@@ -1985,16 +2000,16 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       float const scale =
           r.finite ? quotient_by_constant(r.max, kQMax, kQMaxReciprocal) : float_of(kFloat32NaN);
       if (!write) continue;
-      int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
+      int64_t const row = plane == 0 ? cur.rows.k_row : cur.rows.v_row;
       // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
       int64_t const entry = layer_rows != 0
-                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(it.layer),
+                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(cur.layer),
                                                                   uint32_t(row), uint32_t(h)))
-                                : scale_pool_index(p, it.layer, row, h);
+                                : scale_pool_index(p, cur.layer, row, h);
       if (chunk == 0) p.scale_pool[entry] = scale;
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
-      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, it, row, h);
+      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, cur, row, h);
       auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
@@ -2025,8 +2040,10 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
     if constexpr (kRopeAhead) {
-      take_row(item + step, words);
-      if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+      if constexpr (!kRopeAfterKeys) {  // else taken after K's rotation
+        take_row(item + step, words);
+        if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+      }
     } else if constexpr (kAddressAhead) {
       words = next_words;
     }
