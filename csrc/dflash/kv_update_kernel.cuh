@@ -1471,47 +1471,45 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
   return w;
 }
 
-// The slot form's row and rope-row factors as uint32_t (narrow_addressing(p); capacity 0: not
-// narrow), decoded once at the launch, so that their products take one instruction each (the
-// compiler would form a 32-bit product of 64-bit parameters as a 64-bit one, three).
-struct NarrowSlotRows {
-  uint32_t capacity = 0, plane_rows = 0, rope_batch = 0, rope_seq_len = 0, rotary_dim = 0;
-  bool rope_per_layer = false;
+// The slot form's factors as uint32_t (narrow_addressing(p); capacity 0: not narrow), decoded
+// once at the launch, for slot_rows_in and slot_rope_row_in.
+struct NarrowSlotFactors {
+  uint32_t capacity_ = 0, plane_rows_ = 0, rope_batch_ = 0, rope_seq_len_ = 0, rotary_dim_ = 0;
+  bool rope_per_layer_ = false;
+  __device__ uint32_t capacity() const { return capacity_; }
+  __device__ uint32_t plane_rows() const { return plane_rows_; }
+  __device__ bool rope_per_layer() const { return rope_per_layer_; }
+  __device__ uint32_t rope_batch() const { return rope_batch_; }
+  __device__ uint32_t rope_seq_len() const { return rope_seq_len_; }
+  __device__ uint32_t rotary_dim() const { return rotary_dim_; }
 };
-inline NarrowSlotRows narrow_slot_rows(KVUpdateParams const& p) {
-  NarrowSlotRows n;
+inline NarrowSlotFactors narrow_slot_factors(KVUpdateParams const& p) {
+  NarrowSlotFactors n;
   if (p.contract != Contract::kSlot || !narrow_addressing(p)) return n;
-  n.capacity = uint32_t(slot_capacity(p));
-  n.plane_rows = uint32_t(p.num_pages * p.page_size);
-  n.rope_batch = uint32_t(p.rope_batch);
-  n.rope_seq_len = uint32_t(p.rope_seq_len);
-  n.rotary_dim = uint32_t(p.rotary_dim);
-  n.rope_per_layer = p.rope_per_layer;
+  n.capacity_ = uint32_t(slot_capacity(p));
+  n.plane_rows_ = uint32_t(p.num_pages * p.page_size);
+  n.rope_batch_ = uint32_t(p.rope_batch);
+  n.rope_seq_len_ = uint32_t(p.rope_seq_len);
+  n.rotary_dim_ = uint32_t(p.rotary_dim);
+  n.rope_per_layer_ = p.rope_per_layer;
   return n;
 }
 
 // Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
-// With `narrow` (the slot form where narrow.capacity != 0) the slot form's row and rope-row
+// With `narrow` (where narrow_slot_factors gave a capacity) the slot form's row and rope-row
 // products are uint32_t; the position's tests stay 64-bit.
 template <Contract C>
 __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
                                                 DynamicItem& it, AddressWords const& w,
-                                                NarrowSlotRows const* narrow = nullptr) {
+                                                NarrowSlotFactors const* narrow = nullptr) {
   if constexpr (C == Contract::kSlot) {
     int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
     bool const rotated = pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0;
     if (narrow != nullptr) {
-      if (pos >= 0) {
-        uint32_t const k_row = uint32_t(it.b) * narrow->capacity + uint32_t(pos);
-        it.rows.k_row = k_row;
-        it.rows.v_row = narrow->plane_rows + k_row;
-      }
-      if (rotated) {
-        uint32_t const table = narrow->rope_per_layer ? uint32_t(it.layer) : 0u;
-        uint32_t const batch = narrow->rope_batch == 1 ? 0u : uint32_t(it.b);
-        uint32_t const row = (table * narrow->rope_batch + batch) * narrow->rope_seq_len + uint32_t(pos);
-        it.cos_sin = p.rope_cos_sin + row * narrow->rotary_dim;
-      }
+      it.rows = slot_rows_in(*narrow, uint32_t(it.b), pos);
+      if (rotated)
+        it.cos_sin =
+            p.rope_cos_sin + slot_rope_row_in(*narrow, uint32_t(it.layer), uint32_t(it.b), uint32_t(pos));
     } else {
       it.rows = slot_rows(p, it.b, pos);
       if (rotated) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
@@ -1719,7 +1717,7 @@ template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NOR
 __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged,
                                                          ItemDivisors divisors, int64_t layer_base,
                                                          int64_t items, uint32_t layer_rows,
-                                                         NarrowSlotRows slot_rows_narrow) {
+                                                         NarrowSlotFactors narrow_factors) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
   __builtin_assume(p.contract == C);  // as in update_kernel
   using DBits = typename Delta::Bits;
@@ -1867,8 +1865,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     it = DynamicItem{};
     if (live) {
       it = coordinates(item);
-      if (C == Contract::kSlot && slot_rows_narrow.capacity != 0)
-        dynamic_address<C>(p, paged, it, row_words, &slot_rows_narrow);
+      if (C == Contract::kSlot && narrow_factors.capacity() != 0)
+        dynamic_address<C>(p, paged, it, row_words, &narrow_factors);
       else
         dynamic_address<C>(p, paged, it, row_words);
     }
@@ -2105,7 +2103,7 @@ void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t
       std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
                         resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
   dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
-      p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p), narrow_slot_rows(p));
+      p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p), narrow_slot_factors(p));
 }
 
 // The kernel for the wide heads (dynamic_group_width's chunks > 1): kWideChunks chunks a lane,
