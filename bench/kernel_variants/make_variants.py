@@ -73,10 +73,6 @@ NAMED = {
     # The scale-pool four-chunk kernel storing K before V, the next group's row and rope row taken
     # right after K's rotation.
     "rope_after_keys": {"DFLASH_ROPE_AFTER_KEYS": 1},
-    # The scale-pool group kernel's first address words loaded before its first copies: both
-    # groups' (words_first), the first group's only (first_words_first).
-    "words_first": {"DFLASH_WORDS_BEFORE_COPIES": 1},
-    "first_words_first": {"DFLASH_WORDS_BEFORE_COPIES": 2},
 }
 
 

@@ -102,13 +102,6 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 0: V first, the next group's row taken once both planes are stored.
 #define DFLASH_ROPE_AFTER_KEYS 0
 #endif
-#ifndef DFLASH_WORDS_BEFORE_COPIES
-// 1: the scale-pool group kernels with DFLASH_ADDRESS_AHEAD load their first row groups' address
-// words before their first copies, so that the words do not queue behind every warp's copies at
-// the launch's start (a warp's first group waits on them); 2: the first group's before the copies,
-// the second's (DFLASH_ROPE_AHEAD) after them; 0: all after the first copies.
-#define DFLASH_WORDS_BEFORE_COPIES 0
-#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -1831,6 +1824,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   constexpr bool kRopeAtUse = DFLASH_ROPE_AT_USE && CHUNKS > 1;
   auto* const pool = static_cast<typename Pool::Bits*>(p.pool);
   int64_t base = warp * kRowsPerWarp;
+#pragma unroll
+  for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
   // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
   // warp stored the group before it (the first group's, here); else each group loads its own.
   constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
@@ -1839,20 +1834,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // group's, here), so that the rope row's latency runs under the next copies and their wait.
   constexpr bool kRopeAhead = kAddressAhead && DFLASH_ROPE_AHEAD && !kRopeAtUse;
   constexpr bool kRopeAfterKeys = kRopeAhead && DFLASH_ROPE_AFTER_KEYS && CHUNKS > 1;
-  constexpr bool kWordsFirst = kAddressAhead && DFLASH_WORDS_BEFORE_COPIES;
   AddressWords words;
-  AddressWords second_words;  // with kWordsFirst and kRopeAhead, the second group's
-  auto load_second_words = [&]() {
-    if (base + step + lane / G < items) second_words = address_words<C>(p, coordinates(base + step + lane / G));
-  };
-  if constexpr (kWordsFirst) {
-    if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
-    if constexpr (kRopeAhead && DFLASH_WORDS_BEFORE_COPIES == 1) load_second_words();
-  }
-#pragma unroll
-  for (int s = 0; s + 1 < kStages; ++s) stage_group(base + s * step, s);
-  if constexpr (kWordsFirst && kRopeAhead && DFLASH_WORDS_BEFORE_COPIES == 2) load_second_words();
-  if constexpr (kAddressAhead && !kWordsFirst) {
+  if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
   }
   DynamicItem it;  // the lane's row of the current group
@@ -1892,10 +1875,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   };
   if constexpr (kRopeAhead) {
     take_row(base + lane / G, words);
-    if constexpr (kWordsFirst)
-      words = second_words;
-    else if (base + step + lane / G < items)
-      words = address_words<C>(p, coordinates(base + step + lane / G));
+    if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
   }
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
