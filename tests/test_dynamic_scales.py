@@ -458,12 +458,30 @@ _WIDE_SIZES["slot_mapping"] = _WIDE_SIZES["paged"]
 @pytest.mark.skipif(not gpu_devices(), reason=_NO_GPU)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pool_dtype", SCALED_DTYPES, ids=str)
+# 4 and 12 heads: a warp's 8 rows then hold two tokens' rows (two rope rows a group), at least 32768
+# rows in all, still the four-chunk kernel's calls.
 @pytest.mark.parametrize(
-    "norms, rotary_dim",
-    [(False, 128), (True, 128), (True, 0)],
-    ids=["plain", "norms", "norms-unrotated"],
+    "norms, rotary_dim, heads",
+    [
+        (False, 128, 8),
+        (True, 128, 8),
+        (True, 0, 8),
+        (False, 128, 4),
+        (True, 128, 4),
+        (False, 128, 12),
+        (True, 128, 12),
+    ],
+    ids=[
+        "plain",
+        "norms",
+        "norms-unrotated",
+        "plain-4-heads",
+        "norms-4-heads",
+        "plain-12-heads",
+        "norms-12-heads",
+    ],
 )
-def test_cuda_wide_calls_match_the_reference(form, pool_dtype, norms, rotary_dim):
+def test_cuda_wide_calls_match_the_reference(form, pool_dtype, norms, rotary_dim, heads):
     def problem(rng, delta):
         return _problem(
             rng,
@@ -474,7 +492,7 @@ def test_cuda_wide_calls_match_the_reference(form, pool_dtype, norms, rotary_dim
             delta=delta,
             head_dim=128,
             rotary_dim=rotary_dim,
-            **_WIDE_SIZES[form],
+            **{**_WIDE_SIZES[form], "heads": heads},
         )
 
     assert_cuda_scale_pool_call_matches_the_reference(form, problem)

@@ -92,15 +92,17 @@ stage_test() {
 
 # The CUDA kernel against the CPU kernel over random cases of every path, the FP8 conversion
 # and the two-code 16-bit stores over all 2^32 inputs, the k-norm's packed weight product over all
-# 2^32 input pairs, the divided stores' reciprocal bound over all 2^32 scales, and a quick timing
-# (tools/kernel_parity.py, tools/fp8_cvt_check.cu, tools/half_pack_check.cu,
-# tools/packed_mul_check.cu, tools/rcp_bound_check.cu).
+# 2^32 input pairs, the divided stores' reciprocal bound and the row scale's shortcuts over all
+# 2^32 inputs, and a quick timing (tools/kernel_parity.py, tools/fp8_cvt_check.cu,
+# tools/half_pack_check.cu, tools/packed_mul_check.cu, tools/rcp_bound_check.cu,
+# tools/scale_check.cu).
 stage_parity() {
   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/fp8_cvt_check.cu -o /tmp/fp8_cvt_check && /tmp/fp8_cvt_check &&
     nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/half_pack_check.cu -o /tmp/half_pack_check && /tmp/half_pack_check &&
     nvcc -std=c++17 -O3 --fmad=false -arch=sm_90 -Icsrc tools/packed_mul_check.cu -o /tmp/packed_mul_check &&
     /tmp/packed_mul_check &&
     nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc tools/rcp_bound_check.cu -o /tmp/rcp_bound_check && /tmp/rcp_bound_check &&
+    nvcc -std=c++17 -O3 --fmad=false -arch=sm_90 -Icsrc tools/scale_check.cu -o /tmp/scale_check && /tmp/scale_check &&
     "$PY" tools/kernel_parity.py --cases "${PARITY_CASES:-800}"
 }
 

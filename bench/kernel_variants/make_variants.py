@@ -65,6 +65,14 @@ NAMED = {
     # The scale-pool stores by the bracket and its fallback for every row, as before the exact
     # quotients.
     "bracketed_quotients": {"DFLASH_EXACT_QUOTIENTS": 0},
+    # The update kernels held to 7 blocks per SM (72 registers).
+    "update_min7": {"DFLASH_UPDATE_MIN_BLOCKS": 7},
+    # The scale-pool group kernel's rope rows loaded after the wait for the group's copies, its
+    # address words one group ahead, as before DFLASH_ROPE_AHEAD.
+    "rope_after_wait": {"DFLASH_ROPE_AHEAD": 0},
+    # The scale-pool four-chunk kernel storing K before V, the next group's row and rope row taken
+    # right after K's rotation.
+    "rope_after_keys": {"DFLASH_ROPE_AFTER_KEYS": 1},
 }
 
 

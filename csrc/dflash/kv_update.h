@@ -196,12 +196,38 @@ DFLASH_HOST_DEVICE int64_t written_position(int64_t start, int64_t length, int64
   if (pos < 0 || pos >= capacity) return -1;
   return pos;
 }
-DFLASH_HOST_DEVICE PoolRows slot_rows(KVUpdateParams const& p, int64_t slot, int64_t pos) {
+// The slot form's row and rope-row products over a geometry `g` whose factors have the index type
+// the products are taken in: the call's own (SlotFactors, int64_t), or uint32_t where
+// narrow_addressing(p) holds (the CUDA group kernel's, decoded once at the launch: the compiler
+// forms a 32-bit product of 64-bit parameters as a 64-bit one, three instructions for one).
+template <typename Geometry, typename Index>
+DFLASH_HOST_DEVICE PoolRows slot_rows_in(Geometry const& g, Index slot, int64_t pos) {
   PoolRows rows;
   if (pos < 0) return rows;
-  rows.k_row = slot * slot_capacity(p) + pos;
-  rows.v_row = p.num_pages * p.page_size + rows.k_row;
+  Index const k_row = slot * g.capacity() + Index(pos);
+  rows.k_row = int64_t(k_row);
+  rows.v_row = int64_t(g.plane_rows() + k_row);
   return rows;
+}
+// Offset (floats) of the rope row cos_sin[layer?, b?, pos] (b = 0 when the batch shares a table).
+template <typename Geometry, typename Index>
+DFLASH_HOST_DEVICE Index slot_rope_row_in(Geometry const& g, Index layer, Index b, Index pos) {
+  Index const table = g.rope_per_layer() ? layer : Index(0);
+  Index const batch = g.rope_batch() == 1 ? Index(0) : b;
+  return ((table * g.rope_batch() + batch) * g.rope_seq_len() + pos) * g.rotary_dim();
+}
+// The call's own factors, read where they are used.
+struct SlotFactors {
+  KVUpdateParams const& p;
+  DFLASH_HOST_DEVICE int64_t capacity() const { return slot_capacity(p); }
+  DFLASH_HOST_DEVICE int64_t plane_rows() const { return p.num_pages * p.page_size; }
+  DFLASH_HOST_DEVICE bool rope_per_layer() const { return p.rope_per_layer; }
+  DFLASH_HOST_DEVICE int64_t rope_batch() const { return p.rope_batch; }
+  DFLASH_HOST_DEVICE int64_t rope_seq_len() const { return p.rope_seq_len; }
+  DFLASH_HOST_DEVICE int64_t rotary_dim() const { return p.rotary_dim; }
+};
+DFLASH_HOST_DEVICE PoolRows slot_rows(KVUpdateParams const& p, int64_t slot, int64_t pos) {
+  return slot_rows_in(SlotFactors{p}, slot, pos);
 }
 
 // Division of numerators n < 2^31 by a constant d in [1, 2^31] as a multiply and a shift
@@ -353,13 +379,12 @@ DFLASH_HOST_DEVICE int64_t position_index(KVUpdateParams const& p, int64_t layer
   return (p.positions_per_layer ? layer * per_layer : 0) + i;
 }
 
-// Offset (floats) of the rope row: slot cos_sin[layer?, rb, pos] (rb = 0 when the table is
-// shared by the batch); paged cos_sin[layer?, t] (token-aligned, `row` = t).
+// Offset (floats) of the rope row: slot cos_sin[layer?, rb, pos] (slot_rope_row_in); paged
+// cos_sin[layer?, t] (token-aligned, `row` = t).
 DFLASH_HOST_DEVICE int64_t rope_row_offset(KVUpdateParams const& p, int64_t layer, int64_t b, int64_t row) {
   int64_t const rl = p.rope_per_layer ? layer : 0;
   if (p.contract != Contract::kSlot) return (rl * p.num_tokens + row) * p.rotary_dim;
-  int64_t const rb = p.rope_batch == 1 ? 0 : b;
-  return ((rl * p.rope_batch + rb) * p.rope_seq_len + row) * p.rotary_dim;
+  return slot_rope_row_in(SlotFactors{p}, layer, b, row);
 }
 
 // Index of head h's scale in k_scale / v_scale.
@@ -384,6 +409,15 @@ DFLASH_HOST_DEVICE uint32_t narrow_scale_pool_index(KVUpdateParams const& p, uin
 inline uint32_t narrow_layer_rows(KVUpdateParams const& p) {
   int64_t const layer_rows = 2 * p.num_pages * p.page_size;
   return p.num_layers * layer_rows * p.num_kv_heads <= (int64_t(1) << 31) ? uint32_t(layer_rows) : 0;
+}
+
+// Whether every pool row of a layer and every float of the rope table lie below 2^31, so that the
+// slot form's row and rope-row products may be taken in uint32_t arithmetic (the CUDA group
+// kernel's NarrowSlotFactors).
+inline bool narrow_addressing(KVUpdateParams const& p) {
+  int64_t const tables = p.rope_per_layer ? p.num_layers : 1;
+  return narrow_layer_rows(p) != 0 &&
+         tables * p.rope_batch * p.rope_seq_len * p.rotary_dim < (int64_t(1) << 31);
 }
 
 // Offset (bytes) in the pool of head h of pool row `row` of layer `layer`: its element offset in

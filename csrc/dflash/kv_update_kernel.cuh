@@ -49,6 +49,18 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 #else
 #define DFLASH_GROUP_BOUNDS __launch_bounds__(dflash::kernel::kGroupThreads)
 #endif
+#ifndef DFLASH_UPDATE_MIN_BLOCKS
+// Blocks per SM the update kernels are compiled for (__launch_bounds__'s minimum): 0, the
+// compiler's choice; 7 holds them to 72 registers, where the paged bfloat16-to-e4m3 key-norm
+// kernel needs 74 without it (6 resident blocks instead of 7), with 8-16 bytes of spills a
+// thread in some kernels.
+#define DFLASH_UPDATE_MIN_BLOCKS 0
+#endif
+#if DFLASH_UPDATE_MIN_BLOCKS > 0
+#define DFLASH_UPDATE_BOUNDS __launch_bounds__(DFLASH_BLOCK_THREADS, DFLASH_UPDATE_MIN_BLOCKS)
+#else
+#define DFLASH_UPDATE_BOUNDS __launch_bounds__(DFLASH_BLOCK_THREADS)
+#endif
 #ifndef DFLASH_LEAN_OFFSETS
 // 1: the scale-pool group kernel takes a row's offsets from indices: its deltas' from its item
 // index (the deltas' head rows in launch order) instead of from its coordinates (three divisions
@@ -73,6 +85,22 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // on e4m3; on an H100 within 1%). In the two-chunk kernel, whose warps have one group at decode
 // sizes, it was 4-7% slower.
 #define DFLASH_ADDRESS_AHEAD 4
+#endif
+#ifndef DFLASH_ROPE_AHEAD
+// 1: in the scale-pool group kernels with DFLASH_ADDRESS_AHEAD, a group's row address and rope row
+// are taken right after the group before it is stored (its address words two groups ahead), so
+// that the rope row's latency runs under the next copies and their wait; 0: after that wait
+// (where the compiler puts the rope loads), the address words one group ahead. 1: on an H100 at
+// B=8 L=2048, 0.4-3.0% faster on every scale-pool and int4 row; decode sizes take the two-chunk
+// kernel, which it leaves as it is (BENCHMARKS.md).
+#define DFLASH_ROPE_AHEAD 1
+#endif
+#ifndef DFLASH_ROPE_AFTER_KEYS
+// 1: the scale-pool four-chunk kernel (with DFLASH_ROPE_AHEAD) stores a row group's K before its V
+// and takes the next group's row and rope row right after K's rotation, so that the rope row is in
+// flight under the K stores and the whole V plane as well as the next copies and their wait;
+// 0: V first, the next group's row taken once both planes are stored.
+#define DFLASH_ROPE_AFTER_KEYS 0
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
@@ -354,9 +382,10 @@ struct Geometry {
   uint32_t pair_items;   // R / (2 VEC)
   uint32_t item_chunks;  // blocks along one head's items (1 unless a head is very wide)
   uint32_t head_groups;  // blocks along (heads x item chunks) per token chunk
+  Divisor31 head_group_divisor;  // of head_groups: a block's token chunk by a multiply and a shift
+  Divisor31 item_chunk_divisor;  // of item_chunks
   uint32_t slot_base;    // first slot of this launch (grids are at most 65535 slots tall)
   uint32_t layer_base;   // first layer of this launch (and 65535 layers deep)
-  bool rope_float4;      // cos/sin rows can be read 16 bytes at a time
   // The fused norms' sum of squares by a butterfly over the head's items (each owning chunks c
   // and c + leaves/2 of 8 channels: SPEC.md's order), else by every thread over the whole row.
   bool norm_butterfly;
@@ -378,23 +407,24 @@ template <> struct Launch<Contract::kPaged> {
   int64_t page_elems;     // pool_page_elems
 };
 
+// A rotary chunk's cos/sin: 16 bytes at a time for VEC a multiple of 4, whose launches require a
+// 16-byte aligned table (widest_vec, dynamic_group_width; R / 2 a multiple of VEC keeps every row
+// and chunk aligned). A runtime choice here instead compiled to both sets of loads, predicated:
+// sixteen issue slots a rotated item spent on loads that never ran.
 template <int VEC> __device__ __forceinline__ void load_cos_sin(float const* cos, float const* sin,
-                                                                bool float4_ok, float (&c)[VEC],
-                                                                float (&s)[VEC]) {
+                                                                float (&c)[VEC], float (&s)[VEC]) {
   if constexpr (VEC % 4 == 0) {
-    if (float4_ok) {
 #pragma unroll
-      for (int i = 0; i < VEC; i += 4) {
-        float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
-        float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
-        c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
-        s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
-      }
-      return;
+    for (int i = 0; i < VEC; i += 4) {
+      float4 const c4 = __ldg(reinterpret_cast<float4 const*>(cos + i));
+      float4 const s4 = __ldg(reinterpret_cast<float4 const*>(sin + i));
+      c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+      s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
     }
-  }
+  } else {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
+    for (int i = 0; i < VEC; ++i) c[i] = __ldg(cos + i), s[i] = __ldg(sin + i);
+  }
 }
 
 // Which fused-norm code a kernel carries: none (the plain kernels), the butterfly (VEC = 8 and a
@@ -518,6 +548,27 @@ template <int VEC> __device__ __forceinline__ void norm_f16_pack(Pack<uint16_t, 
     words[i / 2] = f16_pair_times_bits(mul_rn(x[i], inv_rms), mul_rn(x[i + 1], inv_rms), weight.v[i / 2]);
 }
 
+// The larger of a and b, NaN when either is NaN (max.NaN; fmaxf would drop it).
+__device__ __forceinline__ float max_or_nan(float a, float b) {
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
+  return out;
+}
+// The largest magnitude of N values (N a power of two), NaN when any is NaN, as a tree of maxima
+// log2 N deep: a max is exact, so any order gives the same bits, and a chain of N dependent maxima
+// was a row's longest wait between its loads and its stores at decode sizes.
+template <int N> __device__ __forceinline__ float largest_magnitude(float const (&x)[N]) {
+  static_assert(N >= 2 && (N & (N - 1)) == 0, "a power of two");
+  float m[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) m[i] = max_or_nan(fabsf(x[i]), fabsf(x[i + N / 2]));
+#pragma unroll
+  for (int w = N / 4; w >= 1; w /= 2)
+#pragma unroll
+    for (int i = 0; i < w; ++i) m[i] = max_or_nan(m[i], m[i + w]);
+  return m[0];
+}
+
 // A chunk's stored codes as whole words (both paths below hand over words, so that joining them
 // costs no byte shuffles).
 template <typename Pool, int N> struct CodeWords {
@@ -613,10 +664,7 @@ __device__ __forceinline__ bool product_words(float const (&y)[N], Divisor const
     // (max.NaN) or an overflowing product fails the test and clamps, as before.
     bool in_range = BOUNDED;
     if constexpr (!BOUNDED && DFLASH_STATIC_RANGE_BY_MAXIMUM && DFLASH_BRACKETED_CODES) {
-      float largest = 0.0f;
-#pragma unroll
-      for (int i = 0; i < N; ++i) asm("max.NaN.f32 %0, %0, %1;" : "+f"(largest) : "f"(fabsf(y[i])));
-      in_range = fma_rn(largest, fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax);
+      in_range = fma_rn(largest_magnitude(y), fabsf(d.above), kIntegerMagic) <= kIntegerMagic + float(kQMax);
     }
     if (in_range) {
 #pragma unroll
@@ -703,9 +751,6 @@ __device__ __forceinline__ Out quotient_bytes(float const (&y)[N], Divisor const
   return out;
 }
 
-// The scales whose rows exact_quotient_words stores (the comment below); a NaN scale is outside.
-inline constexpr float kExactQuotientsFrom = 0x1p-80f, kExactQuotientsTo = 0x1p100f;
-
 // The stored codes of a dynamic row's elements from their quotients q = RN(y / s), each computed
 // exactly (Markstein): with r = RN(1 / s) and q0 = RN(y r), the residual y - s q0 is exact in one
 // FMA and RN(q0 + (y - s q0) r) = RN(y / s), where nothing underflows. For s in [2^-80, 2^100]
@@ -781,7 +826,7 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
 // Long: the kernel is the order of its loads and waits (what is issued before the dependent load,
 // what is computed while it is in flight, what after), and that order is read in one body.
 template <Contract C, typename Delta, typename Pool, int VEC, int NORM, bool STREAM_LOADS = false>
-__global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdateParams p, Launch<C> constants) {
+__global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> constants) {
   // Launched with programmatic dependent launch (pdl_enabled), this grid may start before the
   // kernel ahead of it on the stream has finished, and any of its inputs, or the pool, may be that
   // kernel's output: the wait, before every load and store, holds until that grid has completed
@@ -790,6 +835,9 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  // The layout helpers (kv_update.h) test p.contract, which the launch sets to C: told so, the
+  // compiler drops the other contract's arithmetic and selects.
+  __builtin_assume(p.contract == C);
   Geometry const& g = constants.g;
   using DBits = typename Delta::Bits;
   using PBits = typename Pool::Bits;
@@ -805,11 +853,10 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
 
   uint32_t const b = kSlot ? g.slot_base + blockIdx.y : 0;
   uint32_t const layer = g.layer_base + blockIdx.z;
-  uint32_t token_chunk = blockIdx.x, group = 0;
-  if (g.head_groups != 1) {  // uniform per block; 1 for every head width up to 128 items
-    token_chunk = blockIdx.x / g.head_groups;
-    group = blockIdx.x - token_chunk * g.head_groups;
-  }
+  // Uniform per block, and head_groups is 1 for every head width up to 128 items; but under a
+  // branch on it the compiler predicated the division (a dozen issue slots in every thread).
+  uint32_t const token_chunk = quotient(g.head_group_divisor, blockIdx.x);  // grid.x < 2^31
+  uint32_t const group = blockIdx.x - token_chunk * g.head_groups;
   uint32_t const tokens = uint32_t(kSlot ? p.delta_len : p.num_tokens);
   uint32_t const lane_token = token_chunk * blockDim.z + threadIdx.z;
   uint32_t const t = kButterfly ? min(lane_token, tokens - 1) : lane_token;
@@ -835,11 +882,11 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     }
   }
 
-  uint32_t lane_head = group * blockDim.y + threadIdx.y, head_item = threadIdx.x;
-  if (g.item_chunks != 1) {  // one head per block row, its items over item_chunks blocks
-    lane_head = group / g.item_chunks;
-    head_item += (group - lane_head * g.item_chunks) * blockDim.x;
-  }
+  // A head's items over item_chunks blocks (1 but for very wide heads, whose blocks then hold one
+  // head a row: blockDim.y = 1), by the divisor's multiply and shift for the same reason.
+  uint32_t const chunk_head = quotient(g.item_chunk_divisor, group);
+  uint32_t const lane_head = chunk_head * blockDim.y + threadIdx.y;
+  uint32_t const head_item = threadIdx.x + (group - chunk_head * g.item_chunks) * blockDim.x;
   bool const in_range =
       lane_token < tokens && lane_head < uint32_t(p.num_kv_heads) && head_item < g.head_items;
   if (!kButterfly && !in_range) return;
@@ -892,7 +939,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
   float c[VEC], s[VEC];
   if (!kSlot && pair) {
     float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, 0, t) + channel;
-    load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+    load_cos_sin<VEC>(cos, cos + half, c, s);
   }
 
   // The dependent load: the slot contract's rope row (at the position), the paged contract's page
@@ -908,7 +955,7 @@ __global__ void __launch_bounds__(DFLASH_BLOCK_THREADS) update_kernel(KVUpdatePa
     rotate = pair && rows.k_row >= 0 && written < p.rope_seq_len;
     if (rotate) {
       float const* cos = p.rope_cos_sin + rope_row_offset(p, layer, b, written) + channel;
-      load_cos_sin<VEC>(cos, cos + half, g.rope_float4, c, s);
+      load_cos_sin<VEC>(cos, cos + half, c, s);
     }
   } else if constexpr (kMapped) {
     // No return here: a token whose slot writes nothing leaves before its stores, so that the
@@ -1113,7 +1160,6 @@ cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
   Geometry& g = constants.g;
   g.head_items = uint32_t(head_items);
   g.pair_items = uint32_t(p.rotary_dim / (2 * VEC));
-  g.rope_float4 = p.rotary_dim % 4 == 0 && aligned(p.rope_cos_sin, 16);
   g.weight_vectors =
       p.k_norm && aligned(p.k_norm_weight, std::min<int64_t>(16, VEC * sizeof(typename Delta::Bits)));
   // The butterfly kernels read the k-norm weight VEC at a time only: an unaligned weight (a view
@@ -1152,6 +1198,8 @@ cudaError_t for_each_launch(KVUpdateParams const& p, Visit&& visit) {
     return cudaErrorInvalidConfiguration;  // 32-bit index math in the kernel
   g.item_chunks = uint32_t(item_chunks);
   g.head_groups = uint32_t(head_groups);
+  g.head_group_divisor = divisor31(g.head_groups);
+  g.item_chunk_divisor = divisor31(g.item_chunks);
   KernelFn<C> const kernel = pick_kernel<C, Delta, Pool, VEC>(p, g.norm_butterfly);
   dim3 const block{unsigned(items_x), unsigned(heads_y), unsigned(tokens_z)};
   // Slots and layers beyond a grid's 65535 go to further launches; per-layer rings, whose bits a
@@ -1206,7 +1254,7 @@ template <typename Delta, typename Pool> int widest_vec(KVUpdateParams const& p)
     int64_t const delta = sizeof(typename Delta::Bits), pool = sizeof(typename Pool::Bits);
     return vec * delta <= DFLASH_MAX_VEC_BYTES && p.head_dim % vec == 0 && (p.rotary_dim / 2) % vec == 0 &&
            aligned(p.k_delta, bytes(delta)) && aligned(p.v_delta, bytes(delta)) &&
-           aligned(p.pool, bytes(pool));
+           aligned(p.pool, bytes(pool)) && (vec % 4 != 0 || p.rotary_dim == 0 || aligned(p.rope_cos_sin, 16));
   };
   if (kByteVec16<Delta, Pool> && fits(16)) return 16;
   if (fits(8)) return 8;
@@ -1393,7 +1441,8 @@ __device__ __forceinline__ DynamicItem dynamic_coordinates(KVUpdateParams const&
 // The first words an item's addressing loads, which the rest of it waits on: the slot form's
 // start and length, the paged form's owner and position, the mapped form's slot.
 struct AddressWords {
-  int64_t first = 0;   // start, owner or slot
+  int64_t slot = 0;    // the mapped form's slot (64-bit where the mapping is)
+  int32_t first = 0;   // start or owner
   int32_t second = 0;  // length or position
 };
 // An address word loaded here, in program order (DFLASH_WORDS_AT_ONCE: an asm volatile, which the
@@ -1417,31 +1466,65 @@ __device__ __forceinline__ AddressWords address_words(KVUpdateParams const& p, D
     w.first = word_now(p.token_to_sequence + position_index(p, it.layer, it.t));
     w.second = word_now(p.delta_positions + position_index(p, it.layer, it.t));
   } else {
-    w.first = mapped_slot(p, position_index(p, it.layer, it.t));
+    w.slot = mapped_slot(p, position_index(p, it.layer, it.t));
   }
   return w;
 }
 
+// The slot form's factors as uint32_t (narrow_addressing(p); capacity 0: not narrow), decoded
+// once at the launch, for slot_rows_in and slot_rope_row_in.
+struct NarrowSlotFactors {
+  uint32_t capacity_ = 0, plane_rows_ = 0, rope_batch_ = 0, rope_seq_len_ = 0, rotary_dim_ = 0;
+  bool rope_per_layer_ = false;
+  __device__ uint32_t capacity() const { return capacity_; }
+  __device__ uint32_t plane_rows() const { return plane_rows_; }
+  __device__ bool rope_per_layer() const { return rope_per_layer_; }
+  __device__ uint32_t rope_batch() const { return rope_batch_; }
+  __device__ uint32_t rope_seq_len() const { return rope_seq_len_; }
+  __device__ uint32_t rotary_dim() const { return rotary_dim_; }
+};
+inline NarrowSlotFactors narrow_slot_factors(KVUpdateParams const& p) {
+  NarrowSlotFactors n;
+  if (p.contract != Contract::kSlot || !narrow_addressing(p)) return n;
+  n.capacity_ = uint32_t(slot_capacity(p));
+  n.plane_rows_ = uint32_t(p.num_pages * p.page_size);
+  n.rope_batch_ = uint32_t(p.rope_batch);
+  n.rope_seq_len_ = uint32_t(p.rope_seq_len);
+  n.rotary_dim_ = uint32_t(p.rotary_dim);
+  n.rope_per_layer_ = p.rope_per_layer;
+  return n;
+}
+
 // Where the item's rows land (it.rows) and its rope row (it.cos_sin), from its address words.
+// With `narrow` (where narrow_slot_factors gave a capacity) the slot form's row and rope-row
+// products are uint32_t; the position's tests stay 64-bit.
 template <Contract C>
 __device__ __forceinline__ void dynamic_address(KVUpdateParams const& p, PagedAddressing const& paged,
-                                                DynamicItem& it, AddressWords const& w) {
+                                                DynamicItem& it, AddressWords const& w,
+                                                NarrowSlotFactors const* narrow = nullptr) {
   if constexpr (C == Contract::kSlot) {
     int64_t const pos = written_position(w.first, w.second, it.t, slot_capacity(p));
-    it.rows = slot_rows(p, it.b, pos);
-    if (pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0)
-      it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
+    bool const rotated = pos >= 0 && pos < p.rope_seq_len && p.rotary_dim > 0;
+    if (narrow != nullptr) {
+      it.rows = slot_rows_in(*narrow, uint32_t(it.b), pos);
+      if (rotated)
+        it.cos_sin =
+            p.rope_cos_sin + slot_rope_row_in(*narrow, uint32_t(it.layer), uint32_t(it.b), uint32_t(pos));
+    } else {
+      it.rows = slot_rows(p, it.b, pos);
+      if (rotated) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, it.b, pos);
+    }
   } else {
     if constexpr (C == Contract::kPaged) {
       uint32_t row;
-      int64_t const entry = page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)),
-                                             int32_t(w.first), w.second, &row);
+      int64_t const entry =
+          page_table_entry(paged, layer_ring(paged, uint32_t(it.local_layer)), w.first, w.second, &row);
       if (entry >= 0) {
         int32_t const* table = p.page_table + it.layer * paged.table_layer;
         it.rows = paged_rows(paged, table[entry], table[entry + p.table_pages], row);
       }
     } else {
-      it.rows = mapped_rows(p, w.first);
+      it.rows = mapped_rows(p, w.slot);
     }
     if (p.rotary_dim > 0) it.cos_sin = p.rope_cos_sin + rope_row_offset(p, it.layer, 0, it.t);
   }
@@ -1549,11 +1632,38 @@ template <int PENDING> __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// The larger magnitude of m and x, NaN when either is NaN (max.NaN; fmaxf would drop it).
-__device__ __forceinline__ float max_magnitude(float m, float x) {
-  float out;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(m), "f"(fabsf(x)));
+// The larger magnitude of m and x, NaN when either is NaN.
+__device__ __forceinline__ float max_magnitude(float m, float x) { return max_or_nan(m, fabsf(x)); }
+
+// 16-bit deltas: the larger magnitudes of two words' halves, lane by lane (max.NaN: NaN when
+// either is NaN), one instruction with its operands' absolute values.
+template <typename Delta> inline constexpr bool kPairMaxima =
+    std::is_same_v<Delta, F16> || std::is_same_v<Delta, BF16>;
+template <typename Delta> __device__ __forceinline__ uint32_t pair_magnitudes(uint32_t a, uint32_t b) {
+  uint32_t out;
+  if constexpr (std::is_same_v<Delta, F16>)
+    asm("{ .reg .b32 x, y; abs.f16x2 x, %1; abs.f16x2 y, %2; max.NaN.f16x2 %0, x, y; }"
+        : "=r"(out)
+        : "r"(a), "r"(b));
+  else
+    asm("{ .reg .b32 x, y; abs.bf16x2 x, %1; abs.bf16x2 y, %2; max.NaN.bf16x2 %0, x, y; }"
+        : "=r"(out)
+        : "r"(a), "r"(b));
   return out;
+}
+// The largest magnitude of N words of 16-bit deltas (N a power of two), decoded: the same float as
+// the maximum of the decoded elements' magnitudes (the decoding is exact and monotonic, a NaN
+// stays a NaN), in half as many maxima.
+template <typename Delta, int WIDTH, int N>
+__device__ __forceinline__ void fold_pair_magnitudes(uint32_t (&w)[N]) {
+#pragma unroll
+  for (int i = 0; i < WIDTH / 2; ++i) w[i] = pair_magnitudes<Delta>(w[i], w[i + WIDTH / 2]);
+  if constexpr (WIDTH > 2) fold_pair_magnitudes<Delta, WIDTH / 2>(w);
+}
+template <typename Delta, int N> __device__ __forceinline__ float largest_pair_magnitude(uint32_t (&w)[N]) {
+  static_assert(N >= 2 && (N & (N - 1)) == 0, "a power of two");
+  fold_pair_magnitudes<Delta, N>(w);
+  return Delta::decode(typename Delta::Bits(pair_magnitudes<Delta>(w[0], w[0] >> 16)));
 }
 
 // The fused norm's inverse RMS of a row group's plane (SPEC.md "Fused norms"): the row's sum of
@@ -1606,8 +1716,10 @@ __device__ __forceinline__ void group_norm(float (&x)[CHUNKS][kGroupChunk], bool
 template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NORMS>
 __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, PagedAddressing paged,
                                                          ItemDivisors divisors, int64_t layer_base,
-                                                         int64_t items, uint32_t layer_rows) {
+                                                         int64_t items, uint32_t layer_rows,
+                                                         NarrowSlotFactors narrow_factors) {
   static_assert(CHUNKS == 1 || CHUNKS == 2 || CHUNKS == 4, "whole halves of rotary partners a lane");
+  __builtin_assume(p.contract == C);  // as in update_kernel
   using DBits = typename Delta::Bits;
   using DeltaPack = Pack<DBits, kGroupChunk>;
   constexpr int kRowsPerWarp = 32 / G;
@@ -1717,20 +1829,66 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // With kAddressAhead, the address words of the lane's row of the current group, loaded while the
   // warp stored the group before it (the first group's, here); else each group loads its own.
   constexpr bool kAddressAhead = (DFLASH_ADDRESS_AHEAD & CHUNKS) != 0;
+  // With kRopeAhead, the words are two groups ahead, and a group's row (its coordinates and
+  // address) and its rope row are taken once the group before it has been stored (the first
+  // group's, here), so that the rope row's latency runs under the next copies and their wait.
+  constexpr bool kRopeAhead = kAddressAhead && DFLASH_ROPE_AHEAD && !kRopeAtUse;
+  constexpr bool kRopeAfterKeys = kRopeAhead && DFLASH_ROPE_AFTER_KEYS && CHUNKS > 1;
   AddressWords words;
   if constexpr (kAddressAhead) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
+  }
+  DynamicItem it;  // the lane's row of the current group
+  bool rotate = false;
+  float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
+  // The cos/sin of the lane's rotary chunks from the row's rope row (it.cos_sin). With several
+  // chunks a lane R is 2 kHalf (dynamic_group_width) and the lane's chunks are all in the first
+  // half, so each load is at a constant distance from the lane's first chunk: one address for all.
+  auto load_rope = [&]() {
+    if constexpr (CHUNKS > 1) {
+      constexpr int kHalf = CHUNKS * G * kGroupChunk / 2;
+      float const* const row = it.cos_sin + channel[0];
+#pragma unroll
+      for (int k = 0; k < kRopeChunks; ++k)
+        load_cos_sin<kGroupChunk>(row + k * G * kGroupChunk, row + kHalf + k * G * kGroupChunk, c[k], sn[k]);
+    } else {
+      int const index = first ? channel[0] : channel[0] - half;
+      load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[0], sn[0]);
+    }
+  };
+  // The lane's row `item` (row_words: its address words), and its rope row where it is rotated.
+  auto take_row = [&](int64_t item, AddressWords row_words) {
+    // Words loaded a group before: opaque here, so that the compiler widens them where they are
+    // used, not right after their loads (where the warp would wait for them).
+    asm volatile("" : "+r"(row_words.first), "+r"(row_words.second));
+    bool const live = item < items;
+    it = DynamicItem{};
+    if (live) {
+      it = coordinates(item);
+      if (C == Contract::kSlot && narrow_factors.capacity() != 0)
+        dynamic_address<C>(p, paged, it, row_words, &narrow_factors);
+      else
+        dynamic_address<C>(p, paged, it, row_words);
+    }
+    rotate = live && has[0] && rotary && it.cos_sin != nullptr;
+    if (rotate) load_rope();
+  };
+  if constexpr (kRopeAhead) {
+    take_row(base + lane / G, words);
+    if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
   }
   int slot = 0;
   for (; base < items; base += step) {  // uniform in the warp
     stage_group(base + (kStages - 1) * step, slot == 0 ? kStages - 1 : slot - 1);
     int64_t const item = base + lane / G;
     bool const live = item < items;
-    DynamicItem it;
-    if (live) it = coordinates(item);
-    AddressWords next_words;  // the next group's
-    if constexpr (kAddressAhead) {
-      if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+    AddressWords next_words;  // the next group's (kRopeAhead: the one after it)
+    if constexpr (!kRopeAhead) {
+      it = DynamicItem{};
+      if (live) it = coordinates(item);
+      if constexpr (kAddressAhead) {
+        if (item + step < items) next_words = address_words<C>(p, coordinates(item + step));
+      }
     }
     using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
@@ -1741,34 +1899,41 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) +
                                         weight_offset(p, it.layer) + channel[k]);
     }
-    if (live) {
-      if constexpr (kAddressAhead)
-        dynamic_address<C>(p, paged, it, words);
-      else
-        dynamic_address<C>(p, paged, it);
-    }
-    bool const rotate = live && has[0] && rotary && it.cos_sin != nullptr;
-    float c[kRopeChunks][kGroupChunk], sn[kRopeChunks][kGroupChunk];
-    if (rotate && !kRopeAtUse) {
-#pragma unroll
-      for (int k = 0; k < kRopeChunks; ++k) {
-        int const index = first ? channel[k] : channel[k] - half;
-        load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, true, c[k], sn[k]);
+    if constexpr (!kRopeAhead) {
+      if (live) {
+        if constexpr (kAddressAhead)
+          dynamic_address<C>(p, paged, it, words);
+        else
+          dynamic_address<C>(p, paged, it);
       }
+      rotate = live && has[0] && rotary && it.cos_sin != nullptr;
+      if (rotate && !kRopeAtUse) load_rope();
     }
     bool const write = live && it.rows.k_row >= 0;
+    DynamicItem const cur = it;  // this group's row (kRopeAfterKeys takes the next one into it)
     int64_t const h = it.h;
     wait_copies<kStages - 1>();  // this group's copies have landed
 #pragma unroll
     for (int order = 0; order < 2; ++order) {
-      int const plane = DFLASH_VALUES_FIRST ? 1 - order : order;
+      int const plane = DFLASH_VALUES_FIRST && !kRopeAfterKeys ? 1 - order : order;
       float x[CHUNKS][kGroupChunk];
+      // V's values are its deltas where no norm changes them: with 16-bit deltas the row's maximum
+      // is taken from the words as loaded (largest_pair_magnitude).
+      [[maybe_unused]] bool const values_as_loaded = plane == 1 && !(NORMS && p.v_norm);
+      constexpr int kChunkWords = int(sizeof(DeltaPack)) / 4;
+      [[maybe_unused]] uint32_t loaded[kPairMaxima<Delta> ? CHUNKS * kChunkWords : 1];
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
         DeltaPack row;
 #pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          memcpy(reinterpret_cast<uint4*>(&row) + w, &staged[slot][plane * CHUNKS + k][w][threadIdx.x], 16);
+        for (int w = 0; w < kWords; ++w) {
+          uint4 const word = staged[slot][plane * CHUNKS + k][w][threadIdx.x];
+          memcpy(reinterpret_cast<uint4*>(&row) + w, &word, 16);
+          if constexpr (kPairMaxima<Delta>) {
+            loaded[(k * kWords + w) * 4 + 0] = word.x, loaded[(k * kWords + w) * 4 + 1] = word.y;
+            loaded[(k * kWords + w) * 4 + 2] = word.z, loaded[(k * kWords + w) * 4 + 3] = word.w;
+          }
+        }
 #pragma unroll
         for (int i = 0; i < kGroupChunk; ++i) x[k][i] = Delta::decode(row.v[i]);
       }
@@ -1782,7 +1947,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
 #pragma unroll
             for (int k = 0; k < CHUNKS / 2; ++k) {
               if constexpr (kRopeAtUse) {  // chunk k is in the first half
-                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], true, c[k],
+                load_cos_sin<kGroupChunk>(it.cos_sin + channel[k], it.cos_sin + half + channel[k], c[k],
                                           sn[k]);
               }
 #pragma unroll
@@ -1804,42 +1969,57 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           }
         }
       }
+      if constexpr (kRopeAfterKeys) {
+        if (plane == 0) {  // this group's cos/sin are used: the next group's row and rope row
+          take_row(item + step, words);
+          if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+        }
+      }
       // The row's maximum magnitude: NaN if any element is NaN, else infinite if any is, so the
       // one maximum gives RowMax's max and finiteness at once (a max is exact: any order, same bits).
       float magnitude = 0.0f;
+      bool by_words = false;
+      if constexpr (kPairMaxima<Delta>) {
+        if (values_as_loaded) magnitude = largest_pair_magnitude<Delta>(loaded), by_words = true;
+      }
+      if (!by_words) {
+        magnitude = largest_magnitude(x[0]);
 #pragma unroll
-      for (int k = 0; k < CHUNKS; ++k)
-#pragma unroll
-        for (int i = 0; i < kGroupChunk; ++i) magnitude = max_magnitude(magnitude, x[k][i]);
+        for (int k = 1; k < CHUNKS; ++k) magnitude = max_or_nan(magnitude, largest_magnitude(x[k]));
+      }
 #pragma unroll
       for (int offset = G / 2; offset > 0; offset /= 2)
         magnitude = max_magnitude(magnitude, __shfl_xor_sync(kAll, magnitude, offset, G));
       RowMax r;
       r.max = magnitude;
       r.finite = bits_of(magnitude) < 0x7f800000u;  // false for inf and NaN (of either sign)
-      float const scale = dynamic_scale(r, kMaxFinite<Pool>);
+      // dynamic_scale's quotient, by the constant's reciprocal (quotient_by_constant).
+      constexpr float kQMax = kMaxFinite<Pool>, kQMaxReciprocal = 1.0f / kMaxFinite<Pool>;
+      float const scale =
+          r.finite ? quotient_by_constant(r.max, kQMax, kQMaxReciprocal) : float_of(kFloat32NaN);
       if (!write) continue;
-      int64_t const row = plane == 0 ? it.rows.k_row : it.rows.v_row;
+      int64_t const row = plane == 0 ? cur.rows.k_row : cur.rows.v_row;
       // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
       int64_t const entry = layer_rows != 0
-                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(it.layer),
+                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(cur.layer),
                                                                   uint32_t(row), uint32_t(h)))
-                                : scale_pool_index(p, it.layer, row, h);
+                                : scale_pool_index(p, cur.layer, row, h);
       if (chunk == 0) p.scale_pool[entry] = scale;
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
-      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, it, row, h);
+      int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, cur, row, h);
       auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
-          float const r = __frcp_rn(scale);
+          float const r = reciprocal_in_range(scale);
+          // Every chunk's codes, and only the stores under has[k] (chunks past D hold zeros): a
+          // predicated store, where a branch around each chunk's work took four instructions.
 #pragma unroll
           for (int k = 0; k < CHUNKS; ++k) {
-            if (!has[k]) continue;
             auto const words = exact_quotient_words<Pool, kGroupChunk>(x[k], scale, r);
             Pack<uint32_t, sizeof(words) / 4> pack;
             memcpy(&pack, &words, sizeof(pack));
-            store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
+            if (has[k]) store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
           }
           continue;
         }
@@ -1857,7 +2037,14 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
-    if constexpr (kAddressAhead) words = next_words;
+    if constexpr (kRopeAhead) {
+      if constexpr (!kRopeAfterKeys) {  // else taken after K's rotation
+        take_row(item + step, words);
+        if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
+      }
+    } else if constexpr (kAddressAhead) {
+      words = next_words;
+    }
   }
   wait_copies<0>();  // the copies of groups past the last (zeros) land before the block leaves
 }
@@ -1916,7 +2103,7 @@ void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t
       std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
                         resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
   dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
-      p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p));
+      p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p), narrow_slot_factors(p));
 }
 
 // The kernel for the wide heads (dynamic_group_width's chunks > 1): kWideChunks chunks a lane,

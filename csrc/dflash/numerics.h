@@ -365,6 +365,34 @@ DFLASH_HOST_DEVICE float dynamic_scale(RowMax const& r, float qmax) {
   return div_rn(r.max, qmax);
 }
 
+// RN(a / divisor) for a divisor whose reciprocal RN(1 / divisor) is `reciprocal` (a constant: the
+// scale pools' qmax): with q0 = RN(a r), RN(q0 + (a - q0 divisor) r) is the quotient (Markstein, as
+// the exact quotients below) wherever nothing underflows, which holds for every float a in
+// [2^-90, max] and each of the four formats' qmax (tools/scale_check.cu, over all of them). Other
+// a (zero, tiny, non-finite, negative) by the division.
+DFLASH_HOST_DEVICE float quotient_by_constant(float a, float divisor, float reciprocal) {
+  if (!(a >= 0x1p-90f && a <= 0x1.fffffep127f)) return div_rn(a, divisor);
+  float const q0 = mul_rn(a, reciprocal);
+  return fma_rn(fma_rn(-q0, divisor, a), reciprocal, q0);
+}
+
+// The scales whose rows the CUDA group kernel stores from exact quotients (exact_quotient_words);
+// a NaN scale is outside.
+inline constexpr float kExactQuotientsFrom = 0x1p-80f, kExactQuotientsTo = 0x1p100f;
+
+// RN(1 / s) for s in [kExactQuotientsFrom, kExactQuotientsTo]: on the device __frcp_rn's own path
+// for such s (the hardware's approximation and one correction), without its test for the other s
+// (tools/scale_check.cu compares the two over every s in the range).
+DFLASH_HOST_DEVICE float reciprocal_in_range(float s) {
+#if defined(__CUDA_ARCH__)
+  float approximate;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(approximate) : "f"(s));
+  return fma_rn(fma_rn(-approximate, s, 1.0f), approximate, approximate);
+#else
+  return 1.0f / s;
+#endif
+}
+
 // The quotient a row's element is stored as: y / s, rounded. A row whose scale is 0 (all zeros, or
 // a maximum that underflows) stores zeros; a non-finite row stores NaN (int8's conversion makes it
 // 0, FP8's the canonical NaN).
