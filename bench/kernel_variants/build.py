@@ -1,13 +1,7 @@
 """Compiles the shipped CUDA sources (csrc/dflash) with tuning macros set by -D, plus a harness.
 
-The kernel's knobs are ``#ifndef`` macros in csrc/dflash/kv_update_kernel.cuh
-(DFLASH_BLOCK_THREADS, DFLASH_STREAMING_STORES, DFLASH_MAX_VEC_BYTES, DFLASH_PAGED_STREAMING_LOADS,
-DFLASH_STREAMING_LOADS_BYTES, DFLASH_PAGED_VALUES_EARLY, DFLASH_PAGED_INDEX_BRANCH,
-DFLASH_BYTE_POOL_VEC, DFLASH_WIDE_BY_ROWS, DFLASH_GROUP_MIN_BLOCKS, DFLASH_UPDATE_MIN_BLOCKS,
-DFLASH_LEAN_OFFSETS,
-DFLASH_ROPE_AT_USE, DFLASH_ADDRESS_AHEAD, DFLASH_VALUES_FIRST, DFLASH_WORDS_AT_ONCE,
-DFLASH_FP8_END_WORDS, DFLASH_INT4_WORDS, DFLASH_COPY_IMMEDIATES, DFLASH_STATIC_RANGE_BY_MAXIMUM)
-and in csrc/dflash/numerics.h (DFLASH_BRACKETED_CODES): a variant is the shipped code
+The kernel's knobs (KNOBS below, the one list of them) are ``#ifndef`` macros in
+csrc/dflash/kv_update_kernel.cuh and csrc/dflash/numerics.h: a variant is the shipped code
 compiled with other values, never an edited copy of it. Used by make_variants.py and make_probe.py.
 """
 
