@@ -102,6 +102,13 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 0: V first, the next group's row taken once both planes are stored.
 #define DFLASH_ROPE_AFTER_KEYS 0
 #endif
+#ifndef DFLASH_GROUP_BALANCED
+// 1: a scale-pool group launch of more row groups than its resident warps take at once gets the
+// fewest warps that cover them in as many passes as the resident warps need, so that every warp
+// loops over the same number of groups (at B=8 L=2048, 16384 groups over 2048 warps, 8 each,
+// where 2112 warps leave a last pass of 1600); 0: the resident warps, whatever the last pass.
+#define DFLASH_GROUP_BALANCED 0
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -2099,9 +2106,15 @@ template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NOR
 void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
                   cudaStream_t stream) {
   int64_t const rows_per_block = kGroupThreads / G;
-  int64_t const blocks =
-      std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
-                        resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
+  int64_t blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
+                                     resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
+  if constexpr (DFLASH_GROUP_BALANCED) {
+    constexpr int64_t kWarpsPerBlock = kGroupThreads / 32, kRowsPerGroup = 32 / G;
+    int64_t const groups = (items + kRowsPerGroup - 1) / kRowsPerGroup;
+    int64_t const passes = (groups + blocks * kWarpsPerBlock - 1) / (blocks * kWarpsPerBlock);
+    int64_t const warps = (groups + passes - 1) / passes;
+    blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  }
   dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
       p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p), narrow_slot_factors(p));
 }
