@@ -75,6 +75,10 @@ NAMED = {
     "rope_after_keys": {"DFLASH_ROPE_AFTER_KEYS": 1},
     # The scale-pool group launches with every warp looping over the same number of row groups.
     "group_balanced": {"DFLASH_GROUP_BALANCED": 1},
+    # The scale-pool group kernel's row store address formed once, and that with the copies at
+    # constant offsets.
+    "store_base": {"DFLASH_STORE_BASE": 1},
+    "lean_addresses": {"DFLASH_STORE_BASE": 1, "DFLASH_COPY_IMMEDIATES": 1},
 }
 
 

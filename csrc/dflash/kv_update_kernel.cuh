@@ -109,6 +109,11 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // where 2112 warps leave a last pass of 1600); 0: the resident warps, whatever the last pass.
 #define DFLASH_GROUP_BALANCED 0
 #endif
+#ifndef DFLASH_STORE_BASE
+// 1: the scale-pool group kernel forms a row's store address once (one 64-bit register, each
+// chunk's store at an immediate offset from it); 0: as the compiler places it.
+#define DFLASH_STORE_BASE 0
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -2015,7 +2020,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
       int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, cur, row, h);
-      auto* const out = pool + (dst + channel[0]) / kPerByte<Pool>;
+      auto* out = pool + (dst + channel[0]) / kPerByte<Pool>;
+      // With DFLASH_STORE_BASE, opaque to the compiler: one address for the row's stores, each
+      // chunk's at an immediate offset from it (else it re-forms the address under each chunk's
+      // predicate: the pool pointer and a 64-bit addition a chunk).
+      if constexpr (DFLASH_STORE_BASE) asm("" : "+l"(out));
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
           float const r = reciprocal_in_range(scale);
