@@ -73,12 +73,8 @@ NAMED = {
     # The scale-pool four-chunk kernel storing K before V, the next group's row and rope row taken
     # right after K's rotation.
     "rope_after_keys": {"DFLASH_ROPE_AFTER_KEYS": 1},
-    # The scale-pool group launches with every warp looping over the same number of row groups.
-    "group_balanced": {"DFLASH_GROUP_BALANCED": 1},
-    # The scale-pool group kernel's row store address formed once, and that with the copies at
-    # constant offsets.
+    # The scale-pool group kernel's row store address formed once (off until timed on an H200).
     "store_base": {"DFLASH_STORE_BASE": 1},
-    "lean_addresses": {"DFLASH_STORE_BASE": 1, "DFLASH_COPY_IMMEDIATES": 1},
 }
 
 

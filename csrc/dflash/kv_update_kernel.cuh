@@ -102,16 +102,13 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 0: V first, the next group's row taken once both planes are stored.
 #define DFLASH_ROPE_AFTER_KEYS 0
 #endif
-#ifndef DFLASH_GROUP_BALANCED
-// 1: a scale-pool group launch of more row groups than its resident warps take at once gets the
-// fewest warps that cover them in as many passes as the resident warps need, so that every warp
-// loops over the same number of groups (at B=8 L=2048, 16384 groups over 2048 warps, 8 each,
-// where 2112 warps leave a last pass of 1600); 0: the resident warps, whatever the last pass.
-#define DFLASH_GROUP_BALANCED 0
-#endif
 #ifndef DFLASH_STORE_BASE
 // 1: the scale-pool group kernel forms a row's store address once (one 64-bit register, each
-// chunk's store at an immediate offset from it); 0: as the compiler places it.
+// chunk's store at an immediate offset from it), where 0 lets the compiler form it again under
+// each chunk's predicate (the pool pointer reloaded and a 64-bit addition a chunk: 8 loads of the
+// constant bank fewer in the four-chunk int8 kernel). 0: on an H100, 1.1-3.4% faster on the
+// scale-pool rows with their inputs in L2 and within 0.7% from DRAM; not yet timed on an H200
+// (BENCHMARKS.md).
 #define DFLASH_STORE_BASE 0
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
@@ -2115,15 +2112,9 @@ template <Contract C, typename Delta, typename Pool, int G, int CHUNKS, bool NOR
 void launch_group(KVUpdateParams const& p, PagedAddressing const& paged, int64_t layer, int64_t items,
                   cudaStream_t stream) {
   int64_t const rows_per_block = kGroupThreads / G;
-  int64_t blocks = std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
-                                     resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
-  if constexpr (DFLASH_GROUP_BALANCED) {
-    constexpr int64_t kWarpsPerBlock = kGroupThreads / 32, kRowsPerGroup = 32 / G;
-    int64_t const groups = (items + kRowsPerGroup - 1) / kRowsPerGroup;
-    int64_t const passes = (groups + blocks * kWarpsPerBlock - 1) / (blocks * kWarpsPerBlock);
-    int64_t const warps = (groups + passes - 1) / passes;
-    blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  }
+  int64_t const blocks =
+      std::min<int64_t>((items + rows_per_block - 1) / rows_per_block,
+                        resident_rows<C, Delta, Pool, G, CHUNKS, NORMS>() / rows_per_block);
   dynamic_group_kernel<C, Delta, Pool, G, CHUNKS, NORMS><<<unsigned(blocks), kGroupThreads, 0, stream>>>(
       p, paged, item_divisors<C>(p), layer, items, narrow_layer_rows(p), narrow_slot_factors(p));
 }
