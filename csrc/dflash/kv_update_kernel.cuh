@@ -106,9 +106,9 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // 1: the scale-pool group kernel forms a row's store address once (one 64-bit register, each
 // chunk's store at an immediate offset from it), where 0 lets the compiler form it again under
 // each chunk's predicate (the pool pointer reloaded and a 64-bit addition a chunk: 8 loads of the
-// constant bank fewer in the four-chunk int8 kernel). 0: on an H100, 1.1-3.4% faster on the
-// scale-pool rows with their inputs in L2 and within 0.7% from DRAM; not yet timed on an H200
-// (BENCHMARKS.md).
+// constant bank fewer in the four-chunk int8 kernel). Off until timed on an H200: on an H100, 1
+// was 1.1-3.4% faster on the scale-pool rows with their inputs in L2 and within the noise from
+// DRAM (BENCHMARKS.md).
 #define DFLASH_STORE_BASE 0
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
@@ -2018,9 +2018,7 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       // chunks at fixed distances from its first.
       int64_t const dst = DFLASH_LEAN_OFFSETS ? entry * p.head_dim : dynamic_dst(p, cur, row, h);
       auto* out = pool + (dst + channel[0]) / kPerByte<Pool>;
-      // With DFLASH_STORE_BASE, opaque to the compiler: one address for the row's stores, each
-      // chunk's at an immediate offset from it (else it re-forms the address under each chunk's
-      // predicate: the pool pointer and a 64-bit addition a chunk).
+      // With DFLASH_STORE_BASE (its comment), opaque to the compiler: one address for the row.
       if constexpr (DFLASH_STORE_BASE) asm("" : "+l"(out));
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
