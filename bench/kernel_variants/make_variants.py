@@ -75,6 +75,10 @@ NAMED = {
     "rope_after_keys": {"DFLASH_ROPE_AFTER_KEYS": 1},
     # The scale-pool group kernel's row store address formed once (off until timed on an H200).
     "store_base": {"DFLASH_STORE_BASE": 1},
+    # The scale-pool four-chunk kernel's rows worked out once a warp and shuffled to their groups'
+    # lanes, alone and with the store base.
+    "shared_rows": {"DFLASH_SHARED_ROWS": 1},
+    "shared_store": {"DFLASH_SHARED_ROWS": 1, "DFLASH_STORE_BASE": 1},
 }
 
 

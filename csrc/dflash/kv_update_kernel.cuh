@@ -111,6 +111,14 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // DRAM (BENCHMARKS.md).
 #define DFLASH_STORE_BASE 0
 #endif
+#ifndef DFLASH_SHARED_ROWS
+// 1: the scale-pool four-chunk kernel (with DFLASH_ROPE_AHEAD) works out each row's place once a
+// warp instead of once in every lane of its group: once every G row groups each lane takes one row
+// of the next G groups (its coordinates, address words, scale-pool entries and rope row) and each
+// group's lanes shuffle their row's entries and rope row from the lane that took it (a few
+// shuffles a group, where every lane ran the whole chain). 0: every lane its own row's.
+#define DFLASH_SHARED_ROWS 0
+#endif
 #ifndef DFLASH_EXACT_QUOTIENTS
 // 1: the scale-pool group kernel stores a row whose scale s lies in [2^-80, 2^100] from each
 // element's quotient RN(y / s) computed exactly from the correctly rounded reciprocal
@@ -1843,8 +1851,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // group's, here), so that the rope row's latency runs under the next copies and their wait.
   constexpr bool kRopeAhead = kAddressAhead && DFLASH_ROPE_AHEAD && !kRopeAtUse;
   constexpr bool kRopeAfterKeys = kRopeAhead && DFLASH_ROPE_AFTER_KEYS && CHUNKS > 1;
+  // With kSharedRows (DFLASH_SHARED_ROWS), the warp's groups in batches of G (32 rows, a row a
+  // lane): lane l holds the row at l % kRowsPerWarp of the batch's group l / kRowsPerWarp.
+  constexpr bool kSharedRows = DFLASH_SHARED_ROWS && kRopeAhead && !kRopeAfterKeys && DFLASH_LEAN_OFFSETS;
   AddressWords words;
-  if constexpr (kAddressAhead) {
+  if constexpr (kAddressAhead && !kSharedRows) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
   }
   DynamicItem it;  // the lane's row of the current group
@@ -1865,6 +1876,27 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       load_cos_sin<kGroupChunk>(it.cos_sin + index, it.cos_sin + half + index, c[0], sn[0]);
     }
   };
+  // Row `item`'s coordinates and address into `row` (row_words: its address words), empty past
+  // the last.
+  auto address_row = [&](DynamicItem& row, int64_t item, AddressWords row_words) {
+    // Words loaded a group before: opaque here, so that the compiler widens them where they are
+    // used, not right after their loads (where the warp would wait for them).
+    asm volatile("" : "+r"(row_words.first), "+r"(row_words.second));
+    row = DynamicItem{};
+    if (item < items) {
+      row = coordinates(item);
+      if (C == Contract::kSlot && narrow_factors.capacity() != 0)
+        dynamic_address<C>(p, paged, row, row_words, &narrow_factors);
+      else
+        dynamic_address<C>(p, paged, row, row_words);
+    }
+  };
+  // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
+  auto scale_entry = [&](int64_t layer, int64_t row, int64_t h) -> int64_t {
+    return layer_rows != 0 ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(layer), uint32_t(row),
+                                                             uint32_t(h)))
+                           : scale_pool_index(p, layer, row, h);
+  };
   // The lane's row `item` (row_words: its address words), and its rope row where it is rotated.
   auto take_row = [&](int64_t item, AddressWords row_words) {
     // Words loaded a group before: opaque here, so that the compiler widens them where they are
@@ -1882,7 +1914,48 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     rotate = live && has[0] && rotary && it.cos_sin != nullptr;
     if (rotate) load_rope();
   };
-  if constexpr (kRopeAhead) {
+  // kSharedRows: the row this lane holds for its batch (`batch_item`; entries -1 where nothing is
+  // written, rope -1 where it is not rotated), the current group's place in its batch, and the
+  // current group's entries of the lane's row, shuffled from the lane holding it (`holder`).
+  struct HeldRow {
+    int64_t k_entry = -1, v_entry = -1, rope = -1;
+    int32_t layer = 0;
+  };
+  HeldRow held;
+  int64_t batch_item = 0;
+  if constexpr (kSharedRows) batch_item = base + int64_t(lane / kRowsPerWarp) * step + lane % kRowsPerWarp;
+  int batch_group = 0;
+  auto hold_row = [&](AddressWords row_words) {
+    DynamicItem row;
+    address_row(row, batch_item, row_words);
+    held = HeldRow{};
+    if (batch_item < items) {
+      if (row.rows.k_row >= 0) {
+        held.k_entry = scale_entry(row.layer, row.rows.k_row, row.h);
+        held.v_entry = scale_entry(row.layer, row.rows.v_row, row.h);
+      }
+      if (row.cos_sin != nullptr) held.rope = row.cos_sin - p.rope_cos_sin;
+      held.layer = int32_t(row.layer);
+    }
+  };
+  auto holder = [&]() { return batch_group * kRowsPerWarp + int(lane / G); };
+  auto shuffled_entry = [&](int64_t entry) -> int64_t {
+    if (layer_rows != 0) return __shfl_sync(kAll, int32_t(entry), holder());  // below 2^31
+    return __shfl_sync(kAll, static_cast<long long>(entry), holder());
+  };
+  // The current group's rope row, from its holder.
+  auto take_shared_rope = [&]() {
+    int64_t const rope = __shfl_sync(kAll, static_cast<long long>(held.rope), holder());
+    rotate = rope >= 0 && has[0] && rotary;
+    it.cos_sin = p.rope_cos_sin + (rotate ? rope : 0);
+    if (rotate) load_rope();
+  };
+  if constexpr (kSharedRows) {
+    if (batch_item < items) words = address_words<C>(p, coordinates(batch_item));
+    hold_row(words);
+    if (batch_item + G * step < items) words = address_words<C>(p, coordinates(batch_item + G * step));
+    take_shared_rope();
+  } else if constexpr (kRopeAhead) {
     take_row(base + lane / G, words);
     if (base + step + lane / G < items) words = address_words<C>(p, coordinates(base + step + lane / G));
   }
@@ -1902,11 +1975,13 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     using Weight = WeightPack<Delta, kGroupChunk>;
     Weight weight[CHUNKS] = {};
     if (NORMS && p.k_norm && p.k_norm_weight != nullptr) {
+      int64_t layer = it.layer;
+      if constexpr (kSharedRows) layer = __shfl_sync(kAll, held.layer, holder());
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k)
         if (live && has[k])
-          weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) +
-                                        weight_offset(p, it.layer) + channel[k]);
+          weight[k] = load_pack<Weight>(static_cast<DBits const*>(p.k_norm_weight) + weight_offset(p, layer) +
+                                        channel[k]);
     }
     if constexpr (!kRopeAhead) {
       if (live) {
@@ -1918,7 +1993,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       rotate = live && has[0] && rotary && it.cos_sin != nullptr;
       if (rotate && !kRopeAtUse) load_rope();
     }
-    bool const write = live && it.rows.k_row >= 0;
+    int64_t entries[2] = {-1, -1};  // kSharedRows: the row's K and V entries
+    if constexpr (kSharedRows) entries[0] = shuffled_entry(held.k_entry), entries[1] = shuffled_entry(held.v_entry);
+    bool const write = kSharedRows ? entries[0] >= 0 : live && it.rows.k_row >= 0;
     DynamicItem const cur = it;  // this group's row (kRopeAfterKeys takes the next one into it)
     int64_t const h = it.h;
     wait_copies<kStages - 1>();  // this group's copies have landed
@@ -2008,11 +2085,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
           r.finite ? quotient_by_constant(r.max, kQMax, kQMaxReciprocal) : float_of(kFloat32NaN);
       if (!write) continue;
       int64_t const row = plane == 0 ? cur.rows.k_row : cur.rows.v_row;
-      // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
-      int64_t const entry = layer_rows != 0
-                                ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(cur.layer),
-                                                                  uint32_t(row), uint32_t(h)))
-                                : scale_pool_index(p, cur.layer, row, h);
+      int64_t entry = 0;
+      if constexpr (kSharedRows)
+        entry = entries[plane];
+      else
+        entry = scale_entry(cur.layer, row, h);
       if (chunk == 0) p.scale_pool[entry] = scale;
       // With DFLASH_LEAN_OFFSETS the pool's head rows are the scale pool's entries; the lane's
       // chunks at fixed distances from its first.
@@ -2048,7 +2125,15 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       }
     }
     slot = slot + 1 == kStages ? 0 : slot + 1;
-    if constexpr (kRopeAhead) {
+    if constexpr (kSharedRows) {  // the next group's rope row; at a batch's end, the next batch's rows
+      if (++batch_group == G) {
+        batch_group = 0;
+        batch_item += G * step;
+        hold_row(words);
+        if (batch_item + G * step < items) words = address_words<C>(p, coordinates(batch_item + G * step));
+      }
+      take_shared_rope();
+    } else if constexpr (kRopeAhead) {
       if constexpr (!kRopeAfterKeys) {  // else taken after K's rotation
         take_row(item + step, words);
         if (item + 2 * step < items) words = address_words<C>(p, coordinates(item + 2 * step));
