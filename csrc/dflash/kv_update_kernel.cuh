@@ -116,7 +116,10 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // warp instead of once in every lane of its group: once every G row groups each lane takes one row
 // of the next G groups (its coordinates, address words, scale-pool entries and rope row) and each
 // group's lanes shuffle their row's entries and rope row from the lane that took it (a few
-// shuffles a group, where every lane ran the whole chain). 0: every lane its own row's.
+// shuffles a group, where every lane ran the whole chain). 0: every lane its own row's. Off until
+// timed on an H200: on an H100, with DFLASH_STORE_BASE, 5.2-8.0% faster on every scale-pool row
+// with its inputs in L2 and 1.0-2.9% from DRAM but the fused norm's rows (+0.3%, +0.4%)
+// (BENCHMARKS.md).
 #define DFLASH_SHARED_ROWS 0
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
@@ -1853,7 +1856,11 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   constexpr bool kRopeAfterKeys = kRopeAhead && DFLASH_ROPE_AFTER_KEYS && CHUNKS > 1;
   // With kSharedRows (DFLASH_SHARED_ROWS), the warp's groups in batches of G (32 rows, a row a
   // lane): lane l holds the row at l % kRowsPerWarp of the batch's group l / kRowsPerWarp.
-  constexpr bool kSharedRows = DFLASH_SHARED_ROWS && kRopeAhead && !kRopeAfterKeys && DFLASH_LEAN_OFFSETS;
+  // Not with bfloat16 deltas and the fused norms: there the held rows take the kernel from 156-160
+  // registers to 166-194, from 3 resident blocks to 2 in the slot and paged forms (float16 deltas
+  // stay at 3).
+  constexpr bool kSharedRows = DFLASH_SHARED_ROWS && kRopeAhead && !kRopeAfterKeys && DFLASH_LEAN_OFFSETS &&
+                               !(NORMS && std::is_same_v<Delta, BF16>);
   AddressWords words;
   if constexpr (kAddressAhead && !kSharedRows) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
@@ -1893,9 +1900,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   };
   // layer_rows: narrow_layer_rows(p), 0 where an entry may pass 2^31.
   auto scale_entry = [&](int64_t layer, int64_t row, int64_t h) -> int64_t {
-    return layer_rows != 0 ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(layer), uint32_t(row),
-                                                             uint32_t(h)))
-                           : scale_pool_index(p, layer, row, h);
+    return layer_rows != 0
+               ? int64_t(narrow_scale_pool_index(p, layer_rows, uint32_t(layer), uint32_t(row), uint32_t(h)))
+               : scale_pool_index(p, layer, row, h);
   };
   // The lane's row `item` (row_words: its address words), and its rope row where it is rotated.
   auto take_row = [&](int64_t item, AddressWords row_words) {
@@ -1994,7 +2001,8 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if (rotate && !kRopeAtUse) load_rope();
     }
     int64_t entries[2] = {-1, -1};  // kSharedRows: the row's K and V entries
-    if constexpr (kSharedRows) entries[0] = shuffled_entry(held.k_entry), entries[1] = shuffled_entry(held.v_entry);
+    if constexpr (kSharedRows)
+      entries[0] = shuffled_entry(held.k_entry), entries[1] = shuffled_entry(held.v_entry);
     bool const write = kSharedRows ? entries[0] >= 0 : live && it.rows.k_row >= 0;
     DynamicItem const cur = it;  // this group's row (kRopeAfterKeys takes the next one into it)
     int64_t const h = it.h;
