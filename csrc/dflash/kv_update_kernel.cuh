@@ -1884,7 +1884,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
     }
   };
   // Row `item`'s coordinates and address into `row` (row_words: its address words), empty past
-  // the last.
+  // the last. take_row keeps its own copy of these lines: written through this one, the compiler
+  // schedules two default four-chunk instantiations differently (8 instructions more each), and
+  // the default ones are the binaries the benchmarks timed.
   auto address_row = [&](DynamicItem& row, int64_t item, AddressWords row_words) {
     // Words loaded a group before: opaque here, so that the compiler widens them where they are
     // used, not right after their loads (where the warp would wait for them).
