@@ -168,7 +168,8 @@ variant_sources_digest() {
 }
 
 # Kernel variants (bench/kernel_variants/make_variants.py's NAMED, or VARIANTS="a,b"), each timed by
-# kbench at KB_SHAPES (default the decode and the large benchmark shape). Binaries already in
+# kbench at KB_SHAPES (default the decode and the large benchmark shape), KB_ROUNDS times (1), then
+# KB_L2_ROUNDS times (0) with its inputs in L2. Binaries already in
 # $VARIANT_DIR are not built again; nor are those built on a CPU machine with nvcc and carried as
 # .whl/kv_variants.tar.xz (`tools/gpu_session.sh pack_variants` there), when built from these sources.
 stage_variants() {
@@ -185,9 +186,21 @@ stage_variants() {
     local IFS=,
     "$PY" bench/kernel_variants/make_variants.py "$dir" --only "${missing[*]}" || return 1
   fi
-  for name in ${names//,/ }; do
-    echo "== kb_$name"
-    KB_SHAPES=${KB_SHAPES:-64x16,8x2048} "$dir/kb_$name" || status=1
+  # KB_ROUNDS passes over the variants, interleaved so that a drift of the card's clocks falls on
+  # all of them alike; then KB_L2_ROUNDS passes with one input set at B=2 L=2048, small enough to
+  # stay in L2 (where the kernel's issue rate, not DRAM, bounds it).
+  local round
+  for ((round = 1; round <= ${KB_ROUNDS:-1}; ++round)); do
+    for name in ${names//,/ }; do
+      echo "== kb_$name round $round"
+      KB_SHAPES=${KB_SHAPES:-64x16,8x2048} "$dir/kb_$name" || status=1
+    done
+  done
+  for ((round = 1; round <= ${KB_L2_ROUNDS:-0}; ++round)); do
+    for name in ${names//,/ }; do
+      echo "== kb_$name in L2 round $round"
+      KB_SETS=1 KB_SHAPES=2x2048 "$dir/kb_$name" || status=1
+    done
   done
   return $status
 }

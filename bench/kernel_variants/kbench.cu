@@ -243,7 +243,7 @@ int main(int, char** argv) {
     // The rows: fp16 both contracts, the fused k-norm in both, bf16 deltas and pool, and an e4m3
     // pool (per-head scales) in both, the paged one with the k-norm too (from fp16 and from bf16
     // deltas, the main job's); int8 with per-head scales; the scale pools (int8, e4m3, int4),
-    // each paged with the k-norm too.
+    // each paged with the k-norm too (int8 from bf16 deltas as well).
     struct Row {
       char const* name;
       bool paged;
@@ -257,6 +257,7 @@ int main(int, char** argv) {
     Flavor const e4m3_dynamic{DType::kFloat16, DType::kFloat8E4M3, nullptr, nullptr, scale_pool};
     Flavor const int4{DType::kFloat16, DType::kUInt8, nullptr, nullptr, scale_pool};
     Flavor const int8_dynamic_knorm{DType::kFloat16, DType::kInt8, nullptr, weight, scale_pool};
+    Flavor const bf16_int8_dynamic_knorm{DType::kBFloat16, DType::kInt8, nullptr, weight, scale_pool};
     Flavor const e4m3_dynamic_knorm{DType::kFloat16, DType::kFloat8E4M3, nullptr, weight, scale_pool};
     Flavor const int4_knorm{DType::kFloat16, DType::kUInt8, nullptr, weight, scale_pool};
     Row const rows[] = {
@@ -276,6 +277,7 @@ int main(int, char** argv) {
         {"slot  int8 dynamic", false, int8_dynamic},
         {"paged int8 dynamic", true, int8_dynamic},
         {"paged int8 dynamic knorm", true, int8_dynamic_knorm},
+        {"paged bf16>int8 dynamic knorm", true, bf16_int8_dynamic_knorm},
         {"slot  e4m3 dynamic", false, e4m3_dynamic},
         {"paged e4m3 dynamic knorm", true, e4m3_dynamic_knorm},
         {"slot  int4", false, int4},

@@ -79,6 +79,10 @@ NAMED = {
     # lanes, alone and with the store base.
     "shared_rows": {"DFLASH_SHARED_ROWS": 1},
     "shared_store": {"DFLASH_SHARED_ROWS": 1, "DFLASH_STORE_BASE": 1},
+    # The same with the bfloat16 fused-norm kernels' rows shared too (2 resident blocks, not 3).
+    "shared_store_all": {"DFLASH_SHARED_ROWS": 2, "DFLASH_STORE_BASE": 1},
+    # A static-scale int8 item's two packs quantized as one chunk (off until timed).
+    "pair_quotients": {"DFLASH_PAIR_QUOTIENTS": 1},
 }
 
 

@@ -119,7 +119,7 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // shuffles a group, where every lane ran the whole chain). 0: every lane its own row's. Off until
 // timed on an H200: on an H100, with DFLASH_STORE_BASE, 5.2-8.0% faster on every scale-pool row
 // with its inputs in L2 and 1.0-2.9% from DRAM but the fused norm's rows (+0.3%, +0.4%)
-// (BENCHMARKS.md).
+// (BENCHMARKS.md). 2: the same, the bfloat16 fused-norm kernels included (see kSharedRows).
 #define DFLASH_SHARED_ROWS 0
 #endif
 #ifndef DFLASH_EXACT_QUOTIENTS
@@ -161,6 +161,12 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // clamps each code (16 maxima). 1: on an H100 with the inputs in L2 the int8 static rows take
 // 3% less; at B=8 L=2048 from DRAM they are unchanged (BENCHMARKS.md).
 #define DFLASH_STATIC_RANGE_BY_MAXIMUM 1
+#endif
+#ifndef DFLASH_PAIR_QUOTIENTS
+// 1: a static-scale int8 item's two packs (the halves of its rotate-half pairs, one scale) are
+// quantized as one chunk of 2 VEC codes (encode_pair): one range test and one fallback branch for
+// both, where 0 takes each pack on its own. Off: untimed.
+#define DFLASH_PAIR_QUOTIENTS 0
 #endif
 #ifndef DFLASH_INT4_WORDS
 // 1: the int4 scale-pool stores gather eight codes' low bytes into two words (even elements, odd
@@ -841,6 +847,26 @@ __device__ __forceinline__ Pack<typename Pool::Bits, VEC> encode_pack(float cons
   return out;
 }
 
+// A pair item's two packs with one scale into a dividing pool (DFLASH_PAIR_QUOTIENTS), as one
+// chunk of 2 VEC codes; a lone pack as encode_pack.
+template <typename Pool, int VEC>
+__device__ __forceinline__ void encode_pair(float const (&y0)[VEC], float const (&y1)[VEC], bool pair,
+                                            Divisor const& d, Pack<typename Pool::Bits, VEC>& out0,
+                                            Pack<typename Pool::Bits, VEC>& out1) {
+  static_assert(kDividingPool<Pool> && VEC % 4 == 0, "whole words of a dividing pool's codes");
+  if (!pair) {
+    out0 = encode_pack<Pool, VEC>(y0, d);
+    return;
+  }
+  float y[2 * VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) y[i] = y0[i], y[VEC + i] = y1[i];
+  auto const both = quotient_bytes<Pool, 2 * VEC, false>(y, d);
+  static_assert(sizeof(both) == 2 * sizeof(out0), "the two packs are the chunk");
+  memcpy(&out0, &both, sizeof(out0));
+  memcpy(&out1, reinterpret_cast<char const*>(&both) + sizeof(out0), sizeof(out1));
+}
+
 // NORM: the fused-norm form the kernel carries (NormForm), a template parameter so that the plain
 // kernels carry none of its registers and the butterfly none of the row form's stack.
 // Long: the kernel is the order of its loads and waits (what is issued before the dependent load,
@@ -1020,6 +1046,7 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
     }
   }
   using Out = Pack<PBits, VEC>;
+  constexpr bool kPairQuotients = DFLASH_PAIR_QUOTIENTS && kDividingPool<Pool> && VEC % 4 == 0;
   auto const store_scale = [](float scale) {
     if constexpr (kDividingPool<Pool>)
       return divisor_of(scale);
@@ -1052,6 +1079,10 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
         x1[i] = rope_channel(b1, a, c[i], s[i], /*first_half=*/false);
       }
     }
+    if constexpr (kPairQuotients) {
+      encode_pair<Pool, VEC>(x0, x1, pair, inv_k, out0, out1);
+      return;
+    }
     out0 = encode_pack<Pool, VEC>(x0, inv_k);
     if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_k);
   };
@@ -1070,6 +1101,10 @@ __global__ void DFLASH_UPDATE_BOUNDS update_kernel(KVUpdateParams p, Launch<C> c
         apply_norm<Delta, VEC>(x0, v_inv_rms, nullptr);
         if (pair) apply_norm<Delta, VEC>(x1, v_inv_rms, nullptr);
       }
+    }
+    if constexpr (kPairQuotients) {
+      encode_pair<Pool, VEC>(x0, x1, pair, inv_v, out0, out1);
+      return;
     }
     out0 = encode_pack<Pool, VEC>(x0, inv_v);
     if (pair) out1 = encode_pack<Pool, VEC>(x1, inv_v);
@@ -1858,9 +1893,9 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
   // lane): lane l holds the row at l % kRowsPerWarp of the batch's group l / kRowsPerWarp.
   // Not with bfloat16 deltas and the fused norms: there the held rows take the kernel from 156-160
   // registers to 166-194, from 3 resident blocks to 2 in the slot and paged forms (float16 deltas
-  // stay at 3).
+  // stay at 3); DFLASH_SHARED_ROWS 2 takes them too, to time that trade.
   constexpr bool kSharedRows = DFLASH_SHARED_ROWS && kRopeAhead && !kRopeAfterKeys && DFLASH_LEAN_OFFSETS &&
-                               !(NORMS && std::is_same_v<Delta, BF16>);
+                               !(NORMS && std::is_same_v<Delta, BF16> && DFLASH_SHARED_ROWS < 2);
   AddressWords words;
   if constexpr (kAddressAhead && !kSharedRows) {
     if (base + lane / G < items) words = address_words<C>(p, coordinates(base + lane / G));
