@@ -83,6 +83,16 @@ NAMED = {
     "shared_store_all": {"DFLASH_SHARED_ROWS": 2, "DFLASH_STORE_BASE": 1},
     # A static-scale int8 item's two packs quantized as one chunk (off until timed).
     "pair_quotients": {"DFLASH_PAIR_QUOTIENTS": 1},
+    # The int8 and int4 scale-pool rows' codes by the bracket first, the exact quotients only for
+    # a plane where it fails: in the computed planes (rotated or normed), in every plane, and in
+    # the computed planes with the shared rows and the store base.
+    "plane_bracket": {"DFLASH_PLANE_BRACKET": 1},
+    "plane_bracket_all": {"DFLASH_PLANE_BRACKET": 2},
+    "plane_bracket_shared": {
+        "DFLASH_PLANE_BRACKET": 1,
+        "DFLASH_SHARED_ROWS": 1,
+        "DFLASH_STORE_BASE": 1,
+    },
 }
 
 

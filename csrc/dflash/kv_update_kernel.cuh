@@ -131,6 +131,18 @@ static_assert(DFLASH_BYTE_POOL_VEC == 8 || DFLASH_BYTE_POOL_VEC == 16, "DFLASH_B
 // (BENCHMARKS.md).
 #define DFLASH_EXACT_QUOTIENTS 1
 #endif
+#ifndef DFLASH_PLANE_BRACKET
+// 1: an int8 or int4 scale-pool plane whose values the kernel computed (rotated or normed) and
+// whose scale has exact quotients takes its codes from the bracket first (product_words: two FMAs
+// and a comparison an element, where the exact quotient takes four operations), every chunk of
+// the lane's plane stored as it is made, and one branch for the plane: where any element's ends
+// round apart, the plane's chunks are made again from the exact quotients and stored over them
+// (the same lane's later stores). Not for planes of deltas as loaded: a 16-bit element of exactly
+// half the row's maximum (q = 63.5 or 3.5 up to the scale's rounding) is common there, and with
+// unit-normal float16 values about a third of the warps' V planes would be made twice (about 3%
+// of the rotated K planes). 2: every plane. 0: none. Off: untimed.
+#define DFLASH_PLANE_BRACKET 0
+#endif
 #ifndef DFLASH_VALUES_FIRST
 // 1: the scale-pool group kernel stores a row's V before its K, so that the V row's work runs
 // while the K row's rope row is in flight (on an H200 1-10% faster on every scale-pool row of
@@ -2145,6 +2157,25 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
           float const r = reciprocal_in_range(scale);
+          bool const computed =
+              DFLASH_PLANE_BRACKET == 2 || (plane == 0 ? rotate || (NORMS && p.k_norm) : NORMS && p.v_norm);
+          if (DFLASH_PLANE_BRACKET && !kIsFp8<Pool> && DFLASH_BRACKETED_CODES && computed) {
+            // r = RN(1 / s) is within 2^-23 of 1 / s and its bracket ends are normal and finite for
+            // every such s: the proofs of product_words hold (prove_reciprocal's by_product).
+            Divisor d;
+            d.scale = scale, d.reciprocal = r, d.by_product = true;
+            d.below = mul_rn(r, 1.0f - 0x1p-21f), d.above = mul_rn(r, 1.0f + 0x1p-21f);
+            bool proven = true;
+#pragma unroll
+            for (int k = 0; k < CHUNKS; ++k) {
+              CodeWords<Pool, kGroupChunk> words;
+              proven &= product_words<Pool, kGroupChunk, true>(x[k], d, words);
+              Pack<uint32_t, sizeof(words) / 4> pack;
+              memcpy(&pack, &words, sizeof(pack));
+              if (has[k]) store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
+            }
+            if (proven) continue;
+          }
           // Every chunk's codes, and only the stores under has[k] (chunks past D hold zeros): a
           // predicated store, where a branch around each chunk's work took four instructions.
 #pragma unroll
