@@ -169,9 +169,9 @@ variant_sources_digest() {
 
 # Kernel variants (bench/kernel_variants/make_variants.py's NAMED, or VARIANTS="a,b"), each timed by
 # kbench at KB_SHAPES (default the decode and the large benchmark shape), KB_ROUNDS times (1), then
-# KB_L2_ROUNDS times (0) with its inputs in L2. Binaries already in
-# $VARIANT_DIR are not built again; nor are those built on a CPU machine with nvcc and carried as
-# .whl/kv_variants.tar.xz (`tools/gpu_session.sh pack_variants` there), when built from these sources.
+# KB_L2_ROUNDS times (0) with its inputs in L2. Binaries already in $VARIANT_DIR are not built
+# again; nor are those built on a CPU machine with nvcc and carried as .whl/kv_variants.tar.xz
+# (`tools/gpu_session.sh pack_variants` there), when built from these sources.
 stage_variants() {
   local dir=${VARIANT_DIR:-/tmp/kv} names=${VARIANTS:-shipped,previous,unbracketed,coordinate_offsets,four_chunks} name missing=() status=0
   if [ -f .whl/kv_variants.tar.xz ] && [ ! -d "$dir" ]; then

@@ -2157,24 +2157,22 @@ __global__ void DFLASH_GROUP_BOUNDS dynamic_group_kernel(KVUpdateParams p, Paged
       if constexpr (DFLASH_EXACT_QUOTIENTS) {
         if (scale >= kExactQuotientsFrom && scale <= kExactQuotientsTo) {
           float const r = reciprocal_in_range(scale);
-          bool const computed =
-              DFLASH_PLANE_BRACKET == 2 || (plane == 0 ? rotate || (NORMS && p.k_norm) : NORMS && p.v_norm);
-          if (DFLASH_PLANE_BRACKET && !kIsFp8<Pool> && DFLASH_BRACKETED_CODES && computed) {
-            // r = RN(1 / s) is within 2^-23 of 1 / s and its bracket ends are normal and finite for
-            // every such s: the proofs of product_words hold (prove_reciprocal's by_product).
-            Divisor d;
-            d.scale = scale, d.reciprocal = r, d.by_product = true;
-            d.below = mul_rn(r, 1.0f - 0x1p-21f), d.above = mul_rn(r, 1.0f + 0x1p-21f);
-            bool proven = true;
+          if constexpr (DFLASH_PLANE_BRACKET && !kIsFp8<Pool> && DFLASH_BRACKETED_CODES) {
+            bool const computed =
+                DFLASH_PLANE_BRACKET == 2 || (plane == 0 ? rotate || (NORMS && p.k_norm) : NORMS && p.v_norm);
+            if (computed) {
+              Divisor const d = divisor_in_range(scale, r);
+              bool proven = true;
 #pragma unroll
-            for (int k = 0; k < CHUNKS; ++k) {
-              CodeWords<Pool, kGroupChunk> words;
-              proven &= product_words<Pool, kGroupChunk, true>(x[k], d, words);
-              Pack<uint32_t, sizeof(words) / 4> pack;
-              memcpy(&pack, &words, sizeof(pack));
-              if (has[k]) store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
+              for (int k = 0; k < CHUNKS; ++k) {
+                CodeWords<Pool, kGroupChunk> words;
+                proven &= product_words<Pool, kGroupChunk, true>(x[k], d, words);
+                Pack<uint32_t, sizeof(words) / 4> pack;
+                memcpy(&pack, &words, sizeof(pack));
+                if (has[k]) store_pack(out + k * G * kGroupChunk / kPerByte<Pool>, pack);
+              }
+              if (proven) continue;
             }
-            if (proven) continue;
           }
           // Every chunk's codes, and only the stores under has[k] (chunks past D hold zeros): a
           // predicated store, where a branch around each chunk's work took four instructions.

@@ -431,6 +431,11 @@ struct Divisor {
   float above = 1.0f;
   bool by_product = false;  // the bound above holds: the proofs hold
 };
+// The bracket's ends from the reciprocal.
+DFLASH_HOST_DEVICE void bracket_ends(Divisor& d) {
+  d.below = mul_rn(d.reciprocal, 1.0f - 0x1p-21f);
+  d.above = mul_rn(d.reciprocal, 1.0f + 0x1p-21f);
+}
 // A Divisor's proofs from its reciprocal: whether they hold (by_product), and the bracket's ends.
 DFLASH_HOST_DEVICE void prove_reciprocal(Divisor& d) {
   // A subnormal s reads as zero (reciprocal infinite), one past 2^126 gives a zero reciprocal:
@@ -439,11 +444,21 @@ DFLASH_HOST_DEVICE void prove_reciprocal(Divisor& d) {
   uint32_t const magnitude = bits_of(d.reciprocal) & 0x7fffffffu;
   d.by_product = magnitude >= 0x00800000u && magnitude < 0x7f800000u;
 #if DFLASH_BRACKETED_CODES
-  d.below = mul_rn(d.reciprocal, 1.0f - 0x1p-21f);
-  d.above = mul_rn(d.reciprocal, 1.0f + 0x1p-21f);
+  bracket_ends(d);
   d.by_product = d.by_product && (bits_of(d.below) & 0x7fffffffu) >= 0x00800000u &&
                  (bits_of(d.above) & 0x7fffffffu) < 0x7f800000u;
 #endif
+}
+// The Divisor of s in [kExactQuotientsFrom, kExactQuotientsTo] with r = RN(1 / s): r is within
+// 2^-24 of 1 / s and it and its bracket ends are normal and finite for every such s, so its proofs
+// hold with no test.
+DFLASH_HOST_DEVICE Divisor divisor_in_range(float s, float r) {
+  Divisor d;
+  d.scale = s;
+  d.reciprocal = r;
+  d.by_product = true;
+  bracket_ends(d);
+  return d;
 }
 // The Divisor of s with reciprocal r (tools/bracket_check.cc: every r the hardware may give).
 DFLASH_HOST_DEVICE Divisor divisor_with(float s, float r) {
